@@ -1,0 +1,176 @@
+"""Settings for the gateway, read from the environment (12-factor).
+
+Every knob has a default that serves `make run`; production sets DATABASE_URL, SECRET_KEY and
+ALLOWED_HOSTS. Gateway knobs are named after what they tune and documented where they are read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else default
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+DEBUG = env_bool("DEBUG", False)
+
+SECRET_KEY = os.environ.get("SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured(
+            "SECRET_KEY is not set. Set SECRET_KEY, or DEBUG=1 for a development default."
+        )
+    SECRET_KEY = "dev-only-insecure-secret-key-do-not-use-in-production"
+
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h.strip()]
+CSRF_TRUSTED_ORIGINS = [
+    o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
+]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "workers",
+    "messages_api",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "disagg_project.urls"
+ASGI_APPLICATION = "disagg_project.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------------------
+# SQLite is the embedded default (WAL so readers never wait on the writer, IMMEDIATE so a write
+# transaction takes its lock up front instead of failing on the read->write upgrade).
+# PostgreSQL uses psycopg 3's pool; Django requires CONN_MAX_AGE=0 with it, and async code must
+# not hold persistent connections anyway (reference/channels_daphne.md §5).
+DATABASE_URL = os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'gateway.sqlite3'}")
+_db = dj_database_url.parse(DATABASE_URL, conn_max_age=0)
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    _db["OPTIONS"] = {
+        "timeout": 20,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    # Tests run against real daphne processes, which must see the test database: use a file.
+    _db["TEST"] = {"NAME": str(BASE_DIR / "test_gateway.sqlite3")}
+elif _db["ENGINE"] == "django.db.backends.postgresql":
+    _db["OPTIONS"] = {
+        "pool": {
+            "min_size": env_int("DATABASE_POOL_MIN", 1),
+            "max_size": env_int("DATABASE_POOL_MAX", 8),
+            "timeout": 10,
+        }
+    }
+DATABASES = {"default": _db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+# Serve the admin's static files from the app directories under daphne without collectstatic
+# (make run stays one command); production may run collectstatic for compressed, hashed files.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "filters": {"request_id": {"()": "messages_api.logging.RequestIdFilter"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]},
+    },
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {
+        "httpx": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+        "django.channels.server": {"level": "WARNING"},
+    },
+}
+
+# --- The gateway ----------------------------------------------------------------------------
+# How long a streamed request waits for its pipeline before it starts the response anyway.
+MESSAGES_STREAM_START_WAIT_S = env_float("MESSAGES_STREAM_START_WAIT_S", 1.0)
+# A stream silent for this long gets an Anthropic `ping` event (Claude Code's stall timers are ~15 s).
+MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
+# Largest request body accepted (Anthropic's limit is 32 MB); larger gets 413 request_too_large.
+MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
+
+# Worker HTTP client.
+WORKER_CONNECT_TIMEOUT_S = env_float("WORKER_CONNECT_TIMEOUT_S", 5.0)
+# Upper bound of one worker call (the context phase of a long prompt may take minutes).
+WORKER_REQUEST_TIMEOUT_S = env_float("WORKER_REQUEST_TIMEOUT_S", 900.0)
+WORKER_MAX_CONNECTIONS = env_int("WORKER_MAX_CONNECTIONS", 4096)
+# After a client leaves once the context phase is done, how long the gateway waits for the
+# generation worker to take the KV handoff (so the context worker frees it) before closing.
+WORKER_HANDOFF_RELEASE_TIMEOUT_S = env_float("WORKER_HANDOFF_RELEASE_TIMEOUT_S", 5.0)
+
+# How often each process re-reads pools and endpoints from the database.
+REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
+
+# The audit/reservation writer batches rows; it flushes at least this often.
+AUDIT_FLUSH_INTERVAL_S = env_float("AUDIT_FLUSH_INTERVAL_S", 0.05)

@@ -1,0 +1,71 @@
+"""What the Anthropic front door keeps: API keys (hashed) and an audit row per request."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class ApiKey(models.Model):
+    """A client credential. Only a SHA-256 hash of the key is stored; the key is shown once."""
+
+    name = models.CharField(max_length=100, unique=True)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    prefix = models.CharField(max_length=16, editable=False, help_text="Shown to tell keys apart.")
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "API key"
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+
+class RequestStatus(models.TextChoices):
+    IN_PROGRESS = "in_progress", "in progress"
+    COMPLETED = "completed", "completed"
+    FAILED = "failed", "failed"
+    CANCELLED = "cancelled", "cancelled"
+    REJECTED = "rejected", "rejected"
+
+
+class MessageRequest(models.Model):
+    """The audit row of one `POST /v1/messages` request.
+
+    A request is `rejected` when it never reached a worker (auth, validation, unknown model),
+    `failed` when a worker or the gateway failed it, `cancelled` when the client left.
+    Timings are milliseconds since `received_at`.
+    """
+
+    request_id = models.CharField(max_length=64, unique=True)
+    received_at = models.DateTimeField(db_index=True)
+    model = models.CharField(max_length=200, blank=True, default="", db_index=True)
+    stream = models.BooleanField(default=False)
+    status = models.CharField(
+        max_length=20, choices=RequestStatus.choices, default=RequestStatus.IN_PROGRESS, db_index=True
+    )
+    stage = models.CharField(max_length=20, blank=True, default="", db_index=True)
+    http_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    error_type = models.CharField(max_length=40, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    pool_name = models.CharField(max_length=100, blank=True, default="", db_index=True)
+    context_endpoint = models.CharField(max_length=300, blank=True, default="", db_index=True)
+    generation_endpoint = models.CharField(max_length=300, blank=True, default="", db_index=True)
+    headers_sent_ms = models.FloatField(null=True, blank=True)
+    context_done_ms = models.FloatField(null=True, blank=True)
+    first_token_ms = models.FloatField(null=True, blank=True)
+    finished_ms = models.FloatField(null=True, blank=True)
+    pings_sent = models.PositiveIntegerField(default=0)
+    input_tokens = models.PositiveIntegerField(null=True, blank=True)
+    output_tokens = models.PositiveIntegerField(null=True, blank=True)
+    api_key_name = models.CharField(max_length=100, blank=True, default="")
+    gateway_instance = models.CharField(max_length=64, blank=True, default="", db_index=True)
+
+    class Meta:
+        verbose_name = "message request"
+        ordering = ["-received_at"]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.status}"

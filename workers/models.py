@@ -1,0 +1,122 @@
+"""The serving cluster as operators register it: pools of context and generation endpoints, and
+the reservations the router holds on them."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class ScheduleStyle(models.TextChoices):
+    CONTEXT_FIRST = "context_first", "context first"
+    GENERATION_FIRST = "generation_first", "generation first"
+
+
+class RoutingPolicy(models.TextChoices):
+    ROUND_ROBIN = "round_robin", "round robin"
+    LEAST_LOADED = "least_loaded", "least loaded"
+    SESSION_AFFINITY = "session_affinity", "session affinity"
+
+
+class Role(models.TextChoices):
+    CONTEXT = "context", "context"
+    GENERATION = "generation", "generation"
+
+
+class Stage(models.TextChoices):
+    """Where a request is (or ended): shared by reservations and the request audit."""
+
+    RECEIVED = "received", "received"
+    CONTEXT = "context", "context"
+    GENERATION = "generation", "generation"
+    DONE = "done", "done"
+
+
+class WorkerPool(models.Model):
+    """A set of context and generation endpoints that serve one model."""
+
+    name = models.CharField(max_length=100, unique=True)
+    model = models.CharField(
+        max_length=200, db_index=True, help_text="The request `model` this pool serves."
+    )
+    schedule_style = models.CharField(
+        max_length=20, choices=ScheduleStyle.choices, default=ScheduleStyle.CONTEXT_FIRST
+    )
+    max_local_prefill_tokens = models.PositiveIntegerField(
+        default=0,
+        help_text="Prompts of at most this many tokens skip the context phase "
+        "(conditional disaggregation). 0 always disaggregates.",
+    )
+    routing = models.CharField(
+        max_length=20, choices=RoutingPolicy.choices, default=RoutingPolicy.ROUND_ROBIN
+    )
+    protocol = models.CharField(
+        max_length=20, default="trtllm", help_text="The disaggregated protocol the workers speak."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.model})"
+
+
+class WorkerEndpoint(models.Model):
+    """One worker server (a `trtllm-serve` instance) in a pool, in one role."""
+
+    pool = models.ForeignKey(WorkerPool, on_delete=models.CASCADE, related_name="endpoints")
+    role = models.CharField(max_length=20, choices=Role.choices)
+    url = models.URLField(max_length=300, help_text="Base URL, e.g. http://10.0.0.5:8001")
+    enabled = models.BooleanField(default=True)
+    draining = models.BooleanField(
+        default=False, help_text="Finish in-flight requests, take no new ones."
+    )
+    healthy = models.BooleanField(default=True)
+    last_checked_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["pool", "role", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["pool", "role", "url"], name="unique_endpoint_per_pool_role")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.pool.name}/{self.role} {self.url}"
+
+
+class Outcome(models.TextChoices):
+    SUCCESS = "success", "success"
+    FAILURE = "failure", "failure"
+    CANCELLED = "cancelled", "cancelled"
+    ABANDONED = "abandoned", "abandoned"
+
+
+class Reservation(models.Model):
+    """Capacity the router held on an endpoint for one request's stage.
+
+    `released_at` is set exactly once; a row with it empty is either in flight or was left by a
+    gateway process that died (`gateway_instance`), which the next start-up closes as abandoned.
+    """
+
+    request_id = models.CharField(max_length=64, db_index=True)
+    endpoint = models.ForeignKey(
+        WorkerEndpoint, on_delete=models.SET_NULL, null=True, related_name="reservations"
+    )
+    endpoint_url = models.CharField(max_length=300, blank=True, default="")
+    pool_name = models.CharField(max_length=100, blank=True, default="")
+    stage = models.CharField(max_length=20, choices=Stage.choices)
+    gateway_instance = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    reserved_at = models.DateTimeField(db_index=True)
+    released_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    outcome = models.CharField(max_length=20, choices=Outcome.choices, blank=True, default="")
+
+    class Meta:
+        ordering = ["-reserved_at"]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.stage} @ {self.endpoint_url}"
