@@ -103,9 +103,16 @@ class Reservation(models.Model):
     gateway process that died (`gateway_instance`), which the next start-up closes as abandoned.
     """
 
+    reservation_id = models.CharField(max_length=40, unique=True)
     request_id = models.CharField(max_length=64, db_index=True)
+    # No database constraint: reservation rows are written in the background and must not fail
+    # because an operator deleted the endpoint meanwhile; `endpoint_url` keeps the history.
     endpoint = models.ForeignKey(
-        WorkerEndpoint, on_delete=models.SET_NULL, null=True, related_name="reservations"
+        WorkerEndpoint,
+        on_delete=models.DO_NOTHING,
+        null=True,
+        db_constraint=False,
+        related_name="reservations",
     )
     endpoint_url = models.CharField(max_length=300, blank=True, default="")
     pool_name = models.CharField(max_length=100, blank=True, default="")

@@ -1,0 +1,33 @@
+# `make run` serves the gateway on 127.0.0.1:8000 (SQLite, simulated workers when none are
+# registered); `make test` runs the whole suite. Both set up the virtualenv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-requirements
+SECRET_FILE := .gateway/secret_key
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install run test bench clean
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(SECRET_FILE): | $(STAMP)
+	mkdir -p .gateway
+	$(PY) -c "import secrets; print(secrets.token_urlsafe(50))" > $(SECRET_FILE)
+	chmod 600 $(SECRET_FILE)
+
+run: $(STAMP) $(SECRET_FILE)
+	SECRET_KEY="$$(cat $(SECRET_FILE))" $(PY) manage.py migrate --noinput -v 0
+	SECRET_KEY="$$(cat $(SECRET_FILE))" exec $(PY) manage.py quickstart --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .gateway gateway.sqlite3* test_gateway.sqlite3*

@@ -1,0 +1,150 @@
+"""Fold one stream's Anthropic events into the non-streamed Message.
+
+The non-streaming path runs the same `StreamReframer` and folds its events here, so both
+answers come from one code path and cannot drift apart (the SDKs do the same fold on their side:
+reference/anthropic_api.md §3, "Accumulator constraints").
+
+Empty content stays `[]`, as the real API returns it and as the SDKs' own accumulators produce
+from the same events; `anthropic.types.Message` accepts it. (TensorRT-LLM answers one empty
+text block instead, which the real API would reject if the client sent it back.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+
+from messages_api.errors import AnthropicError
+
+__all__ = ["accumulate_message"]
+
+# An error event carries only a type; this gives it back its HTTP status. overloaded_error is
+# 529, as the real API answers it, not the 503 that also maps to it.
+STATUS_BY_ERROR_TYPE = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "billing_error": 402,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "conflict_error": 409,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "timeout_error": 504,
+    "overloaded_error": 529,
+}
+
+
+def accumulate_message(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The Message the events describe; an `error` event is raised as its `AnthropicError`."""
+    message: dict[str, Any] | None = None
+    blocks: list[dict[str, Any]] = []
+    # Text per block, joined once at the end: `+=` on a dict value copies the whole string
+    # every time, which is quadratic over a long answer.
+    pieces: list[list[str]] = []
+    stopped = False
+    try:
+        for event in events:
+            kind = event["type"]
+            if kind == "error":
+                raise _error(event)
+            if kind == "ping":
+                continue
+            if message is None:
+                if kind != "message_start":
+                    raise _malformed(f"{kind} before message_start")
+                message = _skeleton(event["message"])
+            elif kind == "content_block_delta":
+                pieces[event["index"]].append(_delta_text(event["delta"]))
+            elif kind == "content_block_start":
+                if event["index"] != len(blocks):
+                    raise _malformed("content block indices are not contiguous")
+                blocks.append(_block(event["content_block"]))
+                pieces.append([])
+            elif kind == "message_delta":
+                message["stop_reason"] = event["delta"]["stop_reason"]
+                message["stop_sequence"] = event["delta"].get("stop_sequence")
+                # Cumulative counts: overwrite, as the SDKs do.
+                message["usage"].update(event.get("usage") or {})
+            elif kind == "message_stop":
+                stopped = True
+            elif kind == "message_start":
+                raise _malformed("a second message_start")
+    except (KeyError, IndexError, TypeError) as exc:
+        raise _malformed(f"unreadable event ({exc!r})") from exc
+    if message is None or not stopped:
+        raise AnthropicError(500, "The response ended before the message was complete", "api_error")
+    for block, parts in zip(blocks, pieces):
+        _finish_block(block, "".join(parts))
+    message["content"] = blocks
+    return message
+
+
+def _skeleton(start: dict[str, Any]) -> dict[str, Any]:
+    usage = start.get("usage") or {}
+    return {
+        "id": start["id"],
+        "type": "message",
+        "role": "assistant",
+        "model": start["model"],
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": usage.get("input_tokens", 0),
+            "output_tokens": usage.get("output_tokens", 0),
+            "cache_creation_input_tokens": usage.get("cache_creation_input_tokens") or 0,
+            "cache_read_input_tokens": usage.get("cache_read_input_tokens") or 0,
+        },
+    }
+
+
+def _block(start: dict[str, Any]) -> dict[str, Any]:
+    kind = start["type"]
+    if kind == "text":
+        return {"type": "text", "text": ""}
+    if kind == "thinking":
+        return {"type": "thinking", "thinking": "", "signature": start.get("signature") or ""}
+    if kind == "tool_use":
+        return {"type": "tool_use", "id": start["id"], "name": start["name"], "input": {}}
+    return dict(start)
+
+
+def _delta_text(delta: dict[str, Any]) -> str:
+    kind = delta["type"]
+    if kind == "text_delta":
+        return delta["text"]
+    if kind == "thinking_delta":
+        return delta["thinking"]
+    if kind == "input_json_delta":
+        return delta["partial_json"]
+    return ""  # signature/citations deltas carry no text the reframer produces
+
+
+def _finish_block(block: dict[str, Any], text: str) -> None:
+    kind = block["type"]
+    if kind == "text":
+        block["text"] = text
+    elif kind == "thinking":
+        block["thinking"] = text
+    elif kind == "tool_use" and text.strip():
+        try:
+            value = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise AnthropicError(500, "The worker returned tool call arguments that are not a JSON object", "api_error")
+        block["input"] = value
+
+
+def _error(event: dict[str, Any]) -> AnthropicError:
+    error = event.get("error") or {}
+    error_type = error.get("type") or "api_error"
+    message = error.get("message") or "Internal server error"
+    return AnthropicError(STATUS_BY_ERROR_TYPE.get(error_type, 500), message, error_type)
+
+
+def _malformed(what: str) -> AnthropicError:
+    return AnthropicError(500, f"Malformed response stream: {what}", "api_error")

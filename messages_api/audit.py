@@ -1,0 +1,104 @@
+"""The audit row of one request, kept in memory while the request runs and written through the
+background writer: once `in_progress` when the request is accepted, once more when it ends.
+
+`end` is the only way to a terminal status and takes effect once, so every request ends in exactly
+one terminal row whichever path ends it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from messages_api.models import MessageRequest, RequestStatus
+from workers.instance import GATEWAY_INSTANCE
+from workers.writer import get_writer
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex[:24]
+
+
+@dataclass(slots=True)
+class AuditRecord:
+    request_id: str = field(default_factory=new_request_id)
+    received_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    received_monotonic: float = field(default_factory=time.monotonic)
+    model: str = ""
+    stream: bool = False
+    status: str = RequestStatus.IN_PROGRESS
+    stage: str = "received"
+    http_status: int | None = None
+    error_type: str = ""
+    error_message: str = ""
+    pool_name: str = ""
+    context_endpoint: str = ""
+    generation_endpoint: str = ""
+    headers_sent_ms: float | None = None
+    context_done_ms: float | None = None
+    first_token_ms: float | None = None
+    finished_ms: float | None = None
+    pings_sent: int = 0
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    api_key_name: str = ""
+    ended: bool = False
+
+    def since_received_ms(self, at: float | None = None) -> float:
+        return round(((at if at is not None else time.monotonic()) - self.received_monotonic) * 1000.0, 3)
+
+    def begin(self) -> None:
+        """The request was accepted: make it visible as in progress."""
+        self._write()
+
+    def end(
+        self,
+        status: str,
+        *,
+        http_status: int | None = None,
+        error_type: str = "",
+        error_message: str = "",
+    ) -> bool:
+        """Record the terminal status once; later calls change nothing and return False."""
+        if self.ended:
+            return False
+        self.ended = True
+        self.status = status
+        if http_status is not None:
+            self.http_status = http_status
+        self.error_type = error_type
+        self.error_message = error_message[:2000]
+        self.finished_ms = self.since_received_ms()
+        self._write()
+        return True
+
+    def _write(self) -> None:
+        get_writer().upsert(MessageRequest, "request_id", self.row())
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "received_at": self.received_at,
+            "model": self.model[:200],
+            "stream": self.stream,
+            "status": self.status,
+            "stage": self.stage,
+            "http_status": self.http_status,
+            "error_type": self.error_type,
+            "error_message": self.error_message,
+            "pool_name": self.pool_name,
+            "context_endpoint": self.context_endpoint,
+            "generation_endpoint": self.generation_endpoint,
+            "headers_sent_ms": self.headers_sent_ms,
+            "context_done_ms": self.context_done_ms,
+            "first_token_ms": self.first_token_ms,
+            "finished_ms": self.finished_ms,
+            "pings_sent": self.pings_sent,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "api_key_name": self.api_key_name,
+            "gateway_instance": GATEWAY_INSTANCE,
+        }

@@ -1,0 +1,426 @@
+"""The Channels consumers of the API routes.
+
+Channels' stock `AsyncHttpConsumer` runs `handle()` inside its receive loop, so it never sees
+`http.disconnect` while a response is being produced (reference/channels_daphne.md §1). These
+consumers spawn the work as a task once the body is complete and return to the loop; the
+`http.disconnect` that arrives when the client goes away cancels that task, and the cancellation
+reaches everything the task owns (the pipeline, its worker requests, the heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import uuid
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+from channels.exceptions import StopConsumer
+from channels.generic.http import AsyncHttpConsumer
+from django.conf import settings
+
+from messages_api.accumulate import accumulate_message
+from messages_api.audit import AuditRecord
+from messages_api.auth import Principal, key_cache, key_from_headers
+from messages_api.convert import to_chat_request
+from messages_api.errors import AnthropicError, invalid_request
+from messages_api.heartbeat import Heartbeat
+from messages_api.logging import current_request_id
+from messages_api.models import RequestStatus
+from messages_api.reframe import StreamReframer
+from messages_api.sse import PING_FRAME, encode_event
+from messages_api.upstream import anthropic_error
+from messages_api.validation import validate_count_tokens_request, validate_messages_request
+from workers.errors import WorkerError
+from workers.pipeline import ChatRun
+from workers.registry import PoolInfo, get_registry
+from workers.tokenize import count_prompt_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class ApiConsumer(AsyncHttpConsumer):
+    """Body collection with a size limit, the task the request runs in, and JSON replies."""
+
+    allowed_methods: tuple[str, ...] = ("POST",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.record = AuditRecord()
+        self.request_headers: dict[bytes, bytes] = {}
+        self._body_size = 0
+        self._task: asyncio.Task[None] | None = None
+        self._refused = False
+        self.response_started = False
+        self.response_finished = False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # The server cancelling the application (shutdown, application-close timeout) takes
+            # the same path as a client disconnect: the request's task is cancelled and awaited.
+            task = self._task
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)
+
+    # --- ASGI message handlers ---------------------------------------------------------------
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        # The stock dispatch closes stale DB connections on the shared ORM thread before every
+        # message (a thread hop per 8 KiB body chunk); these consumers never touch the ORM here.
+        if message["type"] == "http.request":
+            await self.http_request(message)
+        elif message["type"] == "http.disconnect":
+            await self.http_disconnect(message)
+
+    async def http_request(self, message: dict[str, Any]) -> None:
+        if self._task is not None or self._refused:
+            return
+        if not self.request_headers:
+            self.request_headers = dict(self.scope.get("headers") or ())
+            declared = self.request_headers.get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > settings.MESSAGES_MAX_BODY_BYTES:
+                return self._refuse_too_large()
+        chunk = message.get("body", b"")
+        self._body_size += len(chunk)
+        if self._body_size > settings.MESSAGES_MAX_BODY_BYTES:
+            return self._refuse_too_large()
+        self.body.append(chunk)
+        if not message.get("more_body", False):
+            body, self.body = b"".join(self.body), []
+            self._task = asyncio.create_task(self._serve(body))
+
+    async def http_disconnect(self, message: dict[str, Any]) -> None:
+        task = self._task
+        if task is not None and not task.done():
+            # Daphne also sends http.disconnect once a response is complete; the task is then
+            # only finishing its bookkeeping and must not be cancelled.
+            if not self.response_finished:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        raise StopConsumer()
+
+    async def send_body(self, body: bytes, *, more_body: bool = False) -> None:
+        if not more_body:
+            self.response_finished = True
+        await super().send_body(body, more_body=more_body)
+
+    def _refuse_too_large(self) -> None:
+        # Answer at once; the rest of the body is never read into memory.
+        self._refused = True
+        self.body = []
+        error = AnthropicError(
+            413,
+            f"Request body is larger than the limit of {settings.MESSAGES_MAX_BODY_BYTES} bytes",
+            "request_too_large",
+        )
+        self._task = asyncio.create_task(self._reject(error))
+
+    async def _reject(self, error: AnthropicError) -> None:
+        current_request_id.set(self.record.request_id)
+        self.record.end(RequestStatus.REJECTED, http_status=error.status, error_type=error.error_type, error_message=error.message)
+        await self.send_error(error)
+
+    async def _serve(self, body: bytes) -> None:
+        current_request_id.set(self.record.request_id)
+        try:
+            if self.scope.get("method") not in self.allowed_methods:
+                await self.send_error(
+                    AnthropicError(405, f"Method {self.scope.get('method')} is not allowed here", "invalid_request_error")
+                )
+                return
+            await self.handle_request(body)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("unhandled error")
+            error = AnthropicError(500, "Internal server error", "api_error")
+            self.record.end(RequestStatus.FAILED, http_status=500, error_type=error.error_type, error_message=error.message)
+            if not self.response_started:
+                await self.send_error(error)
+
+    # --- to implement --------------------------------------------------------------------------
+
+    async def handle_request(self, body: bytes) -> None:
+        raise NotImplementedError
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    async def authenticate(self) -> Principal:
+        key = key_from_headers(self.request_headers)
+        if not key:
+            raise AnthropicError(401, "x-api-key header is required", "authentication_error")
+        principal = await key_cache.authenticate(key)
+        if principal is None:
+            raise AnthropicError(401, "invalid x-api-key", "authentication_error")
+        self.record.api_key_name = principal.name
+        return principal
+
+    def parse_json(self, body: bytes) -> Any:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise invalid_request(f"The request body is not valid JSON: {exc}") from None
+
+    def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        return [(b"content-type", content_type), (b"request-id", self.record.request_id.encode())]
+
+    async def send_json(self, status: int, data: Any, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+        self.response_started = True
+        await self.send_response(
+            status,
+            orjson.dumps(data),
+            headers=self.response_headers(b"application/json") + list(extra_headers),
+        )
+
+    async def send_error(self, error: AnthropicError) -> None:
+        headers: list[tuple[bytes, bytes]] = []
+        if error.retry_after is not None:
+            headers.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
+        await self.send_json(error.status, error.body(self.record.request_id), headers)
+
+
+class MessagesConsumer(ApiConsumer):
+    """`POST /v1/messages`, streamed and not."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reframer: StreamReframer | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.sse_started = False
+
+    async def handle_request(self, body: bytes) -> None:
+        record = self.record
+        try:
+            await self.authenticate()
+            request = validate_messages_request(self.parse_json(body))
+            record.model = request["model"]
+            record.stream = bool(request.get("stream"))
+            chat = to_chat_request(request)
+            pool = await pool_for_model(request["model"])
+        except AnthropicError as error:
+            record.end(RequestStatus.REJECTED, http_status=error.status, error_type=error.error_type, error_message=error.message)
+            await self.send_error(error)
+            return
+
+        record.pool_name = pool.name
+        record.begin()
+        self.reframer = StreamReframer(
+            message_id=new_message_id(), model=request["model"], stop_sequences=request.get("stop_sequences")
+        )
+        run = ChatRun(chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request))
+        try:
+            async with run:
+                if record.stream:
+                    await self.respond_streamed(run)
+                else:
+                    await self.respond_json(run)
+        except asyncio.CancelledError:
+            self.note_run(run)
+            record.end(RequestStatus.CANCELLED, http_status=499 if not self.response_started else 200)
+            raise
+        except (WorkerError, AnthropicError) as exc:
+            self.note_run(run)
+            await self.answer_failure(anthropic_error(exc) if isinstance(exc, WorkerError) else exc)
+            return
+        self.note_run(run)
+        record.end(RequestStatus.COMPLETED, http_status=200)
+
+    # --- the two kinds of answer -----------------------------------------------------------------
+
+    async def respond_json(self, run: ChatRun) -> None:
+        await run.opened()
+        reframer = self.reframer
+        assert reframer is not None
+        events: list[dict[str, Any]] = []
+        async for chunk in run.chunks():
+            events.extend(reframer.feed(chunk))
+        events.extend(reframer.finish())
+        message = accumulate_message(events)
+        await self.send_json(200, message)
+
+    async def respond_streamed(self, run: ChatRun) -> None:
+        reframer = self.reframer
+        assert reframer is not None
+        run.start()
+        try:
+            if not await run.wait_open(settings.MESSAGES_STREAM_START_WAIT_S):
+                # Still in the context phase: start the response now and keep it alive.
+                await self.start_sse(first_frame=True)
+            await run.opened()
+            if not self.sse_started:
+                await self.start_sse(first_frame=False)
+            async for chunk in run.chunks():
+                events = reframer.feed(chunk)
+                if events:
+                    await self.send_frames(events)
+            closing = encode_events(reframer.finish())
+            await self.stop_heartbeat()
+            await self.send_body(closing, more_body=False)
+        finally:
+            await self.stop_heartbeat()
+
+    async def answer_failure(self, error: AnthropicError) -> None:
+        record = self.record
+        record.end(RequestStatus.FAILED, http_status=error.status if not self.sse_started else 200, error_type=error.error_type, error_message=error.message)
+        if not self.sse_started:
+            await self.send_error(error)
+            return
+        # The stream has started: end it with an error event (never message_stop after it).
+        assert self.reframer is not None
+        await self.send_body(encode_events(self.reframer.fail(error.event())), more_body=False)
+
+    # --- the event stream ------------------------------------------------------------------------
+
+    async def start_sse(self, *, first_frame: bool) -> None:
+        self.response_started = True
+        self.sse_started = True
+        await self.send_headers(
+            status=200,
+            headers=self.response_headers(b"text/event-stream; charset=utf-8")
+            + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
+        )
+        self.record.headers_sent_ms = self.record.since_received_ms()
+        self.heartbeat = Heartbeat(settings.MESSAGES_PING_INTERVAL_S, self._send_ping)
+        if first_frame:
+            # Under daphne the status line leaves only with the first body chunk.
+            await self.heartbeat.ping()
+        self.heartbeat.start()
+
+    async def _send_ping(self) -> None:
+        await self.send_body(PING_FRAME, more_body=True)
+
+    async def send_frames(self, events: list[dict[str, Any]]) -> None:
+        await self.send_body(encode_events(events), more_body=True)
+        if self.heartbeat is not None:
+            self.heartbeat.sent()
+
+    async def stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+            self.record.pings_sent = self.heartbeat.pings_sent
+
+    def note_run(self, run: ChatRun) -> None:
+        """Copy what the run did into the audit record."""
+        record = self.record
+        record.stage = run.stage
+        record.context_endpoint = run.context_url
+        record.generation_endpoint = run.generation_url
+        if run.context_done_at is not None:
+            record.context_done_ms = record.since_received_ms(run.context_done_at)
+        if run.first_chunk_at is not None:
+            record.first_token_ms = record.since_received_ms(run.first_chunk_at)
+        if self.heartbeat is not None:
+            record.pings_sent = self.heartbeat.pings_sent
+        if self.reframer is not None and self.reframer.started:
+            record.input_tokens = self.reframer.input_tokens
+            record.output_tokens = self.reframer.output_tokens
+
+
+def encode_events(events: list[dict[str, Any]]) -> bytes:
+    return b"".join(map(encode_event, events))
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+_SESSION_IN_USER_ID = re.compile(r"session_([0-9A-Za-z-]+)")
+
+
+def session_key(headers: dict[bytes, bytes], request: dict[str, Any]) -> str | None:
+    """Claude Code's session id (header, or inside `metadata.user_id`), for session affinity."""
+    header = headers.get(b"x-claude-code-session-id")
+    if header:
+        return header.decode("latin-1")
+    user_id = (request.get("metadata") or {}).get("user_id")
+    if isinstance(user_id, str) and user_id:
+        match = _SESSION_IN_USER_ID.search(user_id)
+        return match.group(1) if match else user_id
+    return None
+
+
+async def pool_for_model(model: str) -> PoolInfo:
+    snapshot = await get_registry().snapshot()
+    pool = snapshot.pool_for_model(model)
+    if pool is None:
+        raise AnthropicError(404, f"model: {model}", "not_found_error")
+    return pool
+
+
+class CountTokensConsumer(ApiConsumer):
+    """`POST /v1/messages/count_tokens` → `{"input_tokens": N}`."""
+
+    async def handle_request(self, body: bytes) -> None:
+        try:
+            await self.authenticate()
+            request = validate_count_tokens_request(self.parse_json(body))
+            chat = to_chat_request({**request, "max_tokens": 1})
+            pool = await pool_for_model(request["model"])
+        except AnthropicError as error:
+            await self.send_error(error)
+            return
+        count, _source = await count_prompt_tokens(pool, chat)
+        await self.send_json(200, {"input_tokens": count})
+
+
+class ModelsConsumer(ApiConsumer):
+    """`GET /v1/models` and `GET /v1/models/{id}`, from the registered pools, in Anthropic's shape."""
+
+    allowed_methods = ("GET",)
+
+    async def handle_request(self, body: bytes) -> None:
+        try:
+            await self.authenticate()
+            snapshot = await get_registry().snapshot()
+            models = [model_info(pool) for pool in sorted(snapshot.pools, key=lambda p: p.model)]
+            model_id = self.scope["url_route"]["kwargs"].get("model_id")
+            if model_id is not None:
+                found = next((m for m in models if m["id"] == model_id), None)
+                if found is None:
+                    raise AnthropicError(404, f"model: {model_id}", "not_found_error")
+                await self.send_json(200, found)
+                return
+            await self.send_json(200, model_page(models, parse_qs(self.scope.get("query_string", b"").decode())))
+        except AnthropicError as error:
+            await self.send_error(error)
+
+
+def model_info(pool: PoolInfo) -> dict[str, Any]:
+    return {
+        "type": "model",
+        "id": pool.model,
+        "display_name": pool.model,
+        "created_at": pool.created_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def model_page(models: list[dict[str, Any]], query: dict[str, list[str]]) -> dict[str, Any]:
+    """Anthropic's cursor pagination: `limit` (1–1000, default 20), `after_id`, `before_id`."""
+    try:
+        limit = int(query.get("limit", ["20"])[0])
+    except ValueError:
+        raise invalid_request("limit: Input should be a valid integer") from None
+    if not 1 <= limit <= 1000:
+        raise invalid_request("limit: Input should be between 1 and 1000")
+    ids = [m["id"] for m in models]
+    start, end = 0, len(models)
+    if "after_id" in query and query["after_id"][0] in ids:
+        start = ids.index(query["after_id"][0]) + 1
+    if "before_id" in query and query["before_id"][0] in ids:
+        end = ids.index(query["before_id"][0])
+        start = max(start, end - limit)
+    page = models[start:end][:limit]
+    return {
+        "data": page,
+        "has_more": start + len(page) < end,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+    }

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from messages_api.auth import create_api_key
+from messages_api.models import ApiKey
+
+
+class Command(BaseCommand):
+    help = "Create an API key. The key is printed once, as the last line of stdout; only its hash is stored."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help="A name for the key (unique), shown in the audit.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        name = options["name"]
+        if ApiKey.objects.filter(name=name).exists():
+            raise CommandError(f"an API key named {name!r} already exists")
+        api_key, key = create_api_key(name)
+        self.stderr.write(f"created API key {api_key.name!r} ({api_key.prefix}…); it is shown only now:")
+        self.stdout.write(key)

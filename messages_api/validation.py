@@ -1,0 +1,384 @@
+"""Hand-written validation of Messages and count_tokens request bodies.
+
+Plain dict checks instead of pydantic models: the body is already parsed by orjson, and walking
+it once here costs far less than building a model tree per request. Each failure raises a 400
+`invalid_request_error` whose message starts with the field path, in the words the real API
+uses (pydantic's: "Field required", "Input should be ..."), e.g.
+`messages.2.content.0.type: Input tag 'foo' found using 'type' does not match any of the
+expected tags: ...`.
+
+Unknown top-level fields are tolerated: Claude Code sends `context_management`,
+`output_config`, `diagnostics`, `service_tier`, `container`, `cache_control`, `betas`, and
+rejecting any of them is a known way to break it (reference/anthropic_api.md §6). A `null`
+optional field counts as absent, as the SDKs' own types allow for most of them.
+
+Only the shape is checked here; what the gateway cannot serve (server tools, PDF documents, ...)
+is refused by `convert.to_chat_request`, which knows why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from messages_api.errors import AnthropicError
+
+__all__ = ["validate_count_tokens_request", "validate_messages_request"]
+
+ROLES = ("user", "assistant", "system")
+TOOL_CHOICE_TYPES = ("auto", "any", "tool", "none")
+THINKING_TYPES = ("enabled", "disabled", "adaptive")
+MIN_THINKING_BUDGET = 1024
+
+# Every content block tag the API (GA and beta) accepts in `messages[].content`, in the SDK's
+# order. A tag outside this list is a client mistake (400 here); a tag inside it that the
+# workers cannot take (server-tool results, container uploads, ...) is refused by the converter
+# with a message saying so.
+MESSAGE_BLOCK_TAGS = (
+    "text",
+    "image",
+    "document",
+    "search_result",
+    "thinking",
+    "redacted_thinking",
+    "tool_use",
+    "tool_result",
+    "server_tool_use",
+    "web_search_tool_result",
+    "web_fetch_tool_result",
+    "code_execution_tool_result",
+    "bash_code_execution_tool_result",
+    "text_editor_code_execution_tool_result",
+    "tool_search_tool_result",
+    "container_upload",
+    # beta only
+    "mcp_tool_use",
+    "mcp_tool_result",
+    "mcp_tool_listing",
+    "advisor_tool_result",
+    "compaction",
+    "fallback",
+    "tool_addition",
+    "tool_removal",
+)
+TOOL_RESULT_BLOCK_TAGS = ("text", "image", "document", "search_result", "tool_reference")
+IMAGE_SOURCE_TYPES = ("base64", "url", "file")
+
+
+def validate_messages_request(body: object) -> dict[str, Any]:
+    """Check a `POST /v1/messages` body; return it unchanged (it is not copied)."""
+    request = _object(body)
+    max_tokens = _required(request, "max_tokens", "")
+    if type(max_tokens) is not int:  # bool is an int subclass, and not a token count
+        _fail("max_tokens", "Input should be a valid integer")
+    if max_tokens < 1:
+        _fail("max_tokens", "Input should be greater than or equal to 1")
+    _validate_shared(request, max_tokens)
+    return request
+
+
+def validate_count_tokens_request(body: object) -> dict[str, Any]:
+    """Check a `POST /v1/messages/count_tokens` body (no `max_tokens`); return it unchanged."""
+    request = _object(body)
+    _validate_shared(request, None)
+    return request
+
+
+# -- top level ------------------------------------------------------------------------------
+
+
+def _object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise AnthropicError(400, "The request body must be a JSON object", "invalid_request_error")
+    return body
+
+
+def _validate_shared(request: dict[str, Any], max_tokens: int | None) -> None:
+    model = _required(request, "model", "")
+    if not isinstance(model, str):
+        _fail("model", "Input should be a valid string")
+    if not model:
+        _fail("model", "String should have at least 1 character")
+    _messages(_required(request, "messages", ""))
+    for name, check in _OPTIONAL_FIELDS.items():
+        value = request.get(name)
+        if value is not None:
+            check(value, name)
+    thinking = request.get("thinking")
+    if max_tokens is not None and thinking is not None and thinking["type"] == "enabled":
+        if thinking["budget_tokens"] >= max_tokens:
+            _fail_plain("`max_tokens` must be greater than `thinking.budget_tokens`")
+
+
+# -- messages and blocks --------------------------------------------------------------------
+
+
+def _messages(messages: object) -> None:
+    if not isinstance(messages, list):
+        _fail("messages", "Input should be a valid list")
+    if not messages:
+        _fail("messages", "at least one message is required")
+    for i, message in enumerate(messages):
+        path = f"messages.{i}"
+        if not isinstance(message, dict):
+            _fail(path, "Input should be a valid dictionary")
+        role = _required(message, "role", path)
+        if role not in ROLES:
+            _fail(f"{path}.role", "Input should be 'user', 'assistant' or 'system'")
+        content = _required(message, "content", path)
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            _fail(f"{path}.content", "Input should be a valid string or a list of content blocks")
+        tags = ("text",) if role == "system" else MESSAGE_BLOCK_TAGS
+        for j, block in enumerate(content):
+            _block(block, f"{path}.content.{j}", tags)
+
+
+def _block(block: object, path: str, tags: tuple[str, ...]) -> None:
+    if not isinstance(block, dict):
+        _fail(path, "Input should be a valid dictionary")
+    tag = _required(block, "type", path)
+    if not isinstance(tag, str):
+        _fail(f"{path}.type", "Input should be a valid string")
+    if tag not in tags:
+        _bad_tag(f"{path}.type", tag, tags)
+    check = _BLOCK_FIELDS.get(tag)
+    if check is not None:
+        check(block, path)
+
+
+def _text_block(block: dict[str, Any], path: str) -> None:
+    _string_field(block, "text", path)
+
+
+def _image_block(block: dict[str, Any], path: str) -> None:
+    source = _required(block, "source", path)
+    spath = f"{path}.source"
+    if not isinstance(source, dict):
+        _fail(spath, "Input should be a valid dictionary")
+    kind = _required(source, "type", spath)
+    if kind not in IMAGE_SOURCE_TYPES:
+        _bad_tag(f"{spath}.type", kind, IMAGE_SOURCE_TYPES)
+    if kind == "base64":
+        _string_field(source, "media_type", spath)
+        _string_field(source, "data", spath)
+    elif kind == "url":
+        _string_field(source, "url", spath)
+
+
+def _document_block(block: dict[str, Any], path: str) -> None:
+    source = _required(block, "source", path)
+    if not isinstance(source, dict):
+        _fail(f"{path}.source", "Input should be a valid dictionary")
+    if not isinstance(_required(source, "type", f"{path}.source"), str):
+        _fail(f"{path}.source.type", "Input should be a valid string")
+
+
+def _tool_use_block(block: dict[str, Any], path: str) -> None:
+    _string_field(block, "id", path)
+    _string_field(block, "name", path)
+    if not isinstance(_required(block, "input", path), dict):
+        _fail(f"{path}.input", "Input should be a valid dictionary")
+
+
+def _tool_result_block(block: dict[str, Any], path: str) -> None:
+    _string_field(block, "tool_use_id", path)
+    content = block.get("content")
+    if content is not None and not isinstance(content, str):
+        if not isinstance(content, list):
+            _fail(f"{path}.content", "Input should be a valid string or a list of content blocks")
+        for j, inner in enumerate(content):
+            _block(inner, f"{path}.content.{j}", TOOL_RESULT_BLOCK_TAGS)
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        _fail(f"{path}.is_error", "Input should be a valid boolean")
+
+
+def _thinking_block(block: dict[str, Any], path: str) -> None:
+    _string_field(block, "thinking", path)
+
+
+def _search_result_block(block: dict[str, Any], path: str) -> None:
+    content = _required(block, "content", path)
+    if not isinstance(content, list):
+        _fail(f"{path}.content", "Input should be a valid list")
+    for j, inner in enumerate(content):
+        _block(inner, f"{path}.content.{j}", ("text",))
+
+
+_BLOCK_FIELDS: dict[str, Callable[[dict[str, Any], str], None]] = {
+    "text": _text_block,
+    "image": _image_block,
+    "document": _document_block,
+    "tool_use": _tool_use_block,
+    "tool_result": _tool_result_block,
+    "thinking": _thinking_block,
+    "search_result": _search_result_block,
+}
+
+
+# -- optional top-level fields --------------------------------------------------------------
+
+
+def _system(value: object, path: str) -> None:
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list):
+        _fail(path, "Input should be a valid string or a list of text blocks")
+    for i, block in enumerate(value):
+        _block(block, f"{path}.{i}", ("text",))
+
+
+def _bool(value: object, path: str) -> None:
+    if not isinstance(value, bool):
+        _fail(path, "Input should be a valid boolean")
+
+
+def _unit_interval(value: object, path: str) -> None:
+    if type(value) not in (int, float):
+        _fail(path, "Input should be a valid number")
+    if value < 0:  # type: ignore[operator]
+        _fail(path, "Input should be greater than or equal to 0")
+    if value > 1:  # type: ignore[operator]
+        _fail(path, "Input should be less than or equal to 1")
+
+
+def _top_k(value: object, path: str) -> None:
+    if type(value) is not int:
+        _fail(path, "Input should be a valid integer")
+    if value < 0:
+        _fail(path, "Input should be greater than or equal to 0")
+
+
+def _stop_sequences(value: object, path: str) -> None:
+    if not isinstance(value, list):
+        _fail(path, "Input should be a valid list")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            _fail(f"{path}.{i}", "Input should be a valid string")
+
+
+def _tools(value: object, path: str) -> None:
+    if not isinstance(value, list):
+        _fail(path, "Input should be a valid list")
+    for i, tool in enumerate(value):
+        tpath = f"{path}.{i}"
+        if not isinstance(tool, dict):
+            _fail(tpath, "Input should be a valid dictionary")
+        kind = tool.get("type")
+        if kind is not None and not isinstance(kind, str):
+            _fail(f"{tpath}.type", "Input should be a valid string")
+        if kind is None or kind == "custom":
+            _string_field(tool, "name", tpath)
+            if not tool["name"]:
+                _fail(f"{tpath}.name", "String should have at least 1 character")
+            if not isinstance(_required(tool, "input_schema", tpath), dict):
+                _fail(f"{tpath}.input_schema", "Input should be a valid dictionary")
+        elif tool.get("name") is not None and not isinstance(tool["name"], str):
+            # Typed (server or schema-less client) tools: the converter decides; toolsets carry no name.
+            _fail(f"{tpath}.name", "Input should be a valid string")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            _fail(f"{tpath}.description", "Input should be a valid string")
+
+
+def _tool_choice(value: object, path: str) -> None:
+    if not isinstance(value, dict):
+        _fail(path, "Input should be a valid dictionary")
+    kind = _required(value, "type", path)
+    if kind not in TOOL_CHOICE_TYPES:
+        _bad_tag(f"{path}.type", kind, TOOL_CHOICE_TYPES)
+    if kind == "tool":
+        _string_field(value, "name", path)
+    flag = value.get("disable_parallel_tool_use")
+    if flag is not None:
+        _bool(flag, f"{path}.disable_parallel_tool_use")
+
+
+def _thinking(value: object, path: str) -> None:
+    if not isinstance(value, dict):
+        _fail(path, "Input should be a valid dictionary")
+    kind = _required(value, "type", path)
+    if kind not in THINKING_TYPES:
+        _bad_tag(f"{path}.type", kind, THINKING_TYPES)
+    if kind == "enabled":
+        budget = _required(value, "budget_tokens", path)
+        if type(budget) is not int:
+            _fail(f"{path}.budget_tokens", "Input should be a valid integer")
+        if budget < MIN_THINKING_BUDGET:
+            _fail(f"{path}.budget_tokens", f"Input should be greater than or equal to {MIN_THINKING_BUDGET}")
+
+
+def _metadata(value: object, path: str) -> None:
+    if not isinstance(value, dict):
+        _fail(path, "Input should be a valid dictionary")
+    user_id = value.get("user_id")
+    if user_id is not None and not isinstance(user_id, str):
+        _fail(f"{path}.user_id", "Input should be a valid string")
+
+
+def _output_config(value: object, path: str) -> None:
+    if not isinstance(value, dict):
+        _fail(path, "Input should be a valid dictionary")
+    effort = value.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        _fail(f"{path}.effort", "Input should be a valid string")
+    output_format = value.get("format")
+    if output_format is not None:
+        _json_schema_format(output_format, f"{path}.format")
+
+
+def _json_schema_format(value: object, path: str) -> None:
+    if not isinstance(value, dict):
+        _fail(path, "Input should be a valid dictionary")
+    kind = _required(value, "type", path)
+    if kind != "json_schema":
+        _bad_tag(f"{path}.type", kind, ("json_schema",))
+    if not isinstance(_required(value, "schema", path), dict):
+        _fail(f"{path}.schema", "Input should be a valid dictionary")
+
+
+_OPTIONAL_FIELDS: dict[str, Callable[[Any, str], None]] = {
+    "system": _system,
+    "stream": _bool,
+    "temperature": _unit_interval,
+    "top_p": _unit_interval,
+    "top_k": _top_k,
+    "stop_sequences": _stop_sequences,
+    "tools": _tools,
+    "tool_choice": _tool_choice,
+    "thinking": _thinking,
+    "metadata": _metadata,
+    "output_config": _output_config,
+    # the beta's older spelling of output_config.format
+    "output_format": _json_schema_format,
+}
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _required(container: dict[str, Any], key: str, path: str) -> Any:
+    value = container.get(key)
+    if value is None:
+        _fail(f"{path}.{key}" if path else key, "Field required")
+    return value
+
+
+def _string_field(container: dict[str, Any], key: str, path: str) -> None:
+    if not isinstance(_required(container, key, path), str):
+        _fail(f"{path}.{key}", "Input should be a valid string")
+
+
+def _bad_tag(path: str, tag: object, expected: tuple[str, ...]) -> NoReturn:
+    tags = ", ".join(f"'{t}'" for t in expected)
+    _fail(path, f"Input tag '{tag}' found using 'type' does not match any of the expected tags: {tags}")
+
+
+def _fail(path: str, message: str) -> NoReturn:
+    raise AnthropicError(400, f"{path}: {message}", "invalid_request_error")
+
+
+def _fail_plain(message: str) -> NoReturn:
+    raise AnthropicError(400, message, "invalid_request_error")

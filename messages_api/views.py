@@ -1,0 +1,57 @@
+"""Small plain-Django routes: the root probe Claude Code sends (`HEAD /`), liveness and readiness."""
+
+from __future__ import annotations
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections, connection
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.http import require_safe
+
+from workers.registry import get_registry
+
+
+@require_safe
+def root(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"service": "disaggregated messages gateway", "messages": "/v1/messages"})
+
+
+@require_safe
+def health(request: HttpRequest) -> JsonResponse:
+    """Liveness: the process answers."""
+    return JsonResponse({"status": "ok"})
+
+
+def _database_reachable() -> bool:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return True
+    except Exception:
+        return False
+    finally:
+        close_old_connections()
+
+
+@require_safe
+async def ready(request: HttpRequest) -> JsonResponse:
+    """Readiness: the database answers and every pool has a routable endpoint of each role.
+
+    Pools are listed by name and id with counts only: worker addresses are not for anonymous eyes.
+    """
+    database = await sync_to_async(_database_reachable, thread_sensitive=False)()
+    pools = {}
+    ready = database
+    if database:
+        snapshot = await get_registry().snapshot()
+        for pool in snapshot.pools:
+            counts = {}
+            for role in ("context", "generation"):
+                endpoints = pool.endpoints_for(role)
+                counts[role] = {"registered": len(endpoints), "routable": sum(e.routable for e in endpoints)}
+                ready = ready and counts[role]["routable"] > 0
+            pools[pool.name] = {"id": pool.id, "model": pool.model, **counts}
+        ready = ready and bool(snapshot.pools)
+    return JsonResponse(
+        {"status": "ready" if ready else "not ready", "database": "ok" if database else "unreachable", "pools": pools},
+        status=200 if ready else 503,
+    )

@@ -1,0 +1,147 @@
+"""Shared fixtures: real sim worker processes, real daphne gateways, and a registered pool."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway import Gateway
+from tests.simworkers import SimWorker, start_simworker
+
+MODEL = "sim-model"
+
+
+@pytest.fixture(scope="session")
+def context_worker() -> Iterator[SimWorker]:
+    worker = start_simworker("context", tokens_per_second=2000, prefill_tokens_per_second=200000, max_context_tokens=4096, kv_timeout=30)
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def generation_worker() -> Iterator[SimWorker]:
+    worker = start_simworker("generation", tokens_per_second=2000, prefill_tokens_per_second=200000, max_context_tokens=4096, kv_timeout=30)
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def gateways(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Callable[..., Gateway]]:
+    """`gateways(**env)` → a running gateway with those settings (one per distinct env)."""
+    running: dict[tuple[tuple[str, str], ...], Gateway] = {}
+
+    def get(**env: str) -> Gateway:
+        key = tuple(sorted(env.items()))
+        if key not in running:
+            with django_db_blocker.unblock():
+                running[key] = Gateway(env).start()
+        return running[key]
+
+    yield get
+    for gateway in running.values():
+        gateway.stop()
+
+
+@pytest.fixture
+def gateway(gateways: Callable[..., Gateway]) -> Gateway:
+    return gateways()
+
+
+@dataclass
+class Cluster:
+    """A registered pool of one sim context and one sim generation worker, and an API key."""
+
+    pool: Any
+    key: str
+    model: str
+    context: SimWorker
+    generation: SimWorker
+
+    def headers(self, **extra: str) -> dict[str, str]:
+        return {"x-api-key": self.key, "anthropic-version": "2023-06-01", "content-type": "application/json", **extra}
+
+
+def register_cluster(
+    context: SimWorker,
+    generation: SimWorker,
+    *,
+    schedule_style: str = "context_first",
+    max_local_prefill_tokens: int = 0,
+    model: str = MODEL,
+) -> Cluster:
+    from messages_api.auth import create_api_key
+    from workers.models import WorkerEndpoint, WorkerPool
+
+    pool = WorkerPool.objects.create(
+        name=f"pool-{model}", model=model, schedule_style=schedule_style, max_local_prefill_tokens=max_local_prefill_tokens
+    )
+    WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url)
+    WorkerEndpoint.objects.create(pool=pool, role="generation", url=generation.url)
+    _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
+    context.reset()
+    generation.reset()
+    return Cluster(pool=pool, key=key, model=model, context=context, generation=generation)
+
+
+@pytest.fixture(params=["context_first", "generation_first"])
+def schedule_style(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def cluster(
+    transactional_db: Any, gateway: Gateway, context_worker: SimWorker, generation_worker: SimWorker, schedule_style: str
+) -> Cluster:
+    cluster = register_cluster(context_worker, generation_worker, schedule_style=schedule_style)
+    wait_registered(gateway, cluster)
+    return cluster
+
+
+def wait_registered(gateway: Gateway, cluster: Cluster) -> None:
+    """Wait until the gateway routes with this test's pool (each test recreates it)."""
+
+    def seen() -> bool:
+        pools = httpx.get(gateway.url + "/ready", timeout=5).json()["pools"]
+        return pools.get(cluster.pool.name, {}).get("id") == cluster.pool.id
+
+    wait_until(seen, message=f"gateway never saw pool {cluster.pool.name} #{cluster.pool.id}")
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, message: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(message or "condition not met in time")
+        time.sleep(interval)
+
+
+def audit_row(request_id: str, *, terminal: bool = True, timeout: float = 10.0) -> Any:
+    """The request's audit row, once it exists (and, by default, has a terminal status)."""
+    from messages_api.models import MessageRequest
+
+    def find() -> Any:
+        row = MessageRequest.objects.filter(request_id=request_id).first()
+        if row is None or (terminal and row.status == "in_progress"):
+            return None
+        return row
+
+    return wait_until(find, timeout, message=f"no {'terminal ' if terminal else ''}audit row for {request_id}")
+
+
+def reservations_closed(request_id: str, timeout: float = 10.0) -> list[Any]:
+    """The request's reservation rows once all are released."""
+    from workers.models import Reservation
+
+    def find() -> Any:
+        rows = list(Reservation.objects.filter(request_id=request_id))
+        return rows if rows and all(r.released_at is not None for r in rows) else None
+
+    return wait_until(find, timeout, message=f"reservations of {request_id} not all released")

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from workers.models import Reservation, WorkerEndpoint, WorkerPool
+
+
+class WorkerEndpointInline(admin.TabularInline):
+    model = WorkerEndpoint
+    extra = 0
+    fields = ("role", "url", "enabled", "draining", "healthy", "consecutive_failures", "last_checked_at", "last_error")
+    readonly_fields = ("healthy", "consecutive_failures", "last_checked_at", "last_error")
+
+
+@admin.register(WorkerPool)
+class WorkerPoolAdmin(admin.ModelAdmin):
+    list_display = ("name", "model", "schedule_style", "routing", "max_local_prefill_tokens", "endpoint_summary")
+    search_fields = ("name", "model")
+    inlines = [WorkerEndpointInline]
+
+    @admin.display(description="endpoints")
+    def endpoint_summary(self, pool: WorkerPool) -> str:
+        endpoints = list(pool.endpoints.all())
+        parts = []
+        for role in ("context", "generation"):
+            of_role = [e for e in endpoints if e.role == role]
+            routable = [e for e in of_role if e.enabled and not e.draining and e.healthy]
+            parts.append(f"{role}: {len(routable)}/{len(of_role)} routable")
+        return "; ".join(parts)
+
+
+@admin.register(WorkerEndpoint)
+class WorkerEndpointAdmin(admin.ModelAdmin):
+    list_display = ("url", "pool", "role", "enabled", "draining", "healthy", "open_reservations", "last_checked_at", "last_error")
+    list_filter = ("pool", "role", "enabled", "draining", "healthy")
+    search_fields = ("url", "pool__name")
+    readonly_fields = ("healthy", "consecutive_failures", "last_checked_at", "last_error", "created_at", "updated_at")
+    actions = ["drain", "enable", "disable"]
+
+    @admin.display(description="open reservations")
+    def open_reservations(self, endpoint: WorkerEndpoint) -> int:
+        return endpoint.reservations.filter(released_at__isnull=True).count()
+
+    @admin.action(description="Drain: finish in-flight requests, take no new ones")
+    def drain(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
+        for endpoint in queryset:  # save() per row so updated_at moves and every process reloads
+            endpoint.draining = True
+            endpoint.save(update_fields=["draining", "updated_at"])
+
+    @admin.action(description="Enable (and stop draining)")
+    def enable(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
+        for endpoint in queryset:
+            endpoint.enabled, endpoint.draining = True, False
+            endpoint.save(update_fields=["enabled", "draining", "updated_at"])
+
+    @admin.action(description="Disable")
+    def disable(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
+        for endpoint in queryset:
+            endpoint.enabled = False
+            endpoint.save(update_fields=["enabled", "updated_at"])
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows written by the gateway: operators read them, never edit them."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+@admin.register(Reservation)
+class ReservationAdmin(ReadOnlyAdmin):
+    list_display = ("request_id", "pool_name", "stage", "endpoint_url", "reserved_at", "released_at", "outcome")
+    list_filter = ("outcome", "stage", "pool_name", ("released_at", admin.EmptyFieldListFilter), "reserved_at")
+    search_fields = ("request_id", "endpoint_url")
+    date_hierarchy = "reserved_at"

@@ -1,0 +1,207 @@
+"""HTTP to workers: one pooled httpx client per event loop, JSON calls, and OpenAI SSE streams.
+
+Errors leave this module as `WorkerError`s built from the worker's own message, never from an
+httpx exception's text (which names the worker's address).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+from django.conf import settings
+
+from workers.errors import ContextLengthExceeded, StreamBroken, WorkerError, WorkerUnreachable
+
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+
+JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+
+
+def http_client() -> httpx.AsyncClient:
+    """The shared client of the running loop (daphne has no lifespan hook to create it at start)."""
+    loop = asyncio.get_running_loop()
+    client = _clients.get(loop)
+    if client is None:
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                settings.WORKER_REQUEST_TIMEOUT_S,
+                connect=settings.WORKER_CONNECT_TIMEOUT_S,
+                pool=settings.WORKER_CONNECT_TIMEOUT_S,
+            ),
+            limits=httpx.Limits(
+                max_connections=settings.WORKER_MAX_CONNECTIONS,
+                max_keepalive_connections=min(settings.WORKER_MAX_CONNECTIONS, 512),
+                keepalive_expiry=30.0,
+            ),
+            trust_env=False,
+        )
+        _clients[loop] = client
+    return client
+
+
+# --- error bodies ------------------------------------------------------------------------------
+
+_MAX_CONTEXT = re.compile(r"maximum context length is (\d+) tokens", re.I)
+_PROMPT_TOKENS = re.compile(r"(?:resulted in|requested) (\d+) tokens(?: \((\d+) in the messages)?", re.I)
+
+
+def error_message(body: bytes, status: int, stage: str) -> tuple[str, str | None]:
+    """The worker's message and code from an OpenAI, TensorRT-LLM or FastAPI error body."""
+    message: str | None = None
+    code: str | None = None
+    try:
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            message, code = err.get("message"), err.get("code")
+        elif isinstance(err, str):
+            message = err
+        elif isinstance(data.get("message"), str):
+            message, code = data["message"], data.get("code")
+        elif isinstance(data.get("detail"), str):
+            message = data["detail"]
+    if not message:
+        message = f"{stage} worker rejected the request with status {status}"
+    return str(message), (str(code) if code is not None else None)
+
+
+def worker_error(status: int, body: bytes, stage: str, retry_after: float | None = None) -> WorkerError:
+    message, code = error_message(body, status, stage)
+    if status == 400 and (code == "context_length_exceeded" or _MAX_CONTEXT.search(message)):
+        maximum = _MAX_CONTEXT.search(message)
+        prompt = _PROMPT_TOKENS.search(message)
+        if maximum and prompt:
+            prompt_tokens = int(prompt.group(2) or prompt.group(1))
+            return ContextLengthExceeded(
+                message, stage=stage, prompt_tokens=prompt_tokens, max_context_tokens=int(maximum.group(1))
+            )
+    return WorkerError(status, message, stage=stage, code=code, retry_after=retry_after)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def _transport_error(exc: httpx.HTTPError, stage: str) -> WorkerError:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+        return WorkerError(504, f"the {stage} worker timed out", stage=stage, code="timeout")
+    return WorkerUnreachable(503, f"the {stage} worker could not be reached", stage=stage, code="unreachable")
+
+
+# --- calls ---------------------------------------------------------------------------------------
+
+
+async def post_json(
+    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None
+) -> dict[str, Any]:
+    """POST a JSON body and return the JSON answer; a non-2xx answer raises WorkerError."""
+    extra: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    try:
+        response = await http_client().post(url, content=orjson.dumps(body), headers=JSON_HEADERS, **extra)
+    except httpx.HTTPError as exc:
+        raise _transport_error(exc, stage) from None
+    if response.status_code >= 300:
+        raise worker_error(response.status_code, response.content, stage, _retry_after(response))
+    try:
+        data = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        raise WorkerError(502, f"the {stage} worker returned a malformed answer", stage=stage) from None
+    if not isinstance(data, dict):
+        raise WorkerError(502, f"the {stage} worker returned a malformed answer", stage=stage)
+    return data
+
+
+async def get_json(url: str, *, timeout: float, stage: str = "health") -> Any:
+    try:
+        response = await http_client().get(url, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise _transport_error(exc, stage) from None
+    if response.status_code >= 300:
+        raise worker_error(response.status_code, response.content, stage)
+    return orjson.loads(response.content) if response.content else None
+
+
+class ChunkStream:
+    """An open OpenAI chat stream: iterate parsed chunks until `[DONE]`; close it when done.
+
+    The response headers (status 200) have arrived when this exists. Iteration raises
+    `StreamBroken` if the stream ends without `[DONE]`, and `WorkerError` for an error frame.
+    """
+
+    def __init__(self, response: httpx.Response, stage: str) -> None:
+        self._response = response
+        self._stage = stage
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        buffer = b""
+        loads = orjson.loads
+        try:
+            async for raw in self._response.aiter_raw():
+                buffer += raw
+                # SSE lines end in \n; splitting bytes there never cuts a UTF-8 character in two.
+                if b"\n" not in raw:
+                    continue
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments, `event:` lines
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        self.finished = True
+                        return
+                    try:
+                        chunk = loads(payload)
+                    except orjson.JSONDecodeError:
+                        raise StreamBroken(502, "the generation worker sent a malformed stream chunk", stage=self._stage) from None
+                    if isinstance(chunk, dict) and "error" in chunk and "choices" not in chunk:
+                        raise self._error_frame(chunk)
+                    yield chunk
+        except httpx.HTTPError:
+            raise StreamBroken(
+                502, "the generation worker closed the stream before it was complete", stage=self._stage
+            ) from None
+        raise StreamBroken(502, "the generation worker closed the stream before it was complete", stage=self._stage)
+
+    def _error_frame(self, chunk: dict[str, Any]) -> WorkerError:
+        err = chunk["error"]
+        status = 500
+        if isinstance(err, dict) and isinstance(err.get("code"), int):
+            status = err["code"]
+        return worker_error(status, orjson.dumps(chunk), self._stage)
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+async def open_stream(url: str, body: dict[str, Any], *, stage: str) -> ChunkStream:
+    """POST a streamed chat request and wait for the response headers."""
+    client = http_client()
+    request = client.build_request("POST", url, content=orjson.dumps(body), headers=SSE_HEADERS)
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise _transport_error(exc, stage) from None
+    if response.status_code >= 300:
+        try:
+            content = await response.aread()
+        except httpx.HTTPError:
+            content = b""
+        finally:
+            await response.aclose()
+        raise worker_error(response.status_code, content, stage, _retry_after(response))
+    return ChunkStream(response, stage)

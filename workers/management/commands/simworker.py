@@ -1,0 +1,58 @@
+"""`manage.py simworker`: run one simulated TensorRT-LLM worker in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from workers.sim import ROLES, SimConfig, serve
+
+
+class Command(BaseCommand):
+    help = "Run a simulated TensorRT-LLM context or generation worker (a real HTTP server)."
+    # It touches neither the database nor the models; skip the checks to start fast.
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--role", required=True, choices=ROLES)
+        parser.add_argument("--port", required=True, type=int, help="0 picks a free port")
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--max-context-tokens", type=int, default=131072)
+        parser.add_argument(
+            "--tokens-per-second", type=float, default=200.0, help="0 streams unpaced"
+        )
+        parser.add_argument("--prefill-tokens-per-second", type=float, default=50000.0)
+        parser.add_argument(
+            "--kv-timeout", type=float, default=60.0,
+            help="seconds a handoff is held untaken, and a generation-first take waits",
+        )
+        parser.add_argument("--model", default="sim-model")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if not 0 <= options["port"] <= 65535:
+            raise CommandError("--port must be between 0 and 65535")
+        for name in ("tokens_per_second", "prefill_tokens_per_second", "kv_timeout"):
+            if options[name] < 0:
+                raise CommandError(f"--{name.replace('_', '-')} must not be negative")
+        if options["max_context_tokens"] < 1:
+            raise CommandError("--max-context-tokens must be at least 1")
+        config = SimConfig(
+            role=options["role"],
+            host=options["host"],
+            port=options["port"],
+            model=options["model"],
+            max_context_tokens=options["max_context_tokens"],
+            tokens_per_second=options["tokens_per_second"],
+            prefill_tokens_per_second=options["prefill_tokens_per_second"],
+            kv_timeout=options["kv_timeout"],
+        )
+
+        def announce(line: str) -> None:
+            self.stdout.write(line)
+            self.stdout.flush()
+
+        try:
+            serve(config, announce)
+        except OSError as exc:
+            raise CommandError(f"cannot listen on {options['host']}:{options['port']}: {exc}")

@@ -1,0 +1,179 @@
+"""The cluster as routing sees it: immutable snapshots of pools and endpoints, kept fresh from the
+database so that no request queries it.
+
+Each process reloads the (small) tables every `REGISTRY_REFRESH_INTERVAL_S` in a background task;
+an operator's change in the admin or through `register_worker` therefore reaches every gateway
+process within that interval plus one load, without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from django.db import close_old_connections
+from django.db.models import Count
+
+from workers.instance import GATEWAY_INSTANCE
+from workers.models import Reservation, Role, WorkerEndpoint, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointInfo:
+    id: int
+    pool_name: str
+    role: str
+    url: str
+    enabled: bool
+    draining: bool
+    healthy: bool
+    # Open reservations other gateway processes held at the last refresh (for least_loaded).
+    remote_open: int = 0
+
+    @property
+    def routable(self) -> bool:
+        """May take new requests (in-flight ones finish regardless)."""
+        return self.enabled and not self.draining and self.healthy
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    id: int
+    name: str
+    model: str
+    schedule_style: str
+    max_local_prefill_tokens: int
+    routing: str
+    protocol: str
+    created_at: datetime
+    endpoints: tuple[EndpointInfo, ...] = field(default_factory=tuple)
+
+    def endpoints_for(self, role: str) -> tuple[EndpointInfo, ...]:
+        return tuple(e for e in self.endpoints if e.role == role)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    pools: tuple[PoolInfo, ...]
+    loaded_at: float
+
+    def pool_for_model(self, model: str) -> PoolInfo | None:
+        for pool in self.pools:
+            if pool.model == model:
+                return pool
+        return None
+
+    @property
+    def models(self) -> list[str]:
+        return sorted({p.model for p in self.pools})
+
+
+def load_snapshot() -> ClusterSnapshot:
+    """Read pools and endpoints (synchronous; run it off the event loop)."""
+    endpoints_by_pool: dict[int, list[EndpointInfo]] = {}
+    pools = list(WorkerPool.objects.all().order_by("name"))
+    names = {p.id: p.name for p in pools}
+    remote_open = dict(
+        Reservation.objects.filter(released_at__isnull=True)
+        .exclude(gateway_instance=GATEWAY_INSTANCE)
+        .values_list("endpoint_id")
+        .annotate(n=Count("id"))
+    )
+    for e in WorkerEndpoint.objects.all().order_by("id"):
+        endpoints_by_pool.setdefault(e.pool_id, []).append(
+            EndpointInfo(
+                id=e.id,
+                pool_name=names.get(e.pool_id, ""),
+                role=e.role,
+                url=e.url.rstrip("/"),
+                enabled=e.enabled,
+                draining=e.draining,
+                healthy=e.healthy,
+                remote_open=remote_open.get(e.id, 0),
+            )
+        )
+    return ClusterSnapshot(
+        pools=tuple(
+            PoolInfo(
+                id=p.id,
+                name=p.name,
+                model=p.model,
+                schedule_style=p.schedule_style,
+                max_local_prefill_tokens=p.max_local_prefill_tokens,
+                routing=p.routing,
+                protocol=p.protocol,
+                created_at=p.created_at,
+                endpoints=tuple(endpoints_by_pool.get(p.id, ())),
+            )
+            for p in pools
+        ),
+        loaded_at=time.monotonic(),
+    )
+
+
+def _load_and_close() -> ClusterSnapshot:
+    try:
+        return load_snapshot()
+    finally:
+        close_old_connections()
+
+
+class Registry:
+    """Holds the current snapshot for this process and refreshes it in the background."""
+
+    def __init__(self, refresh_interval: float) -> None:
+        self.refresh_interval = refresh_interval
+        self._snapshot: ClusterSnapshot | None = None
+        self._refresher: asyncio.Task[None] | None = None
+        self._first_load: asyncio.Lock | None = None
+
+    async def snapshot(self) -> ClusterSnapshot:
+        self._ensure_refresher()
+        if self._snapshot is None:
+            if self._first_load is None:
+                self._first_load = asyncio.Lock()
+            async with self._first_load:
+                if self._snapshot is None:
+                    await self.refresh()
+        assert self._snapshot is not None
+        return self._snapshot
+
+    async def refresh(self) -> ClusterSnapshot:
+        # Not thread-sensitive: a reload must not queue behind other ORM work on the shared thread.
+        self._snapshot = await sync_to_async(_load_and_close, thread_sensitive=False)()
+        return self._snapshot
+
+    def _ensure_refresher(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._refresher is not None and not self._refresher.done() and self._refresher.get_loop() is loop:
+            return
+        self._refresher = loop.create_task(self._refresh_forever(), name="registry-refresh")
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval)
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("registry refresh failed; keeping the previous snapshot")
+
+
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    global _registry
+    if _registry is None:
+        _registry = Registry(settings.REGISTRY_REFRESH_INTERVAL_S)
+    return _registry
+
+
+__all__ = ["ClusterSnapshot", "EndpointInfo", "PoolInfo", "Registry", "Role", "get_registry", "load_snapshot"]

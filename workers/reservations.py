@@ -1,0 +1,100 @@
+"""Reservations: capacity held on an endpoint for one stage of one request.
+
+A reservation is taken before its worker is called and released exactly once, whichever path
+ends the request; `release` is idempotent and a second call is counted, not applied. The open
+count per endpoint lives in memory (routing reads it on every request); the row is written through
+the background writer so operators and crash recovery can see it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from workers.instance import GATEWAY_INSTANCE
+from workers.models import Outcome, Reservation as ReservationRow
+from workers.registry import EndpointInfo
+from workers.writer import get_writer
+
+
+
+class ReservationLedger:
+    """Open reservations of this process, by endpoint."""
+
+    def __init__(self) -> None:
+        self.open_by_endpoint: Counter[int] = Counter()
+        self.reserved_total = 0
+        self.released_total = 0
+        self.duplicate_releases = 0
+
+    def open_count(self, endpoint_id: int) -> int:
+        return self.open_by_endpoint.get(endpoint_id, 0)
+
+    @property
+    def open_total(self) -> int:
+        return self.reserved_total - self.released_total
+
+
+ledger = ReservationLedger()
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    request_id: str
+    endpoint: EndpointInfo
+    stage: str
+    reservation_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    reserved_at: datetime = field(default_factory=_now)
+    released_at: datetime | None = None
+    outcome: str = ""
+
+    @classmethod
+    def take(cls, request_id: str, endpoint: EndpointInfo, stage: str) -> Reservation:
+        reservation = cls(request_id=request_id, endpoint=endpoint, stage=stage)
+        ledger.open_by_endpoint[endpoint.id] += 1
+        ledger.reserved_total += 1
+        reservation._persist()
+        return reservation
+
+    @property
+    def released(self) -> bool:
+        return self.released_at is not None
+
+    def release(self, outcome: str) -> bool:
+        """Release once; returns False (and counts it) if it was already released."""
+        if self.released_at is not None:
+            ledger.duplicate_releases += 1
+            return False
+        assert outcome in Outcome.values, outcome
+        self.released_at = _now()
+        self.outcome = outcome
+        ledger.open_by_endpoint[self.endpoint.id] -= 1
+        if ledger.open_by_endpoint[self.endpoint.id] <= 0:
+            del ledger.open_by_endpoint[self.endpoint.id]
+        ledger.released_total += 1
+        self._persist()
+        return True
+
+    def _persist(self) -> None:
+        get_writer().upsert(
+            ReservationRow,
+            "reservation_id",
+            {
+                "reservation_id": self.reservation_id,
+                "request_id": self.request_id,
+                "endpoint_id": self.endpoint.id,
+                "endpoint_url": self.endpoint.url,
+                "pool_name": self.endpoint.pool_name,
+                "stage": self.stage,
+                "gateway_instance": GATEWAY_INSTANCE,
+                "reserved_at": self.reserved_at,
+                "released_at": self.released_at,
+                "outcome": self.outcome,
+            },
+        )

@@ -1,0 +1,76 @@
+"""Picks an endpoint for a stage of a request, by the pool's routing policy, and reserves it.
+
+Routing reads only memory: the registry snapshot and this process's open reservations (plus, for
+`least_loaded`, the other processes' open reservations as of the last registry refresh).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable, Iterable
+
+from workers.errors import NoEndpointAvailable
+from workers.models import RoutingPolicy
+from workers.registry import EndpointInfo, PoolInfo
+from workers.reservations import Reservation, ledger
+
+Policy = Callable[[PoolInfo, str, list[EndpointInfo], str | None], EndpointInfo]
+
+_round_robin_counters: dict[tuple[str, str], itertools.count[int]] = {}
+
+
+def _round_robin(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
+    counter = _round_robin_counters.setdefault((pool.name, role), itertools.count())
+    return candidates[next(counter) % len(candidates)]
+
+
+def _load(endpoint: EndpointInfo) -> int:
+    return ledger.open_count(endpoint.id) + endpoint.remote_open
+
+
+def _least_loaded(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
+    # Ties go round robin so that an idle pool still spreads its work.
+    lowest = min(_load(e) for e in candidates)
+    tied = [e for e in candidates if _load(e) == lowest]
+    return _round_robin(pool, role, tied, session)
+
+
+def _session_affinity(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
+    if not session:
+        return _least_loaded(pool, role, candidates, session)
+    # Rendezvous hashing: a session stays on its endpoint while that endpoint is routable, and
+    # only the sessions of an endpoint that leaves move.
+    return max(candidates, key=lambda e: hashlib.blake2b(f"{session}|{e.url}".encode(), digest_size=8).digest())
+
+
+POLICIES: dict[str, Policy] = {
+    RoutingPolicy.ROUND_ROBIN: _round_robin,
+    RoutingPolicy.LEAST_LOADED: _least_loaded,
+    RoutingPolicy.SESSION_AFFINITY: _session_affinity,
+}
+
+
+def reserve(
+    pool: PoolInfo,
+    role: str,
+    request_id: str,
+    *,
+    session: str | None = None,
+    exclude: Iterable[str] = (),
+) -> Reservation:
+    """Reserve a routable endpoint of `role` in `pool`, or raise NoEndpointAvailable."""
+    excluded = set(exclude)
+    candidates = [e for e in pool.endpoints if e.role == role and e.routable and e.url not in excluded]
+    if not candidates:
+        raise NoEndpointAvailable(
+            503,
+            f"no {role} worker is available for model {pool.model!r}",
+            stage=role,
+            code="no_endpoint",
+            retry_after=1.0,
+        )
+    policy = POLICIES.get(pool.routing, _round_robin)
+    # Routing policy sees the stage's role; affinity matters most for generation (its KV cache).
+    endpoint = policy(pool, role, candidates, session if role == "generation" else None)
+    return Reservation.take(request_id, endpoint, role)

@@ -1,0 +1,216 @@
+"""The simulated worker's ASGI application: routing, stats and the sim-only routes.
+
+Routes:
+    GET  /health               {"status": "ok"}
+    GET  /v1/models            the one model, with max_model_len
+    POST /v1/chat/completions  see chat.py
+    POST /tokenize             vLLM's shape: {"count", "tokens", "max_model_len"}
+    GET  /sim/stats            counters (stats.py) plus the handoff gauges
+    POST /sim/reset            zeroes counters and the request log; held handoffs stay
+    GET  /sim/requests         the last 200 chat request bodies, newest last
+    POST /sim/kv/take          context workers only: hand a KV handoff to a generation worker
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from .asgi import (
+    ClientDisconnected,
+    Disconnected,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    run_until_disconnect,
+    send_error,
+    send_json,
+)
+from .chat import ChatCompletions
+from .config import SimConfig
+from .errors import SimError, SimulatedDrop
+from .handoffs import HandoffStore
+from .stats import Outcome, RequestLog, Stats
+from .tokenizer import tokenize, tokenize_chat
+from .transfer import TAKE_PATH, TAKE_STATUS_CODES, KvPuller
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def public_url(config: SimConfig) -> str:
+    """The address other processes reach this worker at (wildcard binds become loopback)."""
+    host = config.host
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.port}"
+
+
+async def _json_body(receive: Receive) -> Any:
+    try:
+        return orjson.loads(await read_body(receive))
+    except orjson.JSONDecodeError:
+        raise SimError(400, "request body is not valid JSON") from None
+
+
+class SimApp:
+    """One simulated worker. `config.port` must be the real, bound port."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.url = public_url(config)
+        self.stats = Stats()
+        self.log = RequestLog()
+        self.handoffs = HandoffStore(config.kv_timeout)
+        self.puller = KvPuller()
+        self.chat = ChatCompletions(config, self.url, self.log, self.handoffs, self.puller)
+        self._models = orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": config.model,
+                        "object": "model",
+                        "owned_by": "sim",
+                        "max_model_len": config.max_context_tokens,
+                    }
+                ],
+            }
+        )
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("GET", "/health"): self._health,
+            ("GET", "/v1/models"): self._list_models,
+            ("POST", "/v1/chat/completions"): self._chat_completions,
+            ("POST", "/tokenize"): self._tokenize,
+            ("GET", "/sim/stats"): self._stats,
+            ("POST", "/sim/reset"): self._reset,
+            ("GET", "/sim/requests"): self._requests,
+            ("POST", TAKE_PATH): self._take,
+        }
+        self._paths = {path for _, path in self._routes}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            handler = self._routes.get((scope["method"], scope["path"]))
+            if handler is not None:
+                try:
+                    await handler(scope, receive, send)
+                except ClientDisconnected:
+                    pass
+                except SimError as error:
+                    await send_error(send, error)
+            elif scope["path"] in self._paths:
+                await send_error(send, SimError(405, "Method Not Allowed"))
+            else:
+                await send_error(send, SimError(404, f"Not Found: {scope['path']}"))
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.puller.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.stats.start()
+        outcome = Outcome.FAILED
+        try:
+            try:
+                body = await read_body(receive)
+            except ClientDisconnected:
+                outcome = Outcome.ABORTED
+                return
+            result = await run_until_disconnect(receive, self.chat.handle(body, send))
+            outcome = Outcome.ABORTED if isinstance(result, Disconnected) else result
+        except SimulatedDrop:
+            # Re-raised on purpose: uvicorn then closes the connection mid-body.
+            outcome = Outcome.FAILED
+            raise
+        finally:
+            self.stats.finish(outcome)
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"status": "ok"})
+
+    async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, orjson.Fragment(self._models))
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(receive)
+        if isinstance(body, dict) and isinstance(body.get("messages"), list):
+            tokens = tokenize_chat(body["messages"], body.get("tools"))
+        elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            tokens = tokenize(body["prompt"])
+        else:
+            raise SimError(400, "tokenize needs either messages (a list) or prompt (a string)")
+        await send_json(
+            send,
+            200,
+            {"count": len(tokens), "tokens": tokens, "max_model_len": self.config.max_context_tokens},
+        )
+
+    async def _stats(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(
+            send,
+            200,
+            {
+                "role": self.config.role,
+                "model": self.config.model,
+                **self.stats.snapshot(),
+                "kv_held": self.handoffs.held,
+                "kv_taken": self.handoffs.taken,
+                "kv_expired": self.handoffs.expired,
+                "kv_waiting": self.handoffs.waiting,
+            },
+        )
+
+    async def _reset(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.stats.reset()
+        self.handoffs.reset_counters()
+        self.log.clear()
+        await send_json(send, 200, {"status": "ok"})
+
+    async def _requests(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.log.bodies())
+
+    async def _take(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(receive)
+        if self.config.role != "context":
+            raise SimError(404, "only a context worker holds KV handoffs")
+        if not isinstance(body, dict):
+            raise SimError(400, "take body must be a JSON object")
+        handoff_id = body.get("ctx_request_id")
+        state = body.get("encoded_opaque_state")
+        wait_s = body.get("wait_s") or 0.0
+        if not isinstance(handoff_id, int) or isinstance(handoff_id, bool):
+            raise SimError(400, "ctx_request_id must be an integer")
+        if state is not None and not isinstance(state, str):
+            raise SimError(400, "encoded_opaque_state must be a string or null")
+        if not isinstance(wait_s, (int, float)) or wait_s < 0:
+            raise SimError(400, "wait_s must be a non-negative number")
+        # A generation-first take can wait a long time: if its caller goes, stop waiting.
+        result = await run_until_disconnect(
+            receive, self.handoffs.take(handoff_id, state, float(wait_s))
+        )
+        if isinstance(result, Disconnected):
+            return
+        answer: dict[str, Any] = {
+            "status": result.status,
+            "message": result.message,
+            "ctx_request_id": handoff_id,
+        }
+        if result.handoff is not None:
+            answer["prompt_tokens"] = result.handoff.prompt_tokens
+            answer["first_gen_tokens"] = result.handoff.first_gen_tokens
+        await send_json(send, TAKE_STATUS_CODES[result.status], answer)

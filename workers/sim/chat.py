@@ -1,0 +1,191 @@
+"""/v1/chat/completions: the context-only, generation-only and aggregated paths."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from .asgi import Send, send_bytes, send_error
+from .config import SimConfig
+from .emit import EmitOptions, respond, stream
+from .errors import SimError, context_length_exceeded
+from .handoffs import HandoffStore
+from .output import plan_generation, prompt_seed
+from .schema import ChatRequest, parse_chat_request
+from .stats import Outcome, RequestLog
+from .tokenizer import VOCAB_SIZE, tokenize_chat
+from .transfer import KvPuller
+from .wire import context_only_completion
+
+
+def _context_id_of(payload: Any) -> int | None:
+    """The handoff id of a context_only body, read leniently (for failure bookkeeping)."""
+    if not isinstance(payload, Mapping):
+        return None
+    params = payload.get("disaggregated_params")
+    if not isinstance(params, Mapping) or params.get("request_type") != "context_only":
+        return None
+    value = params.get("disagg_request_id", params.get("ctx_request_id"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class ChatCompletions:
+    """Answers one chat request; run it under `run_until_disconnect` so aborts cancel it."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        public_url: str,
+        log: RequestLog,
+        handoffs: HandoffStore,
+        puller: KvPuller,
+    ) -> None:
+        self.config = config
+        self.public_url = public_url
+        self.log = log
+        self.handoffs = handoffs
+        self.puller = puller
+
+    async def handle(self, body: bytes, send: Send) -> Outcome:
+        """Answers the request; returns FAILED when the answer was an error status."""
+        try:
+            await self._dispatch(body, send)
+        except SimError as error:
+            await send_error(send, error)
+            return Outcome.FAILED
+        return Outcome.COMPLETED
+
+    async def _dispatch(self, body: bytes, send: Send) -> None:
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise SimError(400, "request body is not valid JSON") from None
+        self.log.append(payload)
+        try:
+            request = parse_chat_request(payload)
+        except SimError as error:
+            if (context_id := _context_id_of(payload)) is not None:
+                self.handoffs.fail(context_id, f"{error.message} (HTTP {error.status})")
+            raise
+        kind = request.request_type
+        role = self.config.role
+        if kind == "context_only" and role == "context":
+            await self._context_only(request, send)
+        elif kind == "generation_only" and role == "generation":
+            await self._generation_only(request, send)
+        elif kind == "plain":
+            await self._aggregated(request, send)
+        else:
+            raise SimError(
+                400, f"a {role} worker cannot serve request_type {kind}",
+                param="disaggregated_params",
+            )
+
+    def _prompt_ids(self, request: ChatRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        return tokenize_chat(request.messages, request.tools)
+
+    def _check_length(self, prompt_tokens: int) -> None:
+        if prompt_tokens > self.config.max_context_tokens:
+            raise context_length_exceeded(self.config.max_context_tokens, prompt_tokens)
+
+    async def _prefill(self, request: ChatRequest, prompt_tokens: int) -> None:
+        delay = self.config.prefill_seconds(prompt_tokens) + request.directives.context_delay
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _context_only(self, request: ChatRequest, send: Send) -> None:
+        assert request.disagg is not None
+        handoff_id = request.disagg.disagg_request_id
+        if handoff_id is None:
+            handoff_id = request.disagg.ctx_request_id
+        if handoff_id is None:
+            raise SimError(
+                400, "context_only request carries no disagg_request_id",
+                param="disaggregated_params",
+            )
+        try:
+            prompt_ids = self._prompt_ids(request)
+            self._check_length(len(prompt_ids))
+            await self._prefill(request, len(prompt_ids))
+            if request.directives.context_status is not None:
+                raise SimError.simulated(request.directives.context_status)
+            first_gen_tokens = [prompt_seed(prompt_ids) % VOCAB_SIZE]
+            state = self.handoffs.issue(handoff_id, len(prompt_ids), first_gen_tokens)
+            body = context_only_completion(
+                self.config.model,
+                prompt_token_ids=prompt_ids,
+                disaggregated_params={
+                    "request_type": "context_only",
+                    "first_gen_tokens": first_gen_tokens,
+                    "ctx_request_id": handoff_id,
+                    "disagg_request_id": handoff_id,
+                    "encoded_opaque_state": state,
+                    "ctx_info_endpoint": self.public_url,
+                },
+            )
+            await send_bytes(send, 200, body)
+        except SimError as error:
+            # A generation-first taker waiting on this id must fail now, not at its timeout.
+            self.handoffs.fail(handoff_id, f"{error.message} (HTTP {error.status})")
+            raise
+        except asyncio.CancelledError:
+            # The client left: no handoff (a held one is dropped, not leaked).
+            self.handoffs.fail(handoff_id, "its client aborted the request")
+            raise
+
+    async def _generation_only(self, request: ChatRequest, send: Send) -> None:
+        assert request.disagg is not None
+        prompt_ids = self._prompt_ids(request)
+        self._check_length(len(prompt_ids))
+        taken = await self.puller.pull(request.disagg, wait_s=self.config.kv_timeout)
+        # The KV that arrived is the context worker's prompt: ids that disagree with it
+        # would decode garbage on a real worker, so refuse them.
+        kv_tokens = taken.get("prompt_tokens")
+        if not isinstance(kv_tokens, int):
+            kv_tokens = len(prompt_ids)
+        if request.prompt_token_ids is not None and kv_tokens != len(prompt_ids):
+            raise SimError(
+                400,
+                f"prompt_token_ids has {len(prompt_ids)} tokens but the context phase "
+                f"prefilled {kv_tokens}",
+                param="prompt_token_ids",
+            )
+        await self._generate(request, prompt_ids, kv_tokens, send)
+
+    async def _aggregated(self, request: ChatRequest, send: Send) -> None:
+        prompt_ids = self._prompt_ids(request)
+        self._check_length(len(prompt_ids))
+        await self._prefill(request, len(prompt_ids))
+        await self._generate(request, prompt_ids, len(prompt_ids), send)
+
+    async def _generate(
+        self, request: ChatRequest, prompt_ids: list[int], prompt_tokens: int, send: Send
+    ) -> None:
+        directives = request.directives
+        if directives.gen_delay > 0:
+            await asyncio.sleep(directives.gen_delay)
+        if directives.gen_status is not None:
+            raise SimError.simulated(directives.gen_status)
+        limit = request.max_tokens
+        if limit is None:
+            limit = max(self.config.max_context_tokens - prompt_tokens, 0)
+        generation = plan_generation(
+            prompt_ids, directives, tools=request.tools, limit=limit, stop=request.stop
+        )
+        options = EmitOptions(
+            model=self.config.model,
+            prompt_tokens=prompt_tokens,
+            interval=self.config.token_interval,
+            include_usage=request.include_usage,
+            continuous_usage=request.continuous_usage,
+            fail_after=directives.gen_fail_after,
+        )
+        if request.stream:
+            await stream(send, generation, options)
+        else:
+            await respond(send, generation, options)

@@ -1,0 +1,131 @@
+"""The parts of an OpenAI chat request the simulator acts on, validated once on arrival."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .directives import Directives, parse_messages
+from .errors import SimError
+
+RequestType = Literal["plain", "context_only", "generation_only"]
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggParams:
+    """`disaggregated_params` as TensorRT-LLM sends them (only the fields the sim uses)."""
+
+    request_type: RequestType
+    disagg_request_id: int | None
+    ctx_request_id: int | None
+    encoded_opaque_state: str | None
+    ctx_info_endpoint: str | None
+    schedule_style: str | None
+
+    @property
+    def handoff_id(self) -> int | None:
+        """The id a handoff is filed under: ctx_request_id, falling back to disagg_request_id."""
+        return self.ctx_request_id if self.ctx_request_id is not None else self.disagg_request_id
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    messages: list[Any]
+    tools: list[Any] | None
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    stop: tuple[str, ...]
+    disagg: DisaggParams | None
+    prompt_token_ids: list[int] | None
+    directives: Directives
+
+    @property
+    def request_type(self) -> RequestType:
+        return self.disagg.request_type if self.disagg else "plain"
+
+
+def _bad(message: str, param: str | None = None) -> SimError:
+    return SimError(400, message, param=param)
+
+
+def _optional_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{name} must be an integer", name)
+    return value
+
+
+def _optional_str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def parse_disagg(raw: Any) -> DisaggParams | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise _bad("disaggregated_params must be an object", "disaggregated_params")
+    request_type = raw.get("request_type")
+    if request_type in (None, "context_and_generation"):
+        return None
+    if request_type not in ("context_only", "generation_only"):
+        raise _bad(f"unknown request_type {request_type!r}", "disaggregated_params")
+    endpoint = raw.get("ctx_info_endpoint")
+    if isinstance(endpoint, list):  # TensorRT-LLM sometimes carries a list; the first one counts
+        endpoint = endpoint[0] if endpoint else None
+    return DisaggParams(
+        request_type=request_type,
+        disagg_request_id=_optional_int(raw.get("disagg_request_id"), "disagg_request_id"),
+        ctx_request_id=_optional_int(raw.get("ctx_request_id"), "ctx_request_id"),
+        encoded_opaque_state=_optional_str(raw.get("encoded_opaque_state")),
+        ctx_info_endpoint=_optional_str(endpoint),
+        schedule_style=_optional_str(raw.get("schedule_style")),
+    )
+
+
+def _stop_strings(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        return (raw,) if raw else ()
+    if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
+        return tuple(s for s in raw if s)
+    raise _bad("stop must be a string or a list of strings", "stop")
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a /v1/chat/completions body; raises SimError(400) on a malformed one."""
+    if not isinstance(body, Mapping):
+        raise _bad("request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise _bad("messages must be a list", "messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("tools must be a list", "tools")
+    max_tokens = _optional_int(body.get("max_completion_tokens"), "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _optional_int(body.get("max_tokens"), "max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise _bad("max_tokens must be at least 1", "max_tokens")
+    prompt_token_ids = body.get("prompt_token_ids")
+    if prompt_token_ids is not None and not isinstance(prompt_token_ids, list):
+        raise _bad("prompt_token_ids must be a list of integers", "prompt_token_ids")
+    options = body.get("stream_options")
+    options = options if isinstance(options, Mapping) else {}
+    include_usage = bool(options.get("include_usage"))
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        max_tokens=max_tokens,
+        stream=bool(body.get("stream")),
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
+        stop=_stop_strings(body.get("stop")),
+        disagg=parse_disagg(body.get("disaggregated_params")),
+        prompt_token_ids=prompt_token_ids,
+        directives=parse_messages(messages),
+    )

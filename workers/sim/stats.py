@@ -1,0 +1,69 @@
+"""What the worker saw: request outcome counters and the last request bodies."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import Any
+
+
+class Outcome(enum.Enum):
+    """How a /v1/chat/completions request ended; each request ends in exactly one."""
+
+    COMPLETED = "completed"  # the whole answer was sent
+    ABORTED = "aborted"  # the client closed the connection before the answer ended
+    FAILED = "failed"  # answered with an error status, or dropped by a fault
+
+
+class Stats:
+    """Counters for /sim/stats. `active` is a gauge, so `reset()` leaves it alone."""
+
+    __slots__ = ("received", "completed", "aborted", "failed", "active")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.received = 0
+        self.completed = 0
+        self.aborted = 0
+        self.failed = 0
+
+    def start(self) -> None:
+        self.received += 1
+        self.active += 1
+
+    def finish(self, outcome: Outcome) -> None:
+        self.active -= 1
+        if outcome is Outcome.COMPLETED:
+            self.completed += 1
+        elif outcome is Outcome.ABORTED:
+            self.aborted += 1
+        else:
+            self.failed += 1
+
+    def snapshot(self) -> dict[str, int]:
+        return {
+            "received": self.received,
+            "completed": self.completed,
+            "aborted": self.aborted,
+            "failed": self.failed,
+            "active": self.active,
+        }
+
+
+class RequestLog:
+    """The last `size` chat request bodies, oldest first, so tests can see what was sent."""
+
+    def __init__(self, size: int = 200) -> None:
+        self._bodies: deque[Any] = deque(maxlen=size)
+
+    def append(self, body: Any) -> None:
+        self._bodies.append(body)
+
+    def bodies(self) -> list[Any]:
+        return list(self._bodies)
+
+    def clear(self) -> None:
+        self._bodies.clear()

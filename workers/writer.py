@@ -1,0 +1,146 @@
+"""A background writer that keeps database rows off the request's path.
+
+Requests hand it the current state of a row (`upsert`); one thread per process writes batches in a
+single transaction, each row once per batch with its latest state (`bulk_create` with
+`update_conflicts`). A request therefore never waits on the database, and the ORM's single shared
+async thread is never busy with audit writes.
+
+The cost is a window of at most `AUDIT_FLUSH_INTERVAL_S` (plus the write itself) in which a row is
+only in memory: a process killed in that window loses it. Crash recovery closes what did reach the
+database; a reservation that never did was never visible to another process either.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import Any
+
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from django.db.models import Model
+
+logger = logging.getLogger(__name__)
+
+RowKey = tuple[type[Model], str]
+
+
+class RowWriter:
+    def __init__(self, flush_interval: float) -> None:
+        self.flush_interval = flush_interval
+        self._pending: dict[RowKey, dict[str, Any]] = {}
+        self._unique_field: dict[type[Model], str] = {}
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.rows_written = 0
+        self.batches_written = 0
+        self.write_errors = 0
+
+    def upsert(self, model: type[Model], unique_field: str, values: dict[str, Any]) -> None:
+        """Queue the current state of one row, identified by `values[unique_field]`."""
+        key = (model, str(values[unique_field]))
+        with self._lock:
+            self._unique_field[model] = unique_field
+            previous = self._pending.get(key)
+            if previous is None:
+                self._pending[key] = dict(values)
+            else:
+                previous.update(values)
+            self._ensure_thread()
+        self._wakeup.set()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Block until everything queued so far is written (tests, shutdown). Not for async code."""
+        deadline = time.monotonic() + timeout
+        self._wakeup.set()
+        with self._lock:
+            while self._pending or self._in_flight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._wakeup.set()
+                self._idle.wait(remaining)
+        return True
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="row-writer", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wakeup.wait(timeout=1.0)
+            self._wakeup.clear()
+            # Let a burst accumulate into one transaction.
+            time.sleep(self.flush_interval)
+            with self._lock:
+                batch, self._pending = self._pending, {}
+                self._in_flight = len(batch)
+            if batch:
+                self._write(batch)
+            with self._lock:
+                self._in_flight = 0
+                self._idle.notify_all()
+                if self._stopping and not self._pending:
+                    return
+
+    def _write(self, batch: dict[RowKey, dict[str, Any]]) -> None:
+        by_model: dict[type[Model], list[dict[str, Any]]] = {}
+        for (model, _), values in batch.items():
+            by_model.setdefault(model, []).append(values)
+        for attempt in range(3):
+            try:
+                close_old_connections()
+                with transaction.atomic():
+                    for model, rows in by_model.items():
+                        self._upsert_rows(model, rows)
+                self.rows_written += len(batch)
+                self.batches_written += 1
+                return
+            except Exception:  # the writer must survive a database hiccup
+                self.write_errors += 1
+                logger.exception("row writer: batch of %d rows failed (attempt %d)", len(batch), attempt + 1)
+                connection.close()
+                time.sleep(0.2 * (attempt + 1))
+
+    def _upsert_rows(self, model: type[Model], rows: list[dict[str, Any]]) -> None:
+        unique_field = self._unique_field[model]
+        # Rows of one model may carry different field sets (a start and an end); group by shape.
+        by_shape: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for row in rows:
+            by_shape.setdefault(tuple(sorted(row)), []).append(row)
+        for shape, same in by_shape.items():
+            update_fields = [f for f in shape if f != unique_field]
+            objs = [model(**row) for row in same]
+            if update_fields:
+                model.objects.bulk_create(
+                    objs, update_conflicts=True, unique_fields=[unique_field], update_fields=update_fields
+                )
+            else:
+                model.objects.bulk_create(objs, ignore_conflicts=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+        self.flush()
+
+
+_writer: RowWriter | None = None
+_writer_lock = threading.Lock()
+
+
+def get_writer() -> RowWriter:
+    global _writer
+    if _writer is None:
+        with _writer_lock:
+            if _writer is None:
+                _writer = RowWriter(getattr(settings, "AUDIT_FLUSH_INTERVAL_S", 0.05))
+                atexit.register(_writer.close)
+    return _writer
+
