@@ -1,174 +1,19 @@
-"""Starting simulated TensorRT-LLM workers as real processes, for tests.
+"""Simulated workers as real processes, for tests: `workers.sim.process` under the test settings.
 
-Each worker is `manage.py simworker` in its own process on a free port::
-
-    import pytest
-    from tests.simworkers import SimWorker, start_simworker
-
-    @pytest.fixture(scope="module")
-    def ctx_worker():
-        worker = start_simworker("context", kv_timeout=5)
-        yield worker
-        worker.stop()
-
-    def test_something(ctx_worker: SimWorker) -> None:
-        ctx_worker.reset()
-        ...  # drive the gateway, which calls ctx_worker.url
-        ctx_worker.wait_for(lambda s: s["completed"] == 1)
-
-Options are the command's flags with underscores: `tokens_per_second=0` becomes
-`--tokens-per-second 0`. Workers still running when the interpreter exits are stopped.
+    worker = start_simworker("context", kv_timeout=5)
+    ...  # drive the gateway, which calls worker.url
+    worker.wait_for(lambda s: s["completed"] == 1)
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import queue
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import httpx
+from workers.sim.process import SimWorker
+from workers.sim.process import start_simworker as _start
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-STARTUP_TIMEOUT_S = 20.0
-_LISTENING = " listening on "
-
-_running: set[SimWorker] = set()
-
-
-@dataclass(eq=False)
-class SimWorker:
-    """A running simulated worker process."""
-
-    role: str
-    host: str
-    port: int
-    process: subprocess.Popen[str] = field(repr=False)
-    _reader: threading.Thread | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    def _get(self, path: str) -> Any:
-        response = httpx.get(self.url + path, timeout=5.0, trust_env=False)
-        response.raise_for_status()
-        return response.json()
-
-    def stats(self) -> dict[str, Any]:
-        """The worker's /sim/stats."""
-        result: dict[str, Any] = self._get("/sim/stats")
-        return result
-
-    def requests(self) -> list[dict[str, Any]]:
-        """The last 200 chat request bodies the worker received, newest last."""
-        result: list[dict[str, Any]] = self._get("/sim/requests")
-        return result
-
-    def reset(self) -> None:
-        """Zeroes the counters and the request log (held KV handoffs stay)."""
-        httpx.post(self.url + "/sim/reset", timeout=5.0, trust_env=False).raise_for_status()
-
-    def wait_for(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0
-    ) -> dict[str, Any]:
-        """Polls stats until `predicate(stats)` holds; returns them, or raises AssertionError."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if predicate(stats):
-                return stats
-            if time.monotonic() >= deadline:
-                raise AssertionError(
-                    f"{self.role} worker at {self.url}: condition not met within {timeout}s; "
-                    f"last stats: {stats}"
-                )
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        """Terminates the process, killing it if it has not exited within 5 s."""
-        _running.discard(self)
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._reader is not None:
-            self._reader.join(timeout=2.0)  # it closes stdout once it reads EOF
-
-    def __enter__(self) -> SimWorker:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
-def _command(role: str, host: str, options: dict[str, Any]) -> list[str]:
-    args = [sys.executable, "manage.py", "simworker", "--role", role, "--host", host, "--port", "0"]
-    for name, value in options.items():
-        if value is not None:
-            args += [f"--{name.replace('_', '-')}", str(value)]
-    return args
-
-
-def _read_lines(stream: Any, lines: queue.Queue[str | None]) -> None:
-    # Keeps draining stdout after the listening line so the worker never blocks on a full pipe.
-    with stream:
-        for line in stream:
-            lines.put(line)
-    lines.put(None)
+__all__ = ["SimWorker", "start_simworker"]
 
 
 def start_simworker(role: str, *, host: str = "127.0.0.1", **options: Any) -> SimWorker:
-    """Starts `manage.py simworker --role ROLE --port 0` and waits until it listens."""
-    env = dict(os.environ)
-    env["DJANGO_SETTINGS_MODULE"] = "disagg_project.test_settings"
-    env["PYTHONUNBUFFERED"] = "1"
-    process = subprocess.Popen(
-        _command(role, host, options),
-        cwd=PROJECT_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    seen: list[str] = []
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            line = lines.get(timeout=max(remaining, 0.0)) if remaining > 0 else None
-        except queue.Empty:
-            line = None
-        if line is not None and _LISTENING in line:
-            port = int(line.strip().rsplit(":", 1)[1])
-            worker = SimWorker(role=role, host=host, port=port, process=process, _reader=reader)
-            _running.add(worker)
-            return worker
-        if line is not None:
-            seen.append(line)
-            continue
-        process.kill()
-        process.wait()
-        raise RuntimeError(
-            f"simworker {role} did not start (exit code {process.returncode}); "
-            f"stdout: {''.join(seen)!r}"
-        )
-
-
-@atexit.register
-def _stop_all() -> None:
-    for worker in list(_running):
-        worker.stop()
+    return _start(role, host=host, env={"DJANGO_SETTINGS_MODULE": "disagg_project.test_settings"}, **options)

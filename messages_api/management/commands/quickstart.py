@@ -1,0 +1,77 @@
+"""`manage.py quickstart`: what `make run` runs after migrating.
+
+When no real worker is registered it starts a simulated context and generation worker and
+registers them (pool `local-sim`, model `sim-model`); it rotates the `make-run` API key and prints
+it with a ready-to-paste curl line; then it serves the gateway with daphne in this process. The
+simulated workers stop when the gateway does.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from daphne.cli import CommandLineInterface
+from django.core.management.base import BaseCommand, CommandParser
+
+from messages_api.auth import create_api_key
+from messages_api.models import ApiKey
+from workers.models import Role, WorkerEndpoint, WorkerPool
+from workers.sim.process import SimWorker, start_simworker
+
+SIM_POOL = "local-sim"
+SIM_MODEL = "sim-model"
+KEY_NAME = "make-run"
+
+
+class Command(BaseCommand):
+    help = "Serve the gateway on a fresh machine: simulated workers if none are registered, a key, daphne."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--context-port", type=int, default=8101, help="simulated context worker")
+        parser.add_argument("--generation-port", type=int, default=8102, help="simulated generation worker")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        model = self._workers(options)
+        key = self._rotate_key()
+        base = f"http://{options['host']}:{options['port']}"
+        body = '{"model":"%s","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"Hello!"}]}' % model
+        self.stdout.write(
+            "\nThe gateway is starting on %s\n\nAPI key (shown once): %s\n\nTry it:\n"
+            "  curl -sN %s/v1/messages -H %s -H 'anthropic-version: 2023-06-01' "
+            "-H 'content-type: application/json' -d %s\n\n"
+            "Claude Code:\n  ANTHROPIC_BASE_URL=%s ANTHROPIC_API_KEY=%s ANTHROPIC_MODEL=%s claude\n\n"
+            "Admin: %s/admin/ (create a user with `manage.py createsuperuser`)\n"
+            % (base, key, base, shlex.quote(f"x-api-key: {key}"), shlex.quote(body), base, key, model, base)
+        )
+        self.stdout.flush()
+        CommandLineInterface().run(["-b", options["host"], "-p", str(options["port"]), "disagg_project.asgi:application"])
+
+    def _workers(self, options: dict[str, Any]) -> str:
+        real = WorkerEndpoint.objects.exclude(pool__name=SIM_POOL)
+        if real.exists():
+            pool = real.first().pool
+            self.stdout.write(f"Using the registered workers (pool {pool.name}, model {pool.model}).")
+            return pool.model
+        context = self._start("context", options["context_port"])
+        generation = self._start("generation", options["generation_port"])
+        pool, _ = WorkerPool.objects.get_or_create(name=SIM_POOL, defaults={"model": SIM_MODEL})
+        # The simulated workers may land on other ports than last time: register what runs now.
+        pool.endpoints.all().delete()
+        WorkerEndpoint.objects.create(pool=pool, role=Role.CONTEXT, url=context.url)
+        WorkerEndpoint.objects.create(pool=pool, role=Role.GENERATION, url=generation.url)
+        self.stdout.write(f"Started simulated workers: context {context.url}, generation {generation.url} (pool {SIM_POOL}).")
+        return pool.model
+
+    def _start(self, role: str, port: int) -> SimWorker:
+        try:
+            return start_simworker(role, port=port)
+        except RuntimeError:
+            return start_simworker(role, port=0)  # the port is taken: any free one will do
+
+    def _rotate_key(self) -> str:
+        ApiKey.objects.filter(name=KEY_NAME).delete()
+        _, key = create_api_key(KEY_NAME)
+        return key
