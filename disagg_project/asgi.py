@@ -1,6 +1,7 @@
 """ASGI entry point: the API routes go to the Channels consumers, everything else to Django."""
 
 import os
+import sys
 
 from django.core.asgi import get_asgi_application
 
@@ -10,5 +11,23 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
 from messages_api.routing import http_application  # noqa: E402
+from workers import services  # noqa: E402
 
 application = ProtocolTypeRouter({"http": http_application(django_asgi_app)})
+
+
+def _start_services_with_daphne() -> None:
+    """Under daphne (its asyncio reactor is installed before the application is loaded) start the
+    background services now: heartbeat and crash recovery must not wait for a first request."""
+    reactor = sys.modules.get("twisted.internet.reactor")
+    if reactor is None or type(reactor).__name__ != "AsyncioSelectorReactor":
+        return
+    loop = reactor._asyncioEventloop  # the loop daphne runs
+    loop.call_soon(lambda: loop.create_task(_start()))
+
+
+async def _start() -> None:
+    services.ensure_started()
+
+
+_start_services_with_daphne()

@@ -102,8 +102,6 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
-    # Tests run against real daphne processes, which must see the test database: use a file.
-    _db["TEST"] = {"NAME": str(BASE_DIR / "test_gateway.sqlite3")}
 elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["OPTIONS"] = {
         "pool": {
@@ -128,7 +126,8 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / "staticfiles"
+# Only for `collectstatic` (production may serve hashed, compressed files from here).
+STATIC_ROOT = os.environ.get("STATIC_ROOT") or None
 # Serve the admin's static files from the app directories under daphne without collectstatic
 # (make run stays one command); production may run collectstatic for compressed, hashed files.
 WHITENOISE_USE_FINDERS = True
@@ -174,3 +173,24 @@ REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
 
 # The audit/reservation writer batches rows; it flushes at least this often.
 AUDIT_FLUSH_INTERVAL_S = env_float("AUDIT_FLUSH_INTERVAL_S", 0.05)
+
+# Health: each process probes every endpoint's /health; an endpoint is unhealthy after
+# HEALTH_UNHEALTHY_AFTER consecutive failed checks and healthy again after HEALTH_HEALTHY_AFTER.
+HEALTH_CHECK_INTERVAL_S = env_float("HEALTH_CHECK_INTERVAL_S", 5.0)
+HEALTH_CHECK_TIMEOUT_S = env_float("HEALTH_CHECK_TIMEOUT_S", 2.0)
+HEALTH_UNHEALTHY_AFTER = env_int("HEALTH_UNHEALTHY_AFTER", 3)
+HEALTH_HEALTHY_AFTER = env_int("HEALTH_HEALTHY_AFTER", 2)
+# The probe result is written to the database on every change and at least this often.
+HEALTH_WRITE_INTERVAL_S = env_float("HEALTH_WRITE_INTERVAL_S", 30.0)
+# Circuit breaker per endpoint: open after this many consecutive request failures (5xx,
+# unreachable, broken stream), let one trial request through after the cool-down.
+BREAKER_FAILURE_THRESHOLD = env_int("BREAKER_FAILURE_THRESHOLD", 5)
+BREAKER_COOLDOWN_S = env_float("BREAKER_COOLDOWN_S", 30.0)
+
+# Each process writes a heartbeat; one silent for GATEWAY_DEAD_AFTER_S is dead and its open
+# reservations and in-progress audit rows are closed by the next live process that sweeps.
+GATEWAY_HEARTBEAT_INTERVAL_S = env_float("GATEWAY_HEARTBEAT_INTERVAL_S", 5.0)
+GATEWAY_DEAD_AFTER_S = env_float("GATEWAY_DEAD_AFTER_S", 3 * GATEWAY_HEARTBEAT_INTERVAL_S)
+
+# /metrics is served to loopback clients, or to any client presenting this bearer token.
+METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")

@@ -7,5 +7,6 @@ urlpatterns = [
     path("", views.root),
     path("health", views.health),
     path("ready", views.ready),
+    path("metrics", views.metrics),
     path("admin/", admin.site.urls),
 ]

@@ -5,3 +5,9 @@ class MessagesApiConfig(AppConfig):
     name = "messages_api"
     verbose_name = "Anthropic Messages API"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from messages_api.audit import close_abandoned_requests
+        from workers.recovery import process_abandoned
+
+        process_abandoned.connect(close_abandoned_requests, dispatch_uid="messages_api.close_abandoned_requests")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from messages_api import metrics
 from messages_api.models import MessageRequest, RequestStatus
 from workers.instance import GATEWAY_INSTANCE
 from workers.writer import get_writer
@@ -73,6 +74,7 @@ class AuditRecord:
         self.error_message = error_message[:2000]
         self.finished_ms = self.since_received_ms()
         self._write()
+        metrics.observe(self)
         return True
 
     def _write(self) -> None:
@@ -102,3 +104,10 @@ class AuditRecord:
             "api_key_name": self.api_key_name,
             "gateway_instance": GATEWAY_INSTANCE,
         }
+
+
+def close_abandoned_requests(sender: object, instances: list[str], reason: str, **kwargs: Any) -> None:
+    """`workers.recovery.process_abandoned` receiver: a dead process's requests end `failed`."""
+    MessageRequest.objects.filter(gateway_instance__in=instances, status=RequestStatus.IN_PROGRESS).update(
+        status=RequestStatus.FAILED, error_type="api_error", error_message=reason
+    )

@@ -22,6 +22,7 @@ from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 
+from messages_api import metrics
 from messages_api.accumulate import accumulate_message
 from messages_api.audit import AuditRecord
 from messages_api.auth import Principal, key_cache, key_from_headers
@@ -36,6 +37,7 @@ from messages_api.upstream import anthropic_error
 from messages_api.validation import validate_count_tokens_request, validate_messages_request
 from workers.errors import WorkerError
 from workers.pipeline import ChatRun
+from workers import services
 from workers.registry import PoolInfo, get_registry
 from workers.tokenize import count_prompt_tokens
 
@@ -130,6 +132,7 @@ class ApiConsumer(AsyncHttpConsumer):
 
     async def _serve(self, body: bytes) -> None:
         current_request_id.set(self.record.request_id)
+        services.ensure_started()
         try:
             if self.scope.get("method") not in self.allowed_methods:
                 await self.send_error(
@@ -197,6 +200,13 @@ class MessagesConsumer(ApiConsumer):
         self.sse_started = False
 
     async def handle_request(self, body: bytes) -> None:
+        try:
+            await self.handle_message(body)
+        finally:
+            if self.sse_started:
+                metrics.open_streams.dec()
+
+    async def handle_message(self, body: bytes) -> None:
         record = self.record
         try:
             await self.authenticate()
@@ -282,6 +292,7 @@ class MessagesConsumer(ApiConsumer):
     async def start_sse(self, *, first_frame: bool) -> None:
         self.response_started = True
         self.sse_started = True
+        metrics.open_streams.inc()
         await self.send_headers(
             status=200,
             headers=self.response_headers(b"text/event-stream; charset=utf-8")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hmac
+
 from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from django.db import close_old_connections, connection
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_safe
@@ -55,3 +60,15 @@ async def ready(request: HttpRequest) -> JsonResponse:
         {"status": "ready" if ready else "not ready", "database": "ok" if database else "unreachable", "pools": pools},
         status=200 if ready else 503,
     )
+
+
+@require_safe
+def metrics(request: HttpRequest) -> HttpResponse:
+    """Prometheus metrics of this process. They name worker endpoints, so they are served to
+    loopback clients, or to anyone presenting METRICS_BEARER_TOKEN."""
+    token = settings.METRICS_BEARER_TOKEN
+    presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    allowed = hmac.compare_digest(presented, token) if token else request.META.get("REMOTE_ADDR") in ("127.0.0.1", "::1")
+    if not allowed:
+        return JsonResponse({"error": "metrics are served to loopback or with METRICS_BEARER_TOKEN"}, status=403)
+    return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)

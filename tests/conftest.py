@@ -145,3 +145,17 @@ def reservations_closed(request_id: str, timeout: float = 10.0) -> list[Any]:
         return rows if rows and all(r.released_at is not None for r in rows) else None
 
     return wait_until(find, timeout, message=f"reservations of {request_id} not all released")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove this run's SQLite side files, and the gateways' logs when everything passed."""
+    import os
+
+    from tests.gateway import PROJECT_ROOT
+
+    state = PROJECT_ROOT / ".gateway"
+    for path in state.glob(f"test-{os.getpid()}.sqlite3*"):
+        path.unlink(missing_ok=True)
+    if exitstatus == 0:
+        for path in state.glob(f"test-daphne-{os.getpid()}-*.log"):
+            path.unlink(missing_ok=True)

@@ -56,7 +56,7 @@ class Gateway:
             **(env or {}),
         }
         self.process: subprocess.Popen[bytes] | None = None
-        self.log_path = PROJECT_ROOT / ".gateway" / f"test-daphne-{self.port}.log"
+        self.log_path = PROJECT_ROOT / ".gateway" / f"test-daphne-{os.getpid()}-{self.port}.log"
 
     def start(self) -> Gateway:
         self.log_path.parent.mkdir(exist_ok=True)

@@ -127,3 +127,22 @@ class Reservation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.stage} @ {self.endpoint_url}"
+
+
+class GatewayProcess(models.Model):
+    """A running (or dead) gateway process, seen through its heartbeat.
+
+    Rows a process leaves open when it dies (reservations, in-progress audit rows) are closed by
+    the first live process that notices it is gone (see `workers.recovery`).
+    """
+
+    instance = models.CharField(max_length=64, unique=True)
+    started_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField(db_index=True)
+    recovered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-last_seen_at"]
+
+    def __str__(self) -> str:
+        return self.instance

@@ -36,7 +36,9 @@ from django.conf import settings
 
 from workers import client, router
 from workers.client import ChunkStream
-from workers.errors import WorkerError, WorkerUnreachable
+from workers.errors import StreamBroken, WorkerError, WorkerUnreachable
+from workers.health import health
+from workers.metrics import worker_retries
 from workers.models import Outcome, Role, ScheduleStyle, Stage
 from workers.protocols import trtllm
 from workers.registry import PoolInfo
@@ -67,6 +69,7 @@ class ChatRun:
         self.context_url: str = ""
         self.generation_url: str = ""
         self.prompt_tokens: int | None = None
+        self.context_started_at: float | None = None
         self.context_done_at: float | None = None
         self.first_chunk_at: float | None = None
         self.skipped_context = False
@@ -78,6 +81,7 @@ class ChatRun:
         self._stream: ChunkStream | None = None
         self._complete_response: dict[str, Any] | None = None
         self._handoff_issued = False
+        self._generation_endpoint_id = 0
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -144,6 +148,7 @@ class ChatRun:
         pool = self.pool
         generation = self._reserve(Role.GENERATION)
         self.generation_url = generation.endpoint.url
+        self._generation_endpoint_id = generation.endpoint.id
         limit = pool.max_local_prefill_tokens
         if limit and estimate_prompt_tokens(self.chat) <= limit:
             self.skipped_context = True
@@ -182,13 +187,14 @@ class ChatRun:
                 self._generation_open.cancel()
             raise
         self.stage = Stage.GENERATION
-        self._stream = await asyncio.shield(self._generation_open)
+        await self._await_generation()
 
     async def _context_phase(
         self, disagg_request_id: int, reservation: Reservation | None = None
     ) -> trtllm.ContextResult:
         """POST `context_only`; a connection failure before any answer is retried once elsewhere."""
         self.stage = Stage.CONTEXT
+        self.context_started_at = time.monotonic()
         body = trtllm.context_request(self.chat, disagg_request_id, self.pool.schedule_style)
         tried: list[str] = []
         # Generation-first already told its generation worker where the KV comes from.
@@ -202,16 +208,24 @@ class ChatRun:
                     reservation.endpoint.url + trtllm.CHAT_PATH, body, stage=Stage.CONTEXT
                 )
             except WorkerUnreachable:
+                health.record_failure(reservation.endpoint.id)
                 reservation.release(Outcome.FAILURE)
                 tried.append(reservation.endpoint.url)
                 reservation = None
                 if not may_retry or len(tried) > 1 or not self._has_other(Role.CONTEXT, tried):
                     raise
                 self.retries += 1
+                worker_retries.labels(Stage.CONTEXT).inc()
                 continue
+            except WorkerError as exc:
+                if exc.status >= 500:
+                    health.record_failure(reservation.endpoint.id)
+                reservation.release(Outcome.FAILURE)
+                raise
             except BaseException as exc:
                 reservation.release(Outcome.CANCELLED if isinstance(exc, asyncio.CancelledError) else Outcome.FAILURE)
                 raise
+            health.record_success(reservation.endpoint.id)
             result = trtllm.read_context_response(response)
             reservation.release(Outcome.SUCCESS)
             self._handoff_issued = result.disaggregated_params is not None
@@ -224,9 +238,18 @@ class ChatRun:
         self._generation_open = asyncio.create_task(
             client.open_stream(self.generation_url + trtllm.CHAT_PATH, body, stage=Stage.GENERATION)
         )
-        # Shielded so that a cancellation reaching us here leaves the decision (cancel, or let
-        # the worker take the handoff first) to close().
-        self._stream = await asyncio.shield(self._generation_open)
+        await self._await_generation()
+
+    async def _await_generation(self) -> None:
+        assert self._generation_open is not None
+        try:
+            # Shielded so that a cancellation reaching us here leaves the decision (cancel, or
+            # let the worker take the handoff first) to close().
+            self._stream = await asyncio.shield(self._generation_open)
+        except WorkerError as exc:
+            if exc.status >= 500:
+                health.record_failure(self._generation_endpoint_id)
+            raise
 
     # --- the stream ------------------------------------------------------------------------------
 
@@ -239,10 +262,15 @@ class ChatRun:
             self.stage = Stage.DONE
             return
         assert self._stream is not None, "chunks() before opened()"
-        async for chunk in self._stream:
-            if self.first_chunk_at is None:
-                self.first_chunk_at = time.monotonic()
-            yield chunk
+        try:
+            async for chunk in self._stream:
+                if self.first_chunk_at is None:
+                    self.first_chunk_at = time.monotonic()
+                yield chunk
+        except StreamBroken:
+            health.record_failure(self._generation_endpoint_id)
+            raise
+        health.record_success(self._generation_endpoint_id)
         self.stage = Stage.DONE
 
     # --- helpers -----------------------------------------------------------------------------------
@@ -260,7 +288,7 @@ class ChatRun:
                 reservation.release(outcome)
 
     def _has_other(self, role: str, tried: list[str]) -> bool:
-        return any(e.role == role and e.routable and e.url not in tried for e in self.pool.endpoints)
+        return bool(router.candidates(self.pool, role, exclude=tried))
 
     def _release_handoff_later(self, generation_open: asyncio.Task[ChunkStream]) -> None:
         task = asyncio.get_running_loop().create_task(

@@ -9,21 +9,17 @@ process within that interval plus one load, without a restart.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from asgiref.sync import sync_to_async
-from django.conf import settings
 
 from django.db import close_old_connections
 from django.db.models import Count
 
 from workers.instance import GATEWAY_INSTANCE
 from workers.models import Reservation, Role, WorkerEndpoint, WorkerPool
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,16 +123,14 @@ def _load_and_close() -> ClusterSnapshot:
 
 
 class Registry:
-    """Holds the current snapshot for this process and refreshes it in the background."""
+    """Holds the current snapshot for this process."""
 
-    def __init__(self, refresh_interval: float) -> None:
-        self.refresh_interval = refresh_interval
+    def __init__(self) -> None:
         self._snapshot: ClusterSnapshot | None = None
-        self._refresher: asyncio.Task[None] | None = None
         self._first_load: asyncio.Lock | None = None
 
     async def snapshot(self) -> ClusterSnapshot:
-        self._ensure_refresher()
+        """The current snapshot (loaded on first use; `workers.services` keeps it fresh)."""
         if self._snapshot is None:
             if self._first_load is None:
                 self._first_load = asyncio.Lock()
@@ -146,24 +140,14 @@ class Registry:
         assert self._snapshot is not None
         return self._snapshot
 
+    def current(self) -> ClusterSnapshot | None:
+        """The snapshot as it is, without loading (None before the first load)."""
+        return self._snapshot
+
     async def refresh(self) -> ClusterSnapshot:
         # Not thread-sensitive: a reload must not queue behind other ORM work on the shared thread.
         self._snapshot = await sync_to_async(_load_and_close, thread_sensitive=False)()
         return self._snapshot
-
-    def _ensure_refresher(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._refresher is not None and not self._refresher.done() and self._refresher.get_loop() is loop:
-            return
-        self._refresher = loop.create_task(self._refresh_forever(), name="registry-refresh")
-
-    async def _refresh_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_interval)
-            try:
-                await self.refresh()
-            except Exception:
-                logger.exception("registry refresh failed; keeping the previous snapshot")
 
 
 _registry: Registry | None = None
@@ -172,7 +156,7 @@ _registry: Registry | None = None
 def get_registry() -> Registry:
     global _registry
     if _registry is None:
-        _registry = Registry(settings.REGISTRY_REFRESH_INTERVAL_S)
+        _registry = Registry()
     return _registry
 
 

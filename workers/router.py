@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Callable, Iterable
 
 from workers.errors import NoEndpointAvailable
+from workers.health import health
 from workers.models import RoutingPolicy
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation, ledger
@@ -51,6 +52,13 @@ POLICIES: dict[str, Policy] = {
 }
 
 
+def candidates(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[EndpointInfo]:
+    """Endpoints of `role` that may take a new request now (enabled, not draining, healthy,
+    breaker closed), minus `exclude` (URLs already tried for this request)."""
+    excluded = set(exclude)
+    return [e for e in pool.endpoints if e.role == role and e.url not in excluded and health.usable(e)]
+
+
 def reserve(
     pool: PoolInfo,
     role: str,
@@ -60,9 +68,8 @@ def reserve(
     exclude: Iterable[str] = (),
 ) -> Reservation:
     """Reserve a routable endpoint of `role` in `pool`, or raise NoEndpointAvailable."""
-    excluded = set(exclude)
-    candidates = [e for e in pool.endpoints if e.role == role and e.routable and e.url not in excluded]
-    if not candidates:
+    usable = candidates(pool, role, exclude)
+    if not usable:
         raise NoEndpointAvailable(
             503,
             f"no {role} worker is available for model {pool.model!r}",
@@ -72,5 +79,6 @@ def reserve(
         )
     policy = POLICIES.get(pool.routing, _round_robin)
     # Routing policy sees the stage's role; affinity matters most for generation (its KV cache).
-    endpoint = policy(pool, role, candidates, session if role == "generation" else None)
+    endpoint = policy(pool, role, usable, session if role == "generation" else None)
+    health.on_routed(endpoint.id)
     return Reservation.take(request_id, endpoint, role)

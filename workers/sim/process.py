@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -111,6 +112,17 @@ def _command(role: str, host: str, port: int, options: dict[str, Any]) -> list[s
     return args
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent dies, however it dies (Linux only)."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # elsewhere the atexit hook below is the only guard
+
+
 def _read_lines(stream: Any, lines: queue.Queue[str | None]) -> None:
     # Keeps draining stdout after the listening line so the worker never blocks on a full pipe.
     with stream:
@@ -131,6 +143,9 @@ def start_simworker(
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         _command(role, host, port, options),
+        # The kernel ties PDEATHSIG to the forking thread, not the process: only from the main
+        # thread does it mean "when the parent process dies".
+        preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
         cwd=PROJECT_ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -1,0 +1,40 @@
+"""Prometheus metrics of the front door, observed once per request when its audit row ends."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from messages_api.audit import AuditRecord
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+requests = Counter("gateway_requests", "Requests by terminal status and the stage they ended in.", ["status", "stage", "stream"])
+time_to_status_line = Histogram(
+    "gateway_time_to_status_line_seconds", "Streamed requests: receipt to response headers.", buckets=_LATENCY_BUCKETS
+)
+time_to_first_token = Histogram(
+    "gateway_time_to_first_token_seconds", "Receipt to the first generated chunk.", buckets=_LATENCY_BUCKETS
+)
+context_phase = Histogram("gateway_context_phase_seconds", "Receipt to the context phase's answer.", buckets=_LATENCY_BUCKETS)
+generation_phase = Histogram(
+    "gateway_generation_phase_seconds", "Context done (or receipt) to the end of the generation stream.", buckets=_LATENCY_BUCKETS
+)
+open_streams = Gauge("gateway_open_streams", "Streamed responses currently open.")
+pings_sent = Counter("gateway_pings_sent", "Ping events sent on silent streams.")
+
+
+def observe(record: AuditRecord) -> None:
+    requests.labels(record.status, record.stage or "received", "true" if record.stream else "false").inc()
+    if record.headers_sent_ms is not None and record.stream:
+        time_to_status_line.observe(record.headers_sent_ms / 1000)
+    if record.first_token_ms is not None:
+        time_to_first_token.observe(record.first_token_ms / 1000)
+    if record.context_done_ms is not None:
+        context_phase.observe(record.context_done_ms / 1000)
+    if record.finished_ms is not None and record.first_token_ms is not None:
+        generation_phase.observe((record.finished_ms - (record.context_done_ms or 0)) / 1000)
+    if record.pings_sent:
+        pings_sent.inc(record.pings_sent)

@@ -1,0 +1,167 @@
+"""Endpoint health as this process sees it: the `/health` prober and a circuit breaker per
+endpoint fed by real request outcomes.
+
+Routing asks `usable(endpoint)`. The prober's verdict is written to the database when it changes,
+so the admin shows it and processes that have not probed yet route by it; each process's own
+probes and breakers take precedence for its own routing.
+
+A breaker counts only failures of requests sent to its own endpoint: a generation failure never
+counts against the context endpoint that served the same request (SGLang's PD router records a
+decode 5xx against both; reference/peers.md §2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import close_old_connections
+
+from workers import client
+from workers.errors import WorkerError
+from workers.registry import EndpointInfo, get_registry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ProbeState:
+    healthy: bool = True
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_error: str = ""
+    last_checked_at: float = 0.0
+    last_written_at: float = 0.0
+
+
+class BreakerState:
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(slots=True)
+class Breaker:
+    failures: int = 0
+    opened_at: float | None = None
+    trial_in_flight: bool = False
+
+    def state(self, now: float, cooldown: float) -> str:
+        if self.opened_at is None:
+            return BreakerState.CLOSED
+        return BreakerState.HALF_OPEN if now - self.opened_at >= cooldown else BreakerState.OPEN
+
+
+class EndpointHealth:
+    def __init__(self) -> None:
+        self.probes: dict[int, ProbeState] = {}
+        self.breakers: dict[int, Breaker] = {}
+
+    # --- routing -----------------------------------------------------------------------------------
+
+    def usable(self, endpoint: EndpointInfo) -> bool:
+        if not (endpoint.enabled and not endpoint.draining):
+            return False
+        probe = self.probes.get(endpoint.id)
+        healthy = probe.healthy if probe is not None and probe.last_checked_at else endpoint.healthy
+        return healthy and self._breaker_allows(endpoint.id)
+
+    def _breaker_allows(self, endpoint_id: int) -> bool:
+        breaker = self.breakers.get(endpoint_id)
+        if breaker is None:
+            return True
+        state = breaker.state(time.monotonic(), settings.BREAKER_COOLDOWN_S)
+        if state == BreakerState.CLOSED:
+            return True
+        if state == BreakerState.HALF_OPEN and not breaker.trial_in_flight:
+            return True
+        return False
+
+    def on_routed(self, endpoint_id: int) -> None:
+        """A request was just routed to the endpoint: a half-open breaker lets only this one by."""
+        breaker = self.breakers.get(endpoint_id)
+        if breaker is not None and breaker.state(time.monotonic(), settings.BREAKER_COOLDOWN_S) == BreakerState.HALF_OPEN:
+            breaker.trial_in_flight = True
+
+    # --- request outcomes --------------------------------------------------------------------------
+
+    def record_success(self, endpoint_id: int) -> None:
+        breaker = self.breakers.get(endpoint_id)
+        if breaker is not None:
+            del self.breakers[endpoint_id]
+
+    def record_failure(self, endpoint_id: int) -> None:
+        breaker = self.breakers.setdefault(endpoint_id, Breaker())
+        breaker.failures += 1
+        breaker.trial_in_flight = False
+        if breaker.opened_at is not None or breaker.failures >= settings.BREAKER_FAILURE_THRESHOLD:
+            if breaker.opened_at is None:
+                logger.warning("circuit breaker opened for endpoint #%s after %d failures", endpoint_id, breaker.failures)
+            breaker.opened_at = time.monotonic()
+
+    def breaker_state(self, endpoint_id: int) -> str:
+        breaker = self.breakers.get(endpoint_id)
+        return BreakerState.CLOSED if breaker is None else breaker.state(time.monotonic(), settings.BREAKER_COOLDOWN_S)
+
+    # --- the prober ----------------------------------------------------------------------------------
+
+    async def probe_all(self) -> None:
+        snapshot = await get_registry().snapshot()
+        endpoints = [e for pool in snapshot.pools for e in pool.endpoints if e.enabled]
+        if endpoints:
+            await asyncio.gather(*(self.probe(e) for e in endpoints))
+
+    async def probe(self, endpoint: EndpointInfo) -> None:
+        state = self.probes.setdefault(endpoint.id, ProbeState(healthy=endpoint.healthy))
+        was_healthy = state.healthy
+        try:
+            await client.get_json(endpoint.url + "/health", timeout=settings.HEALTH_CHECK_TIMEOUT_S)
+        except WorkerError as exc:
+            state.consecutive_failures += 1
+            state.consecutive_successes = 0
+            state.last_error = exc.message
+            if state.consecutive_failures >= settings.HEALTH_UNHEALTHY_AFTER:
+                state.healthy = False
+        except Exception as exc:  # a malformed /health answer is a failed check, not a crash
+            state.consecutive_failures += 1
+            state.consecutive_successes = 0
+            state.last_error = f"malformed health answer: {type(exc).__name__}"
+            if state.consecutive_failures >= settings.HEALTH_UNHEALTHY_AFTER:
+                state.healthy = False
+        else:
+            state.consecutive_successes += 1
+            state.consecutive_failures = 0
+            if not state.healthy and state.consecutive_successes >= settings.HEALTH_HEALTHY_AFTER:
+                state.healthy = True
+                state.last_error = ""
+        now = time.monotonic()
+        state.last_checked_at = now
+        changed = state.healthy != was_healthy or state.healthy != endpoint.healthy
+        if changed:
+            logger.warning("endpoint %s is now %s", endpoint.url, "healthy" if state.healthy else "unhealthy")
+        if changed or now - state.last_written_at >= settings.HEALTH_WRITE_INTERVAL_S:
+            state.last_written_at = now
+            await sync_to_async(_write_probe, thread_sensitive=False)(endpoint.id, state)
+
+
+def _write_probe(endpoint_id: int, state: ProbeState) -> None:
+    from workers.models import WorkerEndpoint
+
+    try:
+        # update(): the admin's edits to other fields are never overwritten by a stale copy.
+        WorkerEndpoint.objects.filter(pk=endpoint_id).update(
+            healthy=state.healthy,
+            consecutive_failures=state.consecutive_failures,
+            last_error=state.last_error[:1000],
+            last_checked_at=datetime.now(timezone.utc),
+        )
+    finally:
+        close_old_connections()
+
+
+health = EndpointHealth()

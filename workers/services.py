@@ -1,0 +1,55 @@
+"""The background work of a gateway process: registry refresh, health probes, heartbeat and
+recovery of dead processes' rows.
+
+Daphne has no ASGI lifespan, so they start with the first request, or earlier when the ASGI
+module is loaded under daphne's asyncio reactor (see `disagg_project.asgi`). One set per event
+loop; each loop iteration is guarded so a failure is logged and retried, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from workers import recovery
+from workers.health import health
+from workers.registry import get_registry
+
+logger = logging.getLogger(__name__)
+
+_started: dict[asyncio.AbstractEventLoop, list[asyncio.Task[None]]] = {}
+
+
+def ensure_started() -> None:
+    """Start the services on the running loop unless they run already."""
+    loop = asyncio.get_running_loop()
+    if loop in _started:
+        return
+    for stale in [l for l in _started if l.is_closed()]:
+        del _started[stale]
+    _started[loop] = [
+        loop.create_task(_every(settings.REGISTRY_REFRESH_INTERVAL_S, get_registry().refresh), name="registry-refresh"),
+        loop.create_task(_every(settings.HEALTH_CHECK_INTERVAL_S, health.probe_all), name="health-probe"),
+        loop.create_task(_every(settings.GATEWAY_HEARTBEAT_INTERVAL_S, _heartbeat_and_recover, first_delay=0), name="heartbeat"),
+    ]
+
+
+async def _heartbeat_and_recover() -> None:
+    await sync_to_async(recovery.heartbeat, thread_sensitive=False)()
+    await sync_to_async(recovery.sweep, thread_sensitive=False)(settings.GATEWAY_DEAD_AFTER_S)
+
+
+async def _every(interval: float, work: Callable[[], Awaitable[object]], first_delay: float | None = None) -> None:
+    await asyncio.sleep(interval if first_delay is None else first_delay)
+    while True:
+        try:
+            await work()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("background %s failed; retrying", getattr(work, "__qualname__", work))
+        await asyncio.sleep(interval)
