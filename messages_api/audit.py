@@ -55,6 +55,11 @@ class AuditRecord:
         """The request was accepted: make it visible as in progress."""
         self._write()
 
+    def progress(self) -> None:
+        """Make what is known so far (endpoints, timings) visible while the request runs."""
+        if not self.ended:
+            self._write()
+
     def end(
         self,
         status: str,

@@ -247,6 +247,8 @@ class MessagesConsumer(ApiConsumer):
 
     async def respond_json(self, run: ChatRun) -> None:
         await run.opened()
+        self.note_run(run)
+        self.record.progress()
         reframer = self.reframer
         assert reframer is not None
         events: list[dict[str, Any]] = []
@@ -265,6 +267,8 @@ class MessagesConsumer(ApiConsumer):
                 # Still in the context phase: start the response now and keep it alive.
                 await self.start_sse(first_frame=True)
             await run.opened()
+            self.note_run(run)
+            self.record.progress()
             if not self.sse_started:
                 await self.start_sse(first_frame=False)
             async for chunk in run.chunks():

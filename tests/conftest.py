@@ -105,9 +105,17 @@ def cluster(
 def wait_registered(gateway: Gateway, cluster: Cluster) -> None:
     """Wait until the gateway routes with this test's pool (each test recreates it)."""
 
+    from workers.models import WorkerEndpoint
+
+    expected = {
+        role: WorkerEndpoint.objects.filter(pool=cluster.pool, role=role).count() for role in ("context", "generation")
+    }
+
     def seen() -> bool:
-        pools = httpx.get(gateway.url + "/ready", timeout=5).json()["pools"]
-        return pools.get(cluster.pool.name, {}).get("id") == cluster.pool.id
+        pool = httpx.get(gateway.url + "/ready", timeout=5).json()["pools"].get(cluster.pool.name, {})
+        return pool.get("id") == cluster.pool.id and all(
+            pool[role]["registered"] == count for role, count in expected.items()
+        )
 
     wait_until(seen, message=f"gateway never saw pool {cluster.pool.name} #{cluster.pool.id}")
 

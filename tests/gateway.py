@@ -26,6 +26,9 @@ DEFAULT_ENV = {
     "REGISTRY_REFRESH_INTERVAL_S": "0.1",
     "AUDIT_FLUSH_INTERVAL_S": "0.01",
     "WORKER_HANDOFF_RELEASE_TIMEOUT_S": "3",
+    # Every gateway probes every endpoint in the (shared) test database: probing is off unless a
+    # test starts a gateway of its own for it.
+    "HEALTH_CHECK_INTERVAL_S": "3600",
 }
 
 

@@ -7,7 +7,6 @@ Routing reads only memory: the registry snapshot and this process's open reserva
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections.abc import Callable, Iterable
 
 from workers.errors import NoEndpointAvailable
@@ -18,12 +17,25 @@ from workers.reservations import Reservation, ledger
 
 Policy = Callable[[PoolInfo, str, list[EndpointInfo], str | None], EndpointInfo]
 
-_round_robin_counters: dict[tuple[str, str], itertools.count[int]] = {}
+# Per (pool, role): the URL picked last. Rotating over the role's full endpoint list (rather than
+# counting over whatever is usable right now) keeps the rotation fair when retries exclude an
+# endpoint or endpoints come and go.
+_last_picked: dict[tuple[str, str], str] = {}
 
 
 def _round_robin(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
-    counter = _round_robin_counters.setdefault((pool.name, role), itertools.count())
-    return candidates[next(counter) % len(candidates)]
+    key = (pool.name, role)
+    order = [e.url for e in pool.endpoints if e.role == role]
+    last = _last_picked.get(key)
+    start = order.index(last) + 1 if last in order else 0
+    usable = {e.url: e for e in candidates}
+    for offset in range(len(order)):
+        url = order[(start + offset) % len(order)]
+        if url in usable:
+            _last_picked[key] = url
+            return usable[url]
+    _last_picked[key] = candidates[0].url
+    return candidates[0]
 
 
 def _load(endpoint: EndpointInfo) -> int:
@@ -77,8 +89,13 @@ def reserve(
             code="no_endpoint",
             retry_after=1.0,
         )
-    policy = POLICIES.get(pool.routing, _round_robin)
-    # Routing policy sees the stage's role; affinity matters most for generation (its KV cache).
-    endpoint = policy(pool, role, usable, session if role == "generation" else None)
+    if exclude:
+        # A retry: the least loaded of the others, leaving the policy's rotation untouched so
+        # that a failing endpoint does not shift every later request's turn.
+        endpoint = min(usable, key=_load)
+    else:
+        policy = POLICIES.get(pool.routing, _round_robin)
+        # Affinity matters for generation (its prefix cache); the context phase is stateless.
+        endpoint = policy(pool, role, usable, session if role == "generation" else None)
     health.on_routed(endpoint.id)
     return Reservation.take(request_id, endpoint, role)
