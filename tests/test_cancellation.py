@@ -5,6 +5,7 @@ phase issued its KV handoff."""
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timezone
 from typing import Any
 
 import orjson
@@ -31,23 +32,24 @@ def scope(cluster: Cluster) -> dict[str, Any]:
     }
 
 
-async def in_progress_request_id() -> str:
+async def request_id_since(moment: datetime) -> str:
     from messages_api.models import MessageRequest
     from tests.conftest import wait_until
 
     return await sync_to_async(wait_until)(
-        lambda: MessageRequest.objects.filter(status="in_progress").values_list("request_id", flat=True).first()
+        lambda: MessageRequest.objects.filter(received_at__gte=moment).values_list("request_id", flat=True).first()
     )
 
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_cancelling_the_handler_during_its_wait(cluster: Cluster, stream: bool) -> None:
     await get_registry().refresh()
+    started = datetime.now(timezone.utc)
     communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), scope(cluster))
     body = {"model": cluster.model, "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "x [sim context_delay=30]"}]}
     await communicator.send_input({"type": "http.request", "body": orjson.dumps(body)})
     await asyncio.to_thread(cluster.context.wait_for, lambda s: s["active"] == 1)
-    request_id = await in_progress_request_id()
+    request_id = await request_id_since(started)
 
     communicator.future.cancel()
     with pytest.raises(asyncio.CancelledError):

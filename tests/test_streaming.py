@@ -7,6 +7,7 @@ The gateways here run with MESSAGES_STREAM_START_WAIT_S=0.3 and MESSAGES_PING_IN
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -150,16 +151,20 @@ def assert_cancelled(cluster: Cluster, request_id: str, stage: str) -> None:
     assert len({r.reservation_id for r in rows}) == len(rows)
 
 
-def request_id_of(cluster: Cluster, text: str) -> str:
+def request_id_since(moment: datetime) -> str:
+    """The id of the request received after `moment` (its headers have not been sent yet)."""
     from messages_api.models import MessageRequest
 
-    return wait_until(lambda: MessageRequest.objects.filter(status="in_progress").values_list("request_id", flat=True).first())
+    return wait_until(
+        lambda: MessageRequest.objects.filter(received_at__gte=moment).values_list("request_id", flat=True).first()
+    )
 
 
 def test_disconnect_during_the_wait_cancels_the_context_call(gateway: Gateway, cluster: Cluster) -> None:
+    started = datetime.now(timezone.utc)
     s = stream(gateway, cluster, "abandon me [sim context_delay=30]")
     cluster.context.wait_for(lambda st: st["active"] == 1)
-    request_id = request_id_of(cluster, "abandon me")
+    request_id = request_id_since(started)
     s.close()  # before the gateway's start wait is over: no status line was sent yet
     cluster.context.wait_for(lambda st: st["aborted"] == 1 and st["active"] == 0)
     assert_cancelled(cluster, request_id, "context")
