@@ -30,6 +30,25 @@ def generation_worker() -> Iterator[SimWorker]:
     worker.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def release_test_database(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
+    """Before pytest-django drops the test database: write what is queued, and close the
+    connections this process's threads (the row writer, executor threads) still hold, which would
+    otherwise keep PostgreSQL from dropping it."""
+    yield
+    from django.db import connection
+
+    from workers.writer import get_writer
+
+    with django_db_blocker.unblock():
+        get_writer().flush()
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+
+
 @pytest.fixture(scope="session")
 def gateways(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Callable[..., Gateway]]:
     """`gateways(**env)` → a running gateway with those settings (one per distinct env)."""
