@@ -180,8 +180,9 @@ HEALTH_CHECK_INTERVAL_S = env_float("HEALTH_CHECK_INTERVAL_S", 5.0)
 HEALTH_CHECK_TIMEOUT_S = env_float("HEALTH_CHECK_TIMEOUT_S", 2.0)
 HEALTH_UNHEALTHY_AFTER = env_int("HEALTH_UNHEALTHY_AFTER", 3)
 HEALTH_HEALTHY_AFTER = env_int("HEALTH_HEALTHY_AFTER", 2)
-# The probe result is written to the database on every change and at least this often.
-HEALTH_WRITE_INTERVAL_S = env_float("HEALTH_WRITE_INTERVAL_S", 30.0)
+# The probe result is written to the database on every change and at least this often (the
+# admin's "last checked" shows that probing happens).
+HEALTH_WRITE_INTERVAL_S = env_float("HEALTH_WRITE_INTERVAL_S", 5.0)
 # Circuit breaker per endpoint: open after this many consecutive request failures (5xx,
 # unreachable, broken stream), let one trial request through after the cool-down.
 BREAKER_FAILURE_THRESHOLD = env_int("BREAKER_FAILURE_THRESHOLD", 5)

@@ -1,26 +1,29 @@
 from __future__ import annotations
 
-from typing import Any
-
-from django.contrib import admin, messages
+from django.contrib import admin
 from django.forms import ModelForm
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
 
-from messages_api.auth import generate_key, hash_key, KEY_PREFIX
+from messages_api.auth import KEY_PREFIX, generate_key, hash_key
 from messages_api.models import ApiKey, MessageRequest
 from workers.admin import ReadOnlyAdmin
 
 
 @admin.register(MessageRequest)
 class MessageRequestAdmin(ReadOnlyAdmin):
-    list_display = (
-        "request_id", "received_at", "model", "stream", "status", "stage", "http_status",
-        "error_type", "first_token_ms", "finished_ms", "input_tokens", "output_tokens", "api_key_name",
-    )
+    list_display = ("request_id", "received_at", "model", "stream", "status", "stage", "http_status", "error", "first_token_ms", "finished_ms")
     list_filter = (
         "status", "stage", "stream", "error_type", "pool_name", "context_endpoint", "generation_endpoint", "received_at",
     )
     search_fields = ("request_id", "error_message", "model")
+
+    @admin.display(description="error", ordering="error_type")
+    def error(self, row: MessageRequest) -> str:
+        if not row.error_type:
+            return ""
+        message = row.error_message if len(row.error_message) <= 80 else row.error_message[:79] + "…"
+        return f"{row.error_type}: {message}"
     date_hierarchy = "received_at"
     fieldsets = (
         (None, {"fields": ("request_id", "received_at", "model", "stream", "api_key_name", "gateway_instance")}),
@@ -44,8 +47,14 @@ class ApiKeyAdmin(admin.ModelAdmin):
             key = generate_key()
             obj.key_hash = hash_key(key)
             obj.prefix = key[: len(KEY_PREFIX) + 6]
-            super().save_model(request, obj, form, change)
-            # The only time the key is shown: it is not stored.
-            messages.warning(request, f"The new API key for {obj.name!r} is {key} — copy it now, it will not be shown again.")
-            return
+            request._new_api_key = key  # type: ignore[attr-defined]
         super().save_model(request, obj, form, change)
+
+    def response_add(self, request: HttpRequest, obj: ApiKey, post_url_continue: str | None = None) -> HttpResponse:
+        # Rendered directly rather than through a redirect and a message: the key must not be
+        # stored anywhere, not even in the messages cookie or the session table.
+        key = getattr(request, "_new_api_key", None)
+        if key is None:
+            return super().response_add(request, obj, post_url_continue)
+        context = {**self.admin_site.each_context(request), "api_key": obj, "key": key, "title": "API key created"}
+        return TemplateResponse(request, "admin/messages_api/apikey/created.html", context)

@@ -7,6 +7,7 @@ one terminal row whichever path ends it.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ from messages_api import metrics
 from messages_api.models import MessageRequest, RequestStatus
 from workers.instance import GATEWAY_INSTANCE
 from workers.writer import get_writer
+
+
+access_log = logging.getLogger("messages_api.access")
 
 
 def new_request_id() -> str:
@@ -80,6 +84,12 @@ class AuditRecord:
         self.finished_ms = self.since_received_ms()
         self._write()
         metrics.observe(self)
+        access_log.info(
+            "%s stream=%s status=%s http=%s stage=%s ms=%.1f%s",
+            self.model or "-", self.stream, status, self.http_status, self.stage, self.finished_ms,
+            f" error={self.error_type}: {self.error_message}" if self.error_type else "",
+            extra={"request_id": self.request_id},
+        )
         return True
 
     def _write(self) -> None:

@@ -7,11 +7,22 @@ from django.http import HttpRequest
 from workers.models import Reservation, WorkerEndpoint, WorkerPool
 
 
+@admin.display(description="open reservations")
+def open_reservations(endpoint: WorkerEndpoint) -> int:
+    """Reservations held on the endpoint now, by every gateway process (as last written)."""
+    if endpoint.pk is None:
+        return 0
+    return endpoint.reservations.filter(released_at__isnull=True).count()
+
+
 class WorkerEndpointInline(admin.TabularInline):
     model = WorkerEndpoint
     extra = 0
-    fields = ("role", "url", "enabled", "draining", "healthy", "consecutive_failures", "last_checked_at", "last_error")
-    readonly_fields = ("healthy", "consecutive_failures", "last_checked_at", "last_error")
+    fields = (
+        "role", "url", "enabled", "draining", "healthy", open_reservations,
+        "consecutive_failures", "last_checked_at", "last_error",
+    )
+    readonly_fields = ("healthy", open_reservations, "consecutive_failures", "last_checked_at", "last_error")
 
 
 @admin.register(WorkerPool)
@@ -33,33 +44,32 @@ class WorkerPoolAdmin(admin.ModelAdmin):
 
 @admin.register(WorkerEndpoint)
 class WorkerEndpointAdmin(admin.ModelAdmin):
-    list_display = ("url", "pool", "role", "enabled", "draining", "healthy", "open_reservations", "last_checked_at", "last_error")
+    list_display = ("url", "pool", "role", "enabled", "draining", "healthy", open_reservations, "last_checked_at", "last_error")
     list_filter = ("pool", "role", "enabled", "draining", "healthy")
     search_fields = ("url", "pool__name")
     readonly_fields = ("healthy", "consecutive_failures", "last_checked_at", "last_error", "created_at", "updated_at")
     actions = ["drain", "enable", "disable"]
-
-    @admin.display(description="open reservations")
-    def open_reservations(self, endpoint: WorkerEndpoint) -> int:
-        return endpoint.reservations.filter(released_at__isnull=True).count()
 
     @admin.action(description="Drain: finish in-flight requests, take no new ones")
     def drain(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
         for endpoint in queryset:  # save() per row so updated_at moves and every process reloads
             endpoint.draining = True
             endpoint.save(update_fields=["draining", "updated_at"])
+        self.message_user(request, f"{len(queryset)} endpoint(s) draining: in-flight requests finish, no new ones arrive (within ~2 s).")
 
     @admin.action(description="Enable (and stop draining)")
     def enable(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
         for endpoint in queryset:
             endpoint.enabled, endpoint.draining = True, False
             endpoint.save(update_fields=["enabled", "draining", "updated_at"])
+        self.message_user(request, f"{len(queryset)} endpoint(s) enabled.")
 
     @admin.action(description="Disable")
     def disable(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
         for endpoint in queryset:
             endpoint.enabled = False
             endpoint.save(update_fields=["enabled", "updated_at"])
+        self.message_user(request, f"{len(queryset)} endpoint(s) disabled: no new requests (within ~2 s).")
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
