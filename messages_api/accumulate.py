@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import jiter
 import orjson
 
 from messages_api.errors import AnthropicError
@@ -76,8 +77,9 @@ def accumulate_message(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         raise _malformed(f"unreadable event ({exc!r})") from exc
     if message is None or not stopped:
         raise AnthropicError(500, "The response ended before the message was complete", "api_error")
+    truncated = message["stop_reason"] == "max_tokens"
     for block, parts in zip(blocks, pieces):
-        _finish_block(block, "".join(parts))
+        _finish_block(block, "".join(parts), truncated)
     message["content"] = blocks
     return message
 
@@ -123,7 +125,7 @@ def _delta_text(delta: dict[str, Any]) -> str:
     return ""  # signature/citations deltas carry no text the reframer produces
 
 
-def _finish_block(block: dict[str, Any], text: str) -> None:
+def _finish_block(block: dict[str, Any], text: str, truncated: bool) -> None:
     kind = block["type"]
     if kind == "text":
         block["text"] = text
@@ -133,7 +135,8 @@ def _finish_block(block: dict[str, Any], text: str) -> None:
         try:
             value = orjson.loads(text)
         except orjson.JSONDecodeError:
-            value = None
+            # Cut off by max_tokens: keep what parses, as the SDKs' stream accumulators do.
+            value = _partial_json(text) if truncated else None
         if not isinstance(value, dict):
             raise AnthropicError(500, "The worker returned tool call arguments that are not a JSON object", "api_error")
         block["input"] = value
@@ -148,3 +151,10 @@ def _error(event: dict[str, Any]) -> AnthropicError:
 
 def _malformed(what: str) -> AnthropicError:
     return AnthropicError(500, f"Malformed response stream: {what}", "api_error")
+
+
+def _partial_json(text: str) -> Any:
+    try:
+        return jiter.from_json(text.encode(), partial_mode="trailing-strings")
+    except ValueError:
+        return {}

@@ -356,10 +356,18 @@ def session_key(headers: dict[bytes, bytes], request: dict[str, Any]) -> str | N
     if header:
         return header.decode("latin-1")
     user_id = (request.get("metadata") or {}).get("user_id")
-    if isinstance(user_id, str) and user_id:
-        match = _SESSION_IN_USER_ID.search(user_id)
-        return match.group(1) if match else user_id
-    return None
+    if not isinstance(user_id, str) or not user_id:
+        return None
+    # Claude Code 2.1 sends a JSON object as a string ({"device_id", "account_uuid",
+    # "session_id"}); earlier versions `user_<hash>_account_<uuid>_session_<uuid>`.
+    try:
+        decoded = orjson.loads(user_id)
+    except orjson.JSONDecodeError:
+        decoded = None
+    if isinstance(decoded, dict) and isinstance(decoded.get("session_id"), str) and decoded["session_id"]:
+        return decoded["session_id"]
+    match = _SESSION_IN_USER_ID.search(user_id)
+    return match.group(1) if match else user_id
 
 
 async def pool_for_model(model: str) -> PoolInfo:

@@ -303,8 +303,11 @@ class StreamReframer:
         if self._open is None:
             return
         if self._open_call is not None:
-            # Raised before the stop is emitted, so `fail` closes the block itself.
-            _parse_arguments(self._open_call)
+            # Arguments cut off by max_tokens are expected to be incomplete: the answer is a
+            # truncated tool_use block with stop_reason max_tokens, as Anthropic's own API gives.
+            if self._finish_reason != "length":
+                # Raised before the stop is emitted, so `fail` closes the block itself.
+                _parse_arguments(self._open_call)
             self._open_call = None
         out.append({"type": "content_block_stop", "index": self._index})
         self._open = None

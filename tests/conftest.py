@@ -14,20 +14,25 @@ from tests.gateway import Gateway
 from tests.simworkers import SimWorker, start_simworker
 
 MODEL = "sim-model"
+# Fast sim workers: tests wait for conditions, so only the fault directives add time.
+SIM_OPTIONS = {"tokens_per_second": 2000, "prefill_tokens_per_second": 200000, "max_context_tokens": 4096, "kv_timeout": 30}
+
+
+def sim_worker(role: str) -> Iterator[SimWorker]:
+    """The body of a fixture that runs one sim worker for its scope."""
+    worker = start_simworker(role, **SIM_OPTIONS)
+    yield worker
+    worker.stop()
 
 
 @pytest.fixture(scope="session")
 def context_worker() -> Iterator[SimWorker]:
-    worker = start_simworker("context", tokens_per_second=2000, prefill_tokens_per_second=200000, max_context_tokens=4096, kv_timeout=30)
-    yield worker
-    worker.stop()
+    yield from sim_worker("context")
 
 
 @pytest.fixture(scope="session")
 def generation_worker() -> Iterator[SimWorker]:
-    worker = start_simworker("generation", tokens_per_second=2000, prefill_tokens_per_second=200000, max_context_tokens=4096, kv_timeout=30)
-    yield worker
-    worker.stop()
+    yield from sim_worker("generation")
 
 
 @pytest.fixture(scope="session", autouse=True)

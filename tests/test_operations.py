@@ -11,10 +11,10 @@ import httpx
 import pytest
 from django.core.management import call_command
 
-from tests.conftest import Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
+from tests.conftest import Cluster, audit_row, register_cluster, reservations_closed, sim_worker, wait_registered, wait_until
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
-from tests.simworkers import SimWorker, start_simworker
+from tests.simworkers import SimWorker
 from workers.models import WorkerEndpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -24,16 +24,7 @@ FAST_PROBES = {"HEALTH_CHECK_INTERVAL_S": "0.1", "HEALTH_CHECK_TIMEOUT_S": "0.5"
 
 @pytest.fixture(scope="module")
 def second_generation_worker() -> Iterator[SimWorker]:
-    worker = start_simworker("generation", tokens_per_second=2000, prefill_tokens_per_second=200000, max_context_tokens=4096, kv_timeout=30)
-    yield worker
-    worker.stop()
-
-
-@pytest.fixture(scope="module")
-def second_context_worker() -> Iterator[SimWorker]:
-    worker = start_simworker("context", tokens_per_second=2000, prefill_tokens_per_second=200000, max_context_tokens=4096, kv_timeout=30)
-    yield worker
-    worker.stop()
+    yield from sim_worker("generation")
 
 
 def dead_url() -> str:

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Cluster, audit_row, register_cluster, wait_registered, wait_until
+from tests.conftest import Cluster, audit_row, register_cluster, sim_worker, wait_registered, wait_until
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
-from tests.simworkers import SimWorker, start_simworker
+from tests.simworkers import SimWorker
 from workers.models import Reservation, WorkerEndpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -23,9 +23,7 @@ FAST_HEARTBEAT = {"GATEWAY_HEARTBEAT_INTERVAL_S": "0.2", "GATEWAY_DEAD_AFTER_S":
 
 @pytest.fixture(scope="module")
 def other_generation_worker() -> Iterator[SimWorker]:
-    worker = start_simworker("generation", tokens_per_second=2000, prefill_tokens_per_second=200000, max_context_tokens=4096, kv_timeout=30)
-    yield worker
-    worker.stop()
+    yield from sim_worker("generation")
 
 
 def open_stream(gateway: Gateway, cluster: Cluster, text: str) -> RawStream:

@@ -109,11 +109,17 @@ def _text_parts(content: Any) -> Iterable[str]:
 
 
 def last_user_text(messages: Any) -> str:
-    """The text of the last message whose role is `user` ("" if there is none)."""
+    """The text of the last message whose role is `user` ("" if there is none, or if tool results
+    came after it: a turn that only returns tool results carries no new directives, or a
+    `tool_call` directive would fire again on every turn)."""
     if not isinstance(messages, list):
         return ""
     for message in reversed(messages):
-        if isinstance(message, Mapping) and message.get("role") == "user":
+        if not isinstance(message, Mapping):
+            continue
+        if message.get("role") == "tool":
+            return ""
+        if message.get("role") == "user":
             return "\n".join(_text_parts(message.get("content")))
     return ""
 
