@@ -7,6 +7,7 @@ httpx exception's text (which names the worker's address).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import weakref
 from collections.abc import AsyncIterator
@@ -18,32 +19,43 @@ from django.conf import settings
 
 from workers.errors import ContextLengthExceeded, StreamBroken, WorkerError, WorkerUnreachable
 
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+# Several pooled clients per loop, used in turn: httpcore's pool scans all of its connections on
+# every request and release, so one pool holding thousands of open streams costs O(n) per
+# operation (quadratic under a burst). Shards divide that by their number.
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[httpx.AsyncClient]] = weakref.WeakKeyDictionary()
+_turn = itertools.count()
+
+# How long to wait for the end of a stream's body after `[DONE]`.
+DRAIN_TIMEOUT_S = 1.0
 
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
 SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
 def http_client() -> httpx.AsyncClient:
-    """The shared client of the running loop (daphne has no lifespan hook to create it at start)."""
+    """A shared client of the running loop (daphne has no lifespan hook to create them at start)."""
     loop = asyncio.get_running_loop()
-    client = _clients.get(loop)
-    if client is None:
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                settings.WORKER_REQUEST_TIMEOUT_S,
-                connect=settings.WORKER_CONNECT_TIMEOUT_S,
-                pool=settings.WORKER_CONNECT_TIMEOUT_S,
-            ),
-            limits=httpx.Limits(
-                max_connections=settings.WORKER_MAX_CONNECTIONS,
-                max_keepalive_connections=min(settings.WORKER_MAX_CONNECTIONS, 512),
-                keepalive_expiry=30.0,
-            ),
-            trust_env=False,
-        )
-        _clients[loop] = client
-    return client
+    clients = _clients.get(loop)
+    if clients is None:
+        clients = _clients[loop] = [_new_client() for _ in range(settings.WORKER_CLIENT_SHARDS)]
+    return clients[next(_turn) % len(clients)]
+
+
+def _new_client() -> httpx.AsyncClient:
+    shards = settings.WORKER_CLIENT_SHARDS
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            settings.WORKER_REQUEST_TIMEOUT_S,
+            connect=settings.WORKER_CONNECT_TIMEOUT_S,
+            pool=settings.WORKER_CONNECT_TIMEOUT_S,
+        ),
+        limits=httpx.Limits(
+            max_connections=max(1, settings.WORKER_MAX_CONNECTIONS // shards),
+            max_keepalive_connections=max(1, min(settings.WORKER_MAX_CONNECTIONS, 512) // shards),
+            keepalive_expiry=30.0,
+        ),
+        trust_env=False,
+    )
 
 
 # --- error bodies ------------------------------------------------------------------------------
@@ -150,8 +162,9 @@ class ChunkStream:
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         buffer = b""
         loads = orjson.loads
+        raw_chunks = self._response.aiter_raw()
         try:
-            async for raw in self._response.aiter_raw():
+            async for raw in raw_chunks:
                 buffer += raw
                 # SSE lines end in \n; splitting bytes there never cuts a UTF-8 character in two.
                 if b"\n" not in raw:
@@ -163,6 +176,7 @@ class ChunkStream:
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
                         self.finished = True
+                        await self._drain(raw_chunks)
                         return
                     try:
                         chunk = loads(payload)
@@ -176,6 +190,16 @@ class ChunkStream:
                 502, "the generation worker closed the stream before it was complete", stage=self._stage
             ) from None
         raise StreamBroken(502, "the generation worker closed the stream before it was complete", stage=self._stage)
+
+    async def _drain(self, raw_chunks: AsyncIterator[bytes]) -> None:
+        """Read the body's end after `[DONE]` (the chunked terminator follows at once) so the
+        connection goes back to the pool instead of being closed half-read."""
+        try:
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                async for _ in raw_chunks:
+                    pass
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the connection is closed instead of reused; the answer is complete anyway
 
     def _error_frame(self, chunk: dict[str, Any]) -> WorkerError:
         err = chunk["error"]

@@ -14,7 +14,7 @@ import os
 import socket
 from datetime import datetime, timedelta, timezone
 
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections
 from django.dispatch import Signal
 
 from workers.instance import GATEWAY_INSTANCE
@@ -22,7 +22,7 @@ from workers.models import GatewayProcess, Outcome, Reservation
 
 logger = logging.getLogger(__name__)
 
-# Sent with `instances` (list of instance names) and `reason` (str) inside the closing transaction.
+# Sent with `instances` (list of instance names) and `reason` (str) once their reservations are closed.
 process_abandoned = Signal()
 
 _STARTED_AT = datetime.now(timezone.utc)
@@ -87,12 +87,13 @@ def sweep(dead_after: float) -> list[str]:
             return []
         now = datetime.now(timezone.utc)
         reason = "the gateway process handling this request died"
-        with transaction.atomic():
-            closed = Reservation.objects.filter(gateway_instance__in=dead, released_at__isnull=True).update(
-                released_at=now, outcome=Outcome.ABANDONED
-            )
-            process_abandoned.send(sender=GatewayProcess, instances=dead, reason=reason)
-            GatewayProcess.objects.filter(instance__in=dead).update(recovered_at=now)
+        # Separate statements, not one transaction: each is idempotent, and holding one table's
+        # lock while waiting for another's could deadlock with other writers.
+        closed = Reservation.objects.filter(gateway_instance__in=dead, released_at__isnull=True).update(
+            released_at=now, outcome=Outcome.ABANDONED
+        )
+        process_abandoned.send(sender=GatewayProcess, instances=dead, reason=reason)
+        GatewayProcess.objects.filter(instance__in=dead).update(recovered_at=now)
         logger.warning("recovered %d reservation(s) of dead gateway process(es) %s", closed, ", ".join(dead))
         return dead
     finally:

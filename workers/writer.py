@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import connection, transaction
 from django.db.models import Model
 
 logger = logging.getLogger(__name__)
@@ -94,18 +94,24 @@ class RowWriter:
         by_model: dict[type[Model], list[dict[str, Any]]] = {}
         for (model, _), values in batch.items():
             by_model.setdefault(model, []).append(values)
+        # One transaction per table: the writer never holds one table's lock while it waits for
+        # another's, so it cannot deadlock with anything that locks tables in another order.
+        for model, rows in by_model.items():
+            self._write_model(model, rows)
+
+    def _write_model(self, model: type[Model], rows: list[dict[str, Any]]) -> None:
         for attempt in range(3):
             try:
-                close_old_connections()
+                # The thread keeps its connection between batches (opening one per batch cost
+                # more than the writes); it is dropped and reopened only after an error.
                 with transaction.atomic():
-                    for model, rows in by_model.items():
-                        self._upsert_rows(model, rows)
-                self.rows_written += len(batch)
+                    self._upsert_rows(model, rows)
+                self.rows_written += len(rows)
                 self.batches_written += 1
                 return
             except Exception:  # the writer must survive a database hiccup
                 self.write_errors += 1
-                logger.exception("row writer: batch of %d rows failed (attempt %d)", len(batch), attempt + 1)
+                logger.exception("row writer: %d %s rows failed (attempt %d)", len(rows), model.__name__, attempt + 1)
                 connection.close()
                 time.sleep(0.2 * (attempt + 1))
 

@@ -29,7 +29,11 @@ class _HideExpectedExits(logging.Filter):
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket; port 0 picks a free one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=BACKLOG)
+    sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+    # Accepted connections inherit it (Linux): without it a keep-alive request can wait ~40 ms
+    # for a delayed ACK, which a real worker's server does not add.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def build_server(config: SimConfig, sock: socket.socket) -> tuple[SimApp, uvicorn.Server]:

@@ -46,7 +46,7 @@ class Command(BaseCommand):
             if options.get(option) is not None and getattr(pool, field) != options[option]:
                 setattr(pool, field, options[option])
                 changed = True
-        if changed and not created:
+        if changed:
             pool.save()
         endpoint, endpoint_created = WorkerEndpoint.objects.get_or_create(pool=pool, role=options["role"], url=url)
         verb = "registered" if endpoint_created else "already registered"
