@@ -1,6 +1,7 @@
 """ASGI entry point: the API routes go to the Channels consumers, everything else to Django."""
 
 import os
+import socket
 import sys
 
 from django.core.asgi import get_asgi_application
@@ -24,6 +25,17 @@ def _start_services_with_daphne() -> None:
         return
     loop = reactor._asyncioEventloop  # the loop daphne runs
     loop.call_soon(lambda: loop.create_task(_start()))
+    loop.call_soon(_no_delay_on_listening_sockets, reactor)
+
+
+def _no_delay_on_listening_sockets(reactor: object) -> None:
+    """Twisted leaves Nagle's algorithm on: an SSE frame written while the previous one is
+    unacknowledged can wait ~40 ms for a delayed ACK. Linux copies TCP_NODELAY from a listening
+    socket to the connections it accepts."""
+    for reader in reactor.getReaders():  # type: ignore[attr-defined]
+        sock = getattr(reader, "socket", None)
+        if reader.__class__.__name__ == "Port" and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 async def _start() -> None:

@@ -1,0 +1,350 @@
+#!/usr/bin/env python
+"""Relay latency and throughput of streamed requests.
+
+    .venv/bin/python bench/relay.py                 # both parts, default sizes
+    .venv/bin/python bench/relay.py --part latency --samples 1000
+    .venv/bin/python bench/relay.py --part throughput --streams 64 --tokens 4000 --rounds 2
+    .venv/bin/python bench/relay.py --quick         # smoke test, a few seconds
+
+(a) latency: one request at a time, time to the first content event: the first
+`content_block_delta` through the gateway, and the first content chunk of a plain (aggregated)
+OpenAI chat streaming request sent straight to the sim generation worker. Three kinds of request
+are interleaved (in a shuffled order each round) so they see the same machine state:
+
+    gateway, disaggregated    pool `bench` (context first, conditional disaggregation off): the
+                              request also pays the context phase (a POST to the context worker,
+                              then the generation worker takes the KV from it)
+    gateway, aggregated path  pool `bench-agg` (model `sim-model-agg`) whose
+                              max_local_prefill_tokens is large: the context phase is skipped and
+                              the request goes whole to the generation worker, as the direct call
+    direct                    the same chat request straight to the generation worker
+
+Each kind uses one keep-alive connection. Targets (gateway, aggregated path − direct): added p50
+≤ 2 ms, added p99 ≤ 5 ms.
+
+(b) throughput: K concurrent streams of M tokens each (`[sim tokens=M]`, sim workers unpaced),
+each of the K connections running R such streams back to back. Content events per second
+delivered to the clients and gateway CPU µs per relayed event; the same load sent straight to
+the generation worker is the baseline (what the sim and the client manage on this machine).
+Targets: ≥ 30,000 events/s, ≤ 30 µs gateway CPU per event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness as h
+
+ADDED_P50_TARGET_MS = 2.0
+ADDED_P99_TARGET_MS = 5.0
+EVENTS_TARGET = 30_000.0
+CPU_PER_EVENT_TARGET_US = 30.0
+AGG_MODEL = "sim-model-agg"
+GATEWAY_CONTENT = b"event: content_block_delta"
+DIRECT_CONTENT = b'"delta":{"content"'
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("both", "latency", "throughput"), default="both")
+    parser.add_argument("--samples", type=int, help="latency rounds, each one request of every kind (default 500; --quick 40)")
+    parser.add_argument("--warmup", type=int, help="latency rounds not counted (default 30; --quick 5)")
+    parser.add_argument("--latency-tokens", type=int, default=16, help="tokens per latency request (default 16)")
+    parser.add_argument("--streams", type=int, help="K concurrent streams (default 32; --quick 8)")
+    parser.add_argument("--tokens", type=int, help="M tokens per stream (default 4000; --quick 500)")
+    parser.add_argument("--rounds", type=int, help="R streams per connection, back to back (default 3; --quick 1)")
+    parser.add_argument("--no-direct-throughput", action="store_true", help="skip the direct throughput baseline")
+    h.add_common_arguments(parser)
+    args = parser.parse_args()
+    h.resolve(
+        args,
+        quick={"samples": 40, "warmup": 5, "streams": 8, "tokens": 500, "rounds": 1},
+        full={"samples": 500, "warmup": 30, "streams": 32, "tokens": 4000, "rounds": 3},
+    )
+    return args
+
+
+def direct_payload(directive: str, max_tokens: int = 100000) -> dict[str, Any]:
+    return {
+        "model": h.MODEL,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "messages": [{"role": "user", "content": f"Hello {directive}"}],
+    }
+
+
+# --- (a) latency -----------------------------------------------------------------------------------
+
+
+async def latency(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc]) -> dict[str, Any]:
+    gport = gateway.port
+    dport = h.port_of(gen.url)
+    directive = f"[sim tokens={args.latency_tokens}]"
+    wires = {
+        "gateway, disaggregated": (gport, h.gateway_request(gport, key, h.messages_body(directive, stream=True)), GATEWAY_CONTENT),
+        "gateway, aggregated path": (
+            gport,
+            h.gateway_request(gport, key, h.messages_body(directive, stream=True, model=AGG_MODEL)),
+            GATEWAY_CONTENT,
+        ),
+        "direct": (dport, h.worker_request(dport, direct_payload(directive)), DIRECT_CONTENT),
+    }
+    conns = {kind: h.KeepAlive(port) for kind, (port, _, _) in wires.items()}
+    ttft: dict[str, list[float]] = {kind: [] for kind in wires}
+    total: dict[str, list[float]] = {kind: [] for kind in wires}
+    added: dict[str, list[float]] = {"gateway, disaggregated": [], "gateway, aggregated path": []}
+    failures: dict[str, int] = {kind: 0 for kind in wires}
+    kinds = list(wires)
+    rng = random.Random(1)
+    meter = h.CpuMeter({"gateway": gateway.pid, **{s.name: s.pid for s in sims}})
+    for i in range(args.warmup + args.samples):
+        if i == args.warmup:
+            meter.start()
+        rng.shuffle(kinds)
+        this: dict[str, float] = {}
+        for kind in kinds:
+            _, wire, pattern = wires[kind]
+            resp = await conns[kind].request(wire, count=pattern)
+            if resp.status != 200 or resp.first_count_at is None or resp.error:
+                failures[kind] += 1
+                continue
+            this[kind] = resp.first_count_at - resp.sent_at
+            if i >= args.warmup:
+                ttft[kind].append(this[kind])
+                total[kind].append((resp.done_at or resp.first_count_at) - resp.sent_at)
+        if i >= args.warmup and "direct" in this:
+            for kind in added:
+                if kind in this:
+                    added[kind].append(this[kind] - this["direct"])
+        # A short pause so each request meets an idle machine, as a lone request would.
+        await asyncio.sleep(0.002)
+    cpu = meter.stop()
+    for conn in conns.values():
+        conn.close()
+    machine_latency = meter.machine_note()
+
+    dists = {kind: h.distribution(v) for kind, v in ttft.items()}
+    added_dists = {kind: h.distribution(v) for kind, v in added.items()}
+    total_dists = {kind: h.distribution(v) for kind, v in total.items()}
+    h.print_distributions(
+        f"(a) time to first content event, ms ({args.samples} rounds, one request at a time, interleaved)",
+        [(kind, dists[kind]) for kind in wires],
+        unit_scale=1000,
+        digits=3,
+    )
+    print(f"({machine_latency})")
+    h.print_distributions(
+        "(a) added by the gateway: gateway − direct in the same round, ms",
+        [(kind, d) for kind, d in added_dists.items()],
+        unit_scale=1000,
+        digits=3,
+    )
+    h.print_distributions(
+        f"(a) time to the end of the response ({args.latency_tokens} tokens), ms",
+        [(kind, total_dists[kind]) for kind in wires],
+        unit_scale=1000,
+        digits=3,
+    )
+    rounds = max(args.samples, 1)
+    gateway_requests = 2 * rounds
+    loop_us = cpu["gateway:loop-thread"] / gateway_requests * 1e6
+    print(f"\ngateway CPU per request (both gateway kinds): {cpu['gateway'] / gateway_requests * 1e6:,.0f} µs "
+          f"(event-loop thread {loop_us:,.0f} µs, other threads — audit writer, executor — "
+          f"{cpu['gateway'] / gateway_requests * 1e6 - loop_us:,.0f} µs); failures: {failures}")
+    agg, agg_p50 = added_dists["gateway, aggregated path"], None
+    if dists["gateway, aggregated path"].get("n") and dists["direct"].get("n"):
+        agg_p50 = (dists["gateway, aggregated path"]["p50"] - dists["direct"]["p50"]) * 1000
+    agg_p99 = (dists["gateway, aggregated path"]["p99"] - dists["direct"]["p99"]) * 1000 if agg_p50 is not None else None
+    checks = {
+        "added_p50_ms": {"value": agg_p50, "paired_p50": agg.get("p50", 0) * 1000, "target": ADDED_P50_TARGET_MS,
+                          "ok": agg_p50 is not None and agg_p50 <= ADDED_P50_TARGET_MS},
+        "added_p99_ms": {"value": agg_p99, "paired_p99": agg.get("p99", 0) * 1000, "target": ADDED_P99_TARGET_MS,
+                          "ok": agg_p99 is not None and agg_p99 <= ADDED_P99_TARGET_MS},
+    }
+    disagg = dists["gateway, disaggregated"]
+    h.print_table(
+        "(a) targets: gateway (aggregated path) vs direct, ms",
+        ("", "gateway p − direct p", "paired difference", "target", ""),
+        [
+            ["added p50", agg_p50 if agg_p50 is not None else float("nan"), agg.get("p50", float("nan")) * 1000,
+             f"<= {ADDED_P50_TARGET_MS:g}", h.verdict(checks["added_p50_ms"]["ok"])],
+            ["added p99", agg_p99 if agg_p99 is not None else float("nan"), agg.get("p99", float("nan")) * 1000,
+             f"<= {ADDED_P99_TARGET_MS:g}", h.verdict(checks["added_p99_ms"]["ok"])],
+            ["(disaggregated) added p50",
+             (disagg.get("p50", float("nan")) - dists["direct"].get("p50", float("nan"))) * 1000,
+             added_dists["gateway, disaggregated"].get("p50", float("nan")) * 1000, "(context phase included)", ""],
+        ],
+        digits=3,
+    )
+    return {
+        "samples": args.samples,
+        "tokens": args.latency_tokens,
+        "time_to_first_content_ms": {k: h.in_ms(v) for k, v in dists.items()},
+        "added_ms": {k: h.in_ms(v) for k, v in added_dists.items()},
+        "time_to_end_ms": {k: h.in_ms(v) for k, v in total_dists.items()},
+        "cpu_s": cpu,
+        "gateway_cpu_us_per_request": cpu["gateway"] / gateway_requests * 1e6,
+        "gateway_loop_thread_cpu_us_per_request": loop_us,
+        "failures": failures,
+        "checks": checks,
+        "machine": machine_latency,
+    }
+
+
+# --- (b) throughput -------------------------------------------------------------------------------
+
+
+async def _drive(port: int, wire: bytes, pattern: bytes, streams: int, rounds: int) -> tuple[int, int, list[float], int]:
+    """K connections, R streams each; returns (events, bytes, per-stream seconds, failures)."""
+    counts = [0]
+    durations: list[float] = []
+    failures = [0]
+
+    async def one_connection() -> None:
+        conn = h.KeepAlive(port)
+        try:
+            for _ in range(rounds):
+                resp = await conn.request(wire, count=pattern)
+                if resp.status != 200 or resp.error:
+                    failures[0] += 1
+                counts[0] += resp.count
+                if resp.done_at is not None:
+                    durations.append(resp.done_at - resp.sent_at)
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(one_connection() for _ in range(streams)))
+    return counts[0], 0, durations, failures[0]
+
+
+async def throughput(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc]) -> dict[str, Any]:
+    gport = gateway.port
+    dport = h.port_of(gen.url)
+    directive = f"[sim tokens={args.tokens}]"
+    gw_wire = h.gateway_request(gport, key, h.messages_body(directive, stream=True))
+    direct_wire = h.worker_request(dport, direct_payload(directive))
+    expected = args.streams * args.rounds * args.tokens
+    pids = {"gateway": gateway.pid, **{s.name: s.pid for s in sims}}
+
+    # Warm up the gateway's upstream connection pool and code paths.
+    await _drive(gport, h.gateway_request(gport, key, h.messages_body("[sim tokens=64]", stream=True)), GATEWAY_CONTENT, args.streams, 1)
+
+    results: dict[str, Any] = {}
+    runs = [("gateway", gport, gw_wire, GATEWAY_CONTENT)]
+    if not args.no_direct_throughput:
+        runs.append(("direct", dport, direct_wire, DIRECT_CONTENT))
+    for label, port, wire, pattern in runs:
+        meter = h.CpuMeter(pids).start()
+        events, _, durations, failures = await _drive(port, wire, pattern, args.streams, args.rounds)
+        cpu = meter.stop()
+        wall = meter.wall
+        results[label] = {
+            "events": events,
+            "expected_events": expected,
+            "failures": failures,
+            "wall_s": wall,
+            "events_per_s": events / wall if wall else 0.0,
+            "cpu_s": cpu,
+            "cpu_util": {k: v / wall for k, v in cpu.items()},
+            "stream_duration_s": h.distribution(durations),
+            "machine": meter.machine_note(),
+        }
+        if label == "gateway":
+            results[label]["gateway_cpu_us_per_event"] = cpu["gateway"] / events * 1e6 if events else float("nan")
+
+    rows = []
+    for label, r in results.items():
+        rows.append([
+            label,
+            r["events"],
+            r["wall_s"],
+            r["events_per_s"],
+            r["cpu_s"]["gateway"] / r["events"] * 1e6 if r["events"] else float("nan"),
+            r["cpu_s"]["gateway:loop-thread"] / r["events"] * 1e6 if r["events"] else float("nan"),
+            r["cpu_util"]["gateway"] * 100,
+            r["cpu_util"].get("sim-generation", 0) * 100,
+            r["cpu_util"].get("sim-context", 0) * 100,
+            r["cpu_util"]["loadgen"] * 100,
+        ])
+    h.print_table(
+        f"(b) throughput: {args.streams} concurrent streams × {args.tokens} tokens × {args.rounds} rounds",
+        ("", "content events", "wall s", "events/s", "gw CPU µs/event", "of which loop thread", "gw CPU %", "sim-gen CPU %", "sim-ctx CPU %", "loadgen CPU %"),
+        rows,
+        digits=1,
+    )
+    for label, r in results.items():
+        print(f"({label}: {r['machine']})")
+    g = results["gateway"]
+    checks = {
+        "events_per_s": {"value": g["events_per_s"], "target": EVENTS_TARGET, "ok": g["events_per_s"] >= EVENTS_TARGET},
+        "gateway_cpu_us_per_event": {"value": g["gateway_cpu_us_per_event"], "target": CPU_PER_EVENT_TARGET_US,
+                                     "ok": g["gateway_cpu_us_per_event"] <= CPU_PER_EVENT_TARGET_US},
+        "all_events_delivered": {"value": g["events"], "target": expected, "ok": g["events"] == expected and g["failures"] == 0},
+    }
+    h.print_table(
+        "(b) targets",
+        ("", "measured", "target", ""),
+        [
+            ["content events/s through the gateway", g["events_per_s"], f">= {EVENTS_TARGET:,.0f}", h.verdict(checks["events_per_s"]["ok"])],
+            ["gateway CPU per relayed event, µs", g["gateway_cpu_us_per_event"], f"<= {CPU_PER_EVENT_TARGET_US:g}",
+             h.verdict(checks["gateway_cpu_us_per_event"]["ok"])],
+            ["events delivered / expected", f"{g['events']} / {expected}", "all", h.verdict(checks["all_events_delivered"]["ok"])],
+        ],
+        digits=1,
+    )
+    return {"streams": args.streams, "tokens": args.tokens, "rounds": args.rounds, "runs": results, "checks": checks}
+
+
+async def run(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc]) -> dict[str, Any]:
+    out: dict[str, Any] = {"config": { "gateway_nodelay": args.gateway_nodelay}}
+    out["quiet"] = h.wait_for_quiet(args.quiet_wait)
+    if args.part in ("both", "latency"):
+        out["latency"] = await latency(args, gateway, key, gen, sims)
+    if args.part in ("both", "throughput"):
+        out["throughput"] = await throughput(args, gateway, key, gen, sims)
+    out["gateway_peak_rss_mib"] = h.hwm_mib(gateway.pid)
+    print(f"\ngateway peak RSS (VmHWM): {out['gateway_peak_rss_mib']:.1f} MiB")
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    h.raise_nofile()
+    with h.Stack("relay", keep=args.keep, gateway_nodelay=args.gateway_nodelay) as stack:
+        stack.migrate()
+        # Unpaced tokens, instant prefill: what is left is transport and relay.
+        ctx, gen = h.start_sim_pair(
+            stack, tokens_per_second=0, prefill_tokens_per_second=0
+        )
+        # Pool options go on every call: `register_worker` does not save them on the call that
+        # creates the pool (it only saves an existing pool's changes), so the second call applies them.
+        disagg = {"schedule_style": "context_first", "max_local_prefill_tokens": 0}
+        agg = {"schedule_style": "context_first", "max_local_prefill_tokens": 1_000_000}
+        stack.register_worker("bench", h.MODEL, "context", ctx.url, **disagg)
+        stack.register_worker("bench", h.MODEL, "generation", gen.url, **disagg)
+        stack.register_worker("bench-agg", AGG_MODEL, "context", ctx.url, **agg)
+        stack.register_worker("bench-agg", AGG_MODEL, "generation", gen.url, **agg)
+        pools = stack.pool_settings()
+        print("pools:", pools)
+        if pools.get("bench-agg", {}).get("max_local_prefill_tokens") != 1_000_000:
+            raise RuntimeError(f"pool bench-agg was not configured for the aggregated path: {pools}")
+        key = stack.create_api_key("bench")
+        gateway = stack.start_gateway({}, expect_pools=["bench", "bench-agg"])
+        profiler = h.Profiler(gateway.pid, h.result_name(args, "relay") + "-gateway") if args.profile else None
+        try:
+            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen]))
+        finally:
+            if profiler is not None:
+                profiler.stop()
+    h.write_result(h.result_name(args, "relay"), result)
+
+
+if __name__ == "__main__":
+    main()
