@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 import uuid
 from typing import Any
 from urllib.parse import parse_qs
@@ -263,7 +264,10 @@ class MessagesConsumer(ApiConsumer):
         assert reframer is not None
         run.start()
         try:
-            if not await run.wait_open(settings.MESSAGES_STREAM_START_WAIT_S):
+            # The wait counts from the request's arrival, not from here: under a burst, time spent
+            # queued behind other requests' start-up is part of what the client waits.
+            remaining = settings.MESSAGES_STREAM_START_WAIT_S - (time.monotonic() - self.record.received_monotonic)
+            if not await run.wait_open(max(0.0, remaining)):
                 # Still in the context phase: start the response now and keep it alive.
                 await self.start_sse(first_frame=True)
             await run.opened()

@@ -251,3 +251,21 @@ def test_metrics_and_readiness(gateway: Gateway, make_cluster: Callable[..., Clu
         assert name in text, name
     WorkerEndpoint.objects.filter(pool=cluster.pool, role="generation").update(enabled=False)
     wait_until(lambda: httpx.get(gateway.url + "/ready").status_code == 503, timeout=3)
+
+
+def test_generation_first_with_a_dead_generation_worker_stops_the_prefill(gateway: Gateway, make_cluster: Callable[..., Cluster]) -> None:
+    cluster = make_cluster(gateway, schedule_style="generation_first")
+    WorkerEndpoint.objects.filter(pool=cluster.pool, role="generation").update(enabled=False)
+    add_endpoint(cluster, "generation", dead_url())
+
+    def only_the_dead_one_routable() -> bool:
+        pool = httpx.get(gateway.url + "/ready").json()["pools"][cluster.pool.name]["generation"]
+        return pool == {"registered": 2, "routable": 1}
+
+    wait_until(only_the_dead_one_routable, timeout=3)
+    response = post(gateway, cluster, "long prefill [sim context_delay=30]")
+    assert response.status_code == 503 and response.json()["error"]["type"] == "overloaded_error"
+    # The context worker saw its request aborted at once, not after its 30 s prefill.
+    cluster.context.wait_for(lambda s: s["aborted"] == 1 and s["active"] == 0, timeout=5)
+    rows = reservations_closed(response.headers["request-id"])
+    assert {r.stage: r.outcome for r in rows} == {"context": "cancelled", "generation": "failure"}

@@ -176,15 +176,25 @@ class ChatRun:
             self.chat, disagg_request_id, context.endpoint.url, ScheduleStyle.GENERATION_FIRST
         )
         self.stage = Stage.CONTEXT
-        self._generation_open = asyncio.create_task(
+        generation_open = self._generation_open = asyncio.create_task(
             client.open_stream(self.generation_url + trtllm.CHAT_PATH, body, stage=Stage.GENERATION)
         )
+        context_phase = asyncio.create_task(self._context_phase(disagg_request_id, reservation=context))
         try:
-            await self._context_phase(disagg_request_id, reservation=context)
+            await asyncio.wait({context_phase, generation_open}, return_when=asyncio.FIRST_COMPLETED)
+            if not context_phase.done() and not generation_open.cancelled() and generation_open.exception():
+                # The generation side failed first (its worker is gone): stop the prefill now
+                # rather than when it ends, possibly minutes later.
+                context_phase.cancel()
+                await asyncio.wait({context_phase})
+                await self._await_generation()  # raises the generation failure
+            await context_phase
         except BaseException:
+            context_phase.cancel()
             # The paired generation request waits for KV that will never come: cancel it.
-            if self._generation_open is not None:
-                self._generation_open.cancel()
+            if not self._handoff_issued:
+                generation_open.cancel()
+            await asyncio.wait({context_phase})  # its reservation is released before we go on
             raise
         self.stage = Stage.GENERATION
         await self._await_generation()
