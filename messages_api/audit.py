@@ -19,7 +19,6 @@ from messages_api.models import MessageRequest, RequestStatus
 from workers.instance import GATEWAY_INSTANCE
 from workers.writer import get_writer
 
-
 access_log = logging.getLogger("messages_api.access")
 
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from asgiref.sync import sync_to_async
-
 from django.db import close_old_connections
 
 from messages_api.models import ApiKey

@@ -31,14 +31,18 @@ from messages_api.convert import to_chat_request
 from messages_api.errors import AnthropicError, invalid_request
 from messages_api.heartbeat import Heartbeat
 from messages_api.logging import current_request_id
+from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.sse import PING_FRAME, encode_event
 from messages_api.upstream import anthropic_error
-from messages_api.validation import validate_count_tokens_request, validate_messages_request
+from messages_api.validation import (
+    validate_count_tokens_request,
+    validate_messages_request,
+)
+from workers import services
 from workers.errors import WorkerError
 from workers.pipeline import ChatRun
-from workers import services
 from workers.registry import PoolInfo, get_registry
 from workers.tokenize import count_prompt_tokens
 
@@ -418,36 +422,3 @@ class ModelsConsumer(ApiConsumer):
             await self.send_json(200, model_page(models, parse_qs(self.scope.get("query_string", b"").decode())))
         except AnthropicError as error:
             await self.send_error(error)
-
-
-def model_info(pool: PoolInfo) -> dict[str, Any]:
-    return {
-        "type": "model",
-        "id": pool.model,
-        "display_name": pool.model,
-        "created_at": pool.created_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-
-
-def model_page(models: list[dict[str, Any]], query: dict[str, list[str]]) -> dict[str, Any]:
-    """Anthropic's cursor pagination: `limit` (1–1000, default 20), `after_id`, `before_id`."""
-    try:
-        limit = int(query.get("limit", ["20"])[0])
-    except ValueError:
-        raise invalid_request("limit: Input should be a valid integer") from None
-    if not 1 <= limit <= 1000:
-        raise invalid_request("limit: Input should be between 1 and 1000")
-    ids = [m["id"] for m in models]
-    start, end = 0, len(models)
-    if "after_id" in query and query["after_id"][0] in ids:
-        start = ids.index(query["after_id"][0]) + 1
-    if "before_id" in query and query["before_id"][0] in ids:
-        end = ids.index(query["before_id"][0])
-        start = max(start, end - limit)
-    page = models[start:end][:limit]
-    return {
-        "data": page,
-        "has_more": start + len(page) < end,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-    }

@@ -6,11 +6,10 @@ import hmac
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import HttpResponse
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from django.db import close_old_connections, connection
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_safe
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from workers.registry import get_registry
 

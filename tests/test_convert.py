@@ -10,7 +10,10 @@ import pytest
 
 from messages_api.convert import to_chat_request
 from messages_api.errors import AnthropicError
-from messages_api.validation import validate_count_tokens_request, validate_messages_request
+from messages_api.validation import (
+    validate_count_tokens_request,
+    validate_messages_request,
+)
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.278.e3a; cc_entrypoint=cli; cch=4f1c0;"
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="

@@ -11,7 +11,15 @@ import httpx
 import pytest
 from django.core.management import call_command
 
-from tests.conftest import Cluster, audit_row, register_cluster, reservations_closed, sim_worker, wait_registered, wait_until
+from tests.conftest import (
+    Cluster,
+    audit_row,
+    register_cluster,
+    reservations_closed,
+    sim_worker,
+    wait_registered,
+    wait_until,
+)
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker

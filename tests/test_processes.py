@@ -10,7 +10,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Cluster, audit_row, register_cluster, sim_worker, wait_registered, wait_until
+from tests.conftest import (
+    Cluster,
+    audit_row,
+    register_cluster,
+    sim_worker,
+    wait_registered,
+    wait_until,
+)
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker

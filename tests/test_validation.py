@@ -7,7 +7,10 @@ from typing import Any
 import pytest
 
 from messages_api.errors import AnthropicError
-from messages_api.validation import validate_count_tokens_request, validate_messages_request
+from messages_api.validation import (
+    validate_count_tokens_request,
+    validate_messages_request,
+)
 from tests.test_convert import claude_code_body
 
 

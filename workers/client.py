@@ -19,7 +19,12 @@ import httpx
 import orjson
 from django.conf import settings
 
-from workers.errors import ContextLengthExceeded, StreamBroken, WorkerError, WorkerUnreachable
+from workers.errors import (
+    ContextLengthExceeded,
+    StreamBroken,
+    WorkerError,
+    WorkerUnreachable,
+)
 
 # Several pooled clients per loop, used in turn: httpcore's pool scans all of its connections on
 # every request and release, so one pool holding thousands of open streams costs O(n) per

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from asgiref.sync import sync_to_async
-
 from django.db import close_old_connections
 from django.db.models import Count
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from workers.instance import GATEWAY_INSTANCE
-from workers.models import Outcome, Reservation as ReservationRow
+from workers.models import Outcome
+from workers.models import Reservation as ReservationRow
 from workers.registry import EndpointInfo
 from workers.writer import get_writer
-
 
 
 class ReservationLedger:

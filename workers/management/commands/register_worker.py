@@ -2,11 +2,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.validators import URLValidator
-from django.core.exceptions import ValidationError
 
-from workers.models import Role, RoutingPolicy, ScheduleStyle, WorkerEndpoint, WorkerPool
+from workers.models import (
+    Role,
+    RoutingPolicy,
+    ScheduleStyle,
+    WorkerEndpoint,
+    WorkerPool,
+)
 
 
 class Command(BaseCommand):
