@@ -20,7 +20,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Model
+from django.db.models import Field, Model
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class RowWriter:
         self.flush_interval = flush_interval
         self._pending: dict[RowKey, dict[str, Any]] = {}
         self._unique_field: dict[type[Model], str] = {}
+        self._sql: dict[tuple[type[Model], tuple[str, ...]], tuple[str, list[Field[Any, Any]]]] = {}
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._idle = threading.Condition(self._lock)
@@ -43,7 +44,11 @@ class RowWriter:
         self.write_errors = 0
 
     def upsert(self, model: type[Model], unique_field: str, values: dict[str, Any]) -> None:
-        """Queue the current state of one row, identified by `values[unique_field]`."""
+        """Queue the current state of one row, identified by `values[unique_field]`.
+
+        `values` is the whole row (every column but the primary key): it is inserted, or written
+        over the row with the same `unique_field`.
+        """
         key = (model, str(values[unique_field]))
         with self._lock:
             self._unique_field[model] = unique_field
@@ -116,20 +121,41 @@ class RowWriter:
                 time.sleep(0.2 * (attempt + 1))
 
     def _upsert_rows(self, model: type[Model], rows: list[dict[str, Any]]) -> None:
+        """One `INSERT … ON CONFLICT (unique) DO UPDATE` executed for all rows of a shape.
+
+        Plain SQL rather than `bulk_create(update_conflicts=True)`: the ORM's per-row compilation
+        was most of the writer's CPU, and this thread shares the GIL with the event loop. SQLite
+        and PostgreSQL both speak this form; values go through each field's own DB preparation.
+        """
         unique_field = self._unique_field[model]
-        # Rows of one model may carry different field sets (a start and an end); group by shape.
         by_shape: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         for row in rows:
-            by_shape.setdefault(tuple(sorted(row)), []).append(row)
-        for shape, same in by_shape.items():
-            update_fields = [f for f in shape if f != unique_field]
-            objs = [model(**row) for row in same]
-            if update_fields:
-                model.objects.bulk_create(
-                    objs, update_conflicts=True, unique_fields=[unique_field], update_fields=update_fields
+            by_shape.setdefault(tuple(row), []).append(row)
+        with connection.cursor() as cursor:
+            for shape, same in by_shape.items():
+                sql, fields = self._upsert_sql(model, shape, unique_field)
+                cursor.executemany(
+                    sql, [[field.get_db_prep_save(row[name], connection) for name, field in zip(shape, fields, strict=True)] for row in same]
                 )
-            else:
-                model.objects.bulk_create(objs, ignore_conflicts=True)
+
+    def _upsert_sql(self, model: type[Model], shape: tuple[str, ...], unique_field: str) -> tuple[str, list[Field[Any, Any]]]:
+        key = (model, shape)
+        if key not in self._sql:
+            self._sql[key] = self._build_upsert_sql(model, shape, unique_field)
+        return self._sql[key]
+
+    @staticmethod
+    def _build_upsert_sql(model: type[Model], shape: tuple[str, ...], unique_field: str) -> tuple[str, list[Field[Any, Any]]]:
+        fields = [model._meta.get_field(name) for name in shape]
+        quote = connection.ops.quote_name
+        columns = [quote(field.column) for field in fields]
+        unique = quote(model._meta.get_field(unique_field).column)
+        updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c != unique)
+        sql = (
+            f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))}) "
+            f"ON CONFLICT ({unique}) DO UPDATE SET {updates}"
+        )
+        return sql, fields
 
     def close(self) -> None:
         with self._lock:
