@@ -12,6 +12,7 @@ from django.views.decorators.http import require_safe
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from workers.registry import get_registry
+from workers.router import candidates
 
 
 @require_safe
@@ -51,7 +52,7 @@ async def ready(request: HttpRequest) -> JsonResponse:
             counts = {}
             for role in ("context", "generation"):
                 endpoints = pool.endpoints_for(role)
-                counts[role] = {"registered": len(endpoints), "routable": sum(e.routable for e in endpoints)}
+                counts[role] = {"registered": len(endpoints), "routable": len(candidates(pool, role))}
                 ready = ready and counts[role]["routable"] > 0
             pools[pool.name] = {"id": pool.id, "model": pool.model, **counts}
         ready = ready and bool(snapshot.pools)

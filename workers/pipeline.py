@@ -69,11 +69,8 @@ class ChatRun:
         self.context_url: str = ""
         self.generation_url: str = ""
         self.prompt_tokens: int | None = None
-        self.context_started_at: float | None = None
         self.context_done_at: float | None = None
         self.first_chunk_at: float | None = None
-        self.skipped_context = False
-        self.retries = 0
 
         self._reservations: list[Reservation] = []
         self._open_task: asyncio.Task[None] | None = None
@@ -151,7 +148,6 @@ class ChatRun:
         self._generation_endpoint_id = generation.endpoint.id
         limit = pool.max_local_prefill_tokens
         if limit and estimate_prompt_tokens(self.chat) <= limit:
-            self.skipped_context = True
             await self._open_generation(trtllm.streamed(self.chat))
             return
         disagg_request_id = random.getrandbits(62)
@@ -204,7 +200,6 @@ class ChatRun:
     ) -> trtllm.ContextResult:
         """POST `context_only`; a connection failure before any answer is retried once elsewhere."""
         self.stage = Stage.CONTEXT
-        self.context_started_at = time.monotonic()
         body = trtllm.context_request(self.chat, disagg_request_id, self.pool.schedule_style)
         tried: list[str] = []
         # Generation-first already told its generation worker where the KV comes from.
@@ -224,7 +219,6 @@ class ChatRun:
                 reservation = None
                 if not may_retry or len(tried) > 1 or not self._has_other(Role.CONTEXT, tried):
                     raise
-                self.retries += 1
                 worker_retries.labels(Stage.CONTEXT).inc()
                 continue
             except WorkerError as exc:

@@ -33,11 +33,6 @@ class EndpointInfo:
     # Open reservations other gateway processes held at the last refresh (for least_loaded).
     remote_open: int = 0
 
-    @property
-    def routable(self) -> bool:
-        """May take new requests (in-flight ones finish regardless)."""
-        return self.enabled and not self.draining and self.healthy
-
 
 @dataclass(frozen=True, slots=True)
 class PoolInfo:

@@ -11,6 +11,7 @@ from typing import Any
 
 from workers import client
 from workers.errors import WorkerError
+from workers.health import health
 from workers.registry import PoolInfo
 from workers.tokens import estimate_prompt_tokens
 
@@ -25,7 +26,7 @@ async def count_prompt_tokens(pool: PoolInfo, chat: dict[str, Any]) -> tuple[int
     if chat.get("tools"):
         body["tools"] = chat["tools"]
     for endpoint in sorted(pool.endpoints, key=lambda e: e.role != "context"):
-        if not endpoint.routable:
+        if not health.usable(endpoint):
             continue
         try:
             answer = await client.post_json(endpoint.url + "/tokenize", body, stage="tokenize", timeout=TOKENIZE_TIMEOUT_S)
