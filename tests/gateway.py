@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 from django.db import connection
 
+from workers.sim.process import stop_process
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # Short intervals keep the suite fast; a test that needs others starts its own gateway.
@@ -107,13 +109,8 @@ class Gateway:
             self.process.wait(10)
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        if self.process is not None:
+            stop_process(self.process)
         self.sock.close()
 
     def __enter__(self) -> Gateway:

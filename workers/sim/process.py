@@ -87,13 +87,7 @@ class SimWorker:
     def stop(self) -> None:
         """Terminates the process, killing it if it has not exited within 5 s."""
         _running.discard(self)
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, grace=5.0)
         if self._reader is not None:
             self._reader.join(timeout=2.0)  # it closes stdout once it reads EOF
 
@@ -110,6 +104,17 @@ def _command(role: str, host: str, port: int, options: dict[str, Any]) -> list[s
         if value is not None:
             args += [f"--{name.replace('_', '-')}", str(value)]
     return args
+
+
+def stop_process(process: subprocess.Popen[Any], grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within `grace` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _die_with_parent() -> None:
