@@ -138,3 +138,25 @@ def login_and_drain(gateway: Gateway, endpoint: WorkerEndpoint) -> None:
             headers={"Referer": gateway.url + "/admin/workers/workerendpoint/"},
         )
         assert done.status_code == 200
+
+
+def test_sigterm_cancels_in_flight_requests_cleanly(transactional_db: Any, context_worker: SimWorker, generation_worker: SimWorker) -> None:
+    """A graceful shutdown takes the client-disconnect path: daphne cancels the application,
+    the request ends `cancelled`, its reservations are released (not left to recovery) and the
+    worker sees the abort; the writer flushes before the process exits."""
+    gateway = Gateway().start()
+    try:
+        cluster = register_cluster(context_worker, generation_worker)
+        wait_registered(gateway, cluster)
+        s = open_stream(gateway, cluster, "long [sim tokens=100000]")
+        s.read_until("content_block_delta")
+        request_id = s.response_headers["request-id"]
+        gateway.kill(signal.SIGTERM)
+        assert gateway.process is not None and gateway.process.returncode is not None
+    finally:
+        gateway.stop()
+    cluster.generation.wait_for(lambda st: st["aborted"] == 1 and st["active"] == 0)
+    row = audit_row(request_id, timeout=2)
+    assert row.status == "cancelled" and row.stage == "generation"
+    outcomes = {r.stage: r.outcome for r in Reservation.objects.filter(request_id=request_id)}
+    assert outcomes == {"context": "success", "generation": "cancelled"}
