@@ -49,7 +49,10 @@ class BreakerState:
 class Breaker:
     failures: int = 0
     opened_at: float | None = None
-    trial_in_flight: bool = False
+    # When the half-open breaker let its one trial request through (None: no trial out). A trial
+    # whose outcome never comes (its client left) does not block the endpoint for ever: after
+    # another cool-down a new trial goes.
+    trial_started_at: float | None = None
 
     def state(self, now: float, cooldown: float) -> str:
         if self.opened_at is None:
@@ -78,15 +81,17 @@ class EndpointHealth:
         state = breaker.state(time.monotonic(), settings.BREAKER_COOLDOWN_S)
         if state == BreakerState.CLOSED:
             return True
-        if state == BreakerState.HALF_OPEN and not breaker.trial_in_flight:
-            return True
+        if state == BreakerState.HALF_OPEN:
+            started = breaker.trial_started_at
+            return started is None or time.monotonic() - started >= settings.BREAKER_COOLDOWN_S
         return False
 
     def on_routed(self, endpoint_id: int) -> None:
         """A request was just routed to the endpoint: a half-open breaker lets only this one by."""
         breaker = self.breakers.get(endpoint_id)
-        if breaker is not None and breaker.state(time.monotonic(), settings.BREAKER_COOLDOWN_S) == BreakerState.HALF_OPEN:
-            breaker.trial_in_flight = True
+        now = time.monotonic()
+        if breaker is not None and breaker.state(now, settings.BREAKER_COOLDOWN_S) == BreakerState.HALF_OPEN:
+            breaker.trial_started_at = now
 
     # --- request outcomes --------------------------------------------------------------------------
 
@@ -98,7 +103,7 @@ class EndpointHealth:
     def record_failure(self, endpoint_id: int) -> None:
         breaker = self.breakers.setdefault(endpoint_id, Breaker())
         breaker.failures += 1
-        breaker.trial_in_flight = False
+        breaker.trial_started_at = None
         if breaker.opened_at is not None or breaker.failures >= settings.BREAKER_FAILURE_THRESHOLD:
             if breaker.opened_at is None:
                 logger.warning("circuit breaker opened for endpoint #%s after %d failures", endpoint_id, breaker.failures)
