@@ -312,9 +312,13 @@ class MessagesConsumer(ApiConsumer):
         )
         self.record.headers_sent_ms = self.record.since_received_ms()
         self.heartbeat = Heartbeat(settings.MESSAGES_PING_INTERVAL_S, self._send_ping)
+        # Under daphne the status line leaves only with the first body chunk.
         if first_frame:
-            # Under daphne the status line leaves only with the first body chunk.
             await self.heartbeat.ping()
+        else:
+            # The first event usually follows at once; if the generation worker is slow to send
+            # it, a ping carries the status line out by the end of the start wait all the same.
+            self.heartbeat.due_at(self.record.received_monotonic + settings.MESSAGES_STREAM_START_WAIT_S)
         self.heartbeat.start()
 
     async def _send_ping(self) -> None:

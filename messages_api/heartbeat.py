@@ -23,6 +23,10 @@ class Heartbeat:
         """Call after every frame the stream sends."""
         self.last_sent = time.monotonic()
 
+    def due_at(self, moment: float) -> None:
+        """Ping at `moment` (a `time.monotonic()` value) unless a frame goes out before."""
+        self.last_sent = moment - self.interval
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="heartbeat")

@@ -7,12 +7,13 @@ The gateways here run with MESSAGES_STREAM_START_WAIT_S=0.3 and MESSAGES_PING_IN
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 
-from tests.conftest import Cluster, audit_row, reservations_closed, wait_until
+from tests.conftest import Cluster, audit_row, reservations_closed, wait_registered, wait_until
 from tests.gateway import DEFAULT_ENV, Gateway
 from tests.rawclient import RawStream
 
@@ -61,6 +62,21 @@ def test_fast_success_relays_the_reframed_stream(gateway: Gateway, cluster: Clus
     assert row.status == "completed" and row.stream and row.stage == "done"
     assert row.headers_sent_ms is not None and row.first_token_ms is not None
     assert {r.outcome for r in reservations_closed(row.request_id)} == {"success"}
+
+
+def test_fast_start_with_a_slow_first_token_still_sends_the_status_line(
+    gateways: Callable[..., Gateway], cluster: Cluster
+) -> None:
+    """The generation stream opens within the wait (its headers arrive) but its first chunk
+    takes longer: the status line must leave by the end of the wait, not with the first chunk or
+    the first ping a whole interval later."""
+    gateway = gateways(MESSAGES_PING_INTERVAL_S="5")
+    wait_registered(gateway, cluster)
+    s = stream(gateway, cluster, "slow first token [sim gen_delay=2 tokens=2]")
+    assert s.read_head() == 200
+    assert s.head_at is not None and s.head_at < START_WAIT + 0.3
+    frames = s.read_all()
+    assert_complete_message(frames)
 
 
 @pytest.mark.parametrize("status", [400, 503])

@@ -167,10 +167,14 @@ class ChatCompletions:
         self, request: ChatRequest, prompt_ids: list[int], prompt_tokens: int, send: Send
     ) -> None:
         directives = request.directives
-        if directives.gen_delay > 0:
-            await asyncio.sleep(directives.gen_delay)
         if directives.gen_status is not None:
+            if directives.gen_delay > 0:
+                await asyncio.sleep(directives.gen_delay)
             raise SimError.simulated(directives.gen_status)
+        # A streamed answer's delay comes after its headers, as a real server's first token does
+        # (the response has started; the first chunk is what is slow).
+        if directives.gen_delay > 0 and not request.stream:
+            await asyncio.sleep(directives.gen_delay)
         limit = request.max_tokens
         if limit is None:
             limit = max(self.config.max_context_tokens - prompt_tokens, 0)
@@ -184,6 +188,7 @@ class ChatCompletions:
             include_usage=request.include_usage,
             continuous_usage=request.continuous_usage,
             fail_after=directives.gen_fail_after,
+            first_chunk_delay=directives.gen_delay,
         )
         if request.stream:
             await stream(send, generation, options)

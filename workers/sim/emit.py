@@ -19,6 +19,7 @@ class EmitOptions:
     include_usage: bool = False
     continuous_usage: bool = False
     fail_after: int | None = None  # drop the connection after this many tokens
+    first_chunk_delay: float = 0.0  # seconds between the headers and the first chunk
 
 
 # Unpaced streams write this many frames per socket write: one write per frame would make
@@ -38,6 +39,8 @@ async def stream(send: Send, generation: Generation, options: EmitOptions) -> No
         options.model, options.prompt_tokens, continuous_usage=options.continuous_usage
     )
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    if options.first_chunk_delay > 0:
+        await asyncio.sleep(options.first_chunk_delay)
     await send({"type": "http.response.body", "body": framer.role(), "more_body": True})
     loop = asyncio.get_running_loop()
     interval = options.interval
