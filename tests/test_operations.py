@@ -277,3 +277,40 @@ def test_generation_first_with_a_dead_generation_worker_stops_the_prefill(gatewa
     cluster.context.wait_for(lambda s: s["aborted"] == 1 and s["active"] == 0, timeout=5)
     rows = reservations_closed(response.headers["request-id"])
     assert {r.stage: r.outcome for r in rows} == {"context": "cancelled", "generation": "failure"}
+
+
+@pytest.fixture
+def bare_503_url() -> Iterator[str]:
+    """A server that answers every request 503 with no body, like a proxy in front of a worker
+    that is down."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Bare503(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(503)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Bare503)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_bare_503_from_the_context_side_is_retried_elsewhere(gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster], bare_503_url: str) -> None:
+    gateway = gateways()
+    cluster = make_cluster(gateway)
+    bare = add_endpoint(cluster, "context", bare_503_url)
+    wait_registered(gateway, cluster)
+    retried = 0
+    for _ in range(4):  # round robin reaches the bare-503 endpoint within two requests
+        response = post(gateway, cluster, "hi [sim tokens=2]")
+        assert response.status_code == 200, response.text
+        rows = reservations_closed(response.headers["request-id"])
+        retried += any(r.endpoint_url == bare.url and r.outcome == "failure" for r in rows)
+    assert retried >= 1

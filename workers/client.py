@@ -124,6 +124,13 @@ def error_message(body: bytes, status: int, stage: str) -> tuple[str, str | None
 
 
 def worker_error(status: int, body: bytes, stage: str, retry_after: float | None = None) -> WorkerError:
+    if status in (502, 503) and not body.strip():
+        # A bare 502/503 comes from something in front of the worker (a proxy, a load balancer,
+        # a server still starting), not from a worker that looked at the request: like a refused
+        # connection, it may be retried elsewhere.
+        return WorkerUnreachable(
+            status, f"the {stage} worker answered {status} without a body", stage=stage, code="no_answer", retry_after=retry_after
+        )
     message, code = error_message(body, status, stage)
     if status == 400 and (code == "context_length_exceeded" or _MAX_CONTEXT.search(message)):
         maximum = _MAX_CONTEXT.search(message)
