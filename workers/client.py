@@ -160,12 +160,12 @@ def _transport_error(exc: httpx.HTTPError, stage: str) -> WorkerError:
 # --- calls ---------------------------------------------------------------------------------------
 
 
-async def post_json(
-    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None
-) -> dict[str, Any]:
-    """POST a JSON body and return the JSON answer; a non-2xx answer raises WorkerError."""
+async def _fetch(
+    method: str, url: str, content: bytes | None, headers: dict[str, str], timeout: float | None, stage: str
+) -> httpx.Response:
+    """Send, read the whole answer, and raise WorkerError for a transport failure or a non-2xx."""
     try:
-        response = await _send("POST", url, orjson.dumps(body), JSON_HEADERS, timeout)
+        response = await _send(method, url, content, headers, timeout)
         try:
             await response.aread()
         finally:
@@ -174,26 +174,25 @@ async def post_json(
         raise _transport_error(exc, stage) from None
     if response.status_code >= 300:
         raise worker_error(response.status_code, response.content, stage, _retry_after(response))
+    return response
+
+
+async def post_json(
+    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None
+) -> dict[str, Any]:
+    """POST a JSON body and return the JSON object answered; anything else raises WorkerError."""
+    response = await _fetch("POST", url, orjson.dumps(body), JSON_HEADERS, timeout, stage)
     try:
         data = orjson.loads(response.content)
     except orjson.JSONDecodeError:
-        raise WorkerError(502, f"the {stage} worker returned a malformed answer", stage=stage) from None
+        data = None
     if not isinstance(data, dict):
         raise WorkerError(502, f"the {stage} worker returned a malformed answer", stage=stage)
     return data
 
 
 async def get_json(url: str, *, timeout: float, stage: str = "health") -> Any:
-    try:
-        response = await _send("GET", url, None, {"accept": "application/json"}, timeout)
-        try:
-            await response.aread()
-        finally:
-            await response.aclose()
-    except httpx.HTTPError as exc:
-        raise _transport_error(exc, stage) from None
-    if response.status_code >= 300:
-        raise worker_error(response.status_code, response.content, stage)
+    response = await _fetch("GET", url, None, {"accept": "application/json"}, timeout, stage)
     return orjson.loads(response.content) if response.content else None
 
 
