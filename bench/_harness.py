@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import http.client
 import json
 import math
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -516,6 +517,17 @@ class Profiler:
                 self.process.kill()
                 self.process.wait()
         summarize_profile(self.path, top)
+
+
+@contextlib.contextmanager
+def profiled(pids: Sequence[int], name: str, enabled: bool) -> Iterator[None]:
+    """Profile the processes `pids` (names `<name>-<i>`) for the duration of the block, if enabled."""
+    profilers = [Profiler(pid, name if len(pids) == 1 else f"{name}-{i}") for i, pid in enumerate(pids)] if enabled else []
+    try:
+        yield
+    finally:
+        for profiler in profilers:
+            profiler.stop()
 
 
 def summarize_profile(path: Path, top: int = 25) -> None:

@@ -415,13 +415,9 @@ def main() -> None:
         total_sent = 0
         for n in counts:
             gateways = [stack.start_gateway({}, expect_pools=[pool]) for _ in range(n)]
-            profilers = [h.Profiler(g.pid, f"{h.result_name(args, 'nonstream_rps')}-gateway{n}-{i}") for i, g in enumerate(gateways)] if args.profile else []
-            try:
-                label = f"{n} gateway process{'es' if n > 1 else ''} ({results['config']['database']})"
+            label = f"{n} gateway process{'es' if n > 1 else ''} ({results['config']['database']})"
+            with h.profiled([g.pid for g in gateways], f"{h.result_name(args, 'nonstream_rps')}-gateway{n}", args.profile):
                 run = asyncio.run(measure(args, gateways, key, model, ctx, gen, label))
-            finally:
-                for profiler in profilers:
-                    profiler.stop()
             total_sent += run["gateway_requests_sent"]
             results["runs"][str(n)] = run
             # Audit: one terminal row per request, written by the background writer (waited for

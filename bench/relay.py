@@ -337,12 +337,8 @@ def main() -> None:
             raise RuntimeError(f"pool bench-agg was not configured for the aggregated path: {pools}")
         key = stack.create_api_key("bench")
         gateway = stack.start_gateway({}, expect_pools=["bench", "bench-agg"])
-        profiler = h.Profiler(gateway.pid, h.result_name(args, "relay") + "-gateway") if args.profile else None
-        try:
+        with h.profiled([gateway.pid], h.result_name(args, "relay") + "-gateway", args.profile):
             result = asyncio.run(run(args, gateway, key, gen, [ctx, gen]))
-        finally:
-            if profiler is not None:
-                profiler.stop()
     h.write_result(h.result_name(args, "relay"), result)
 
 

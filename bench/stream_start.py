@@ -291,12 +291,8 @@ def main() -> None:
             {"MESSAGES_STREAM_START_WAIT_S": args.start_wait, "MESSAGES_PING_INTERVAL_S": args.ping_interval},
             expect_pools=["bench"],
         )
-        profiler = h.Profiler(gateway.pid, h.result_name(args, "stream_start") + "-gateway") if args.profile else None
-        try:
+        with h.profiled([gateway.pid], h.result_name(args, "stream_start") + "-gateway", args.profile):
             result = asyncio.run(run(args, stack, gateway, key, [ctx, gen]))
-        finally:
-            if profiler is not None:
-                profiler.stop()
     h.write_result(h.result_name(args, "stream_start"), result)
 
 

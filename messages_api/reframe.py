@@ -156,26 +156,10 @@ class StreamReframer:
                 # vLLM has used both names, and some versions send both with the same text.
                 reasoning = delta.get("reasoning_content") or delta.get("reasoning")
                 if reasoning:
-                    if self._open != THINKING:
-                        self._begin_block({"type": THINKING, "thinking": "", "signature": ""}, out)
-                    out.append(
-                        {
-                            "type": "content_block_delta",
-                            "index": self._index,
-                            "delta": {"type": "thinking_delta", "thinking": reasoning},
-                        }
-                    )
+                    self._content_delta(THINKING, {"type": "thinking_delta", "thinking": reasoning}, out)
                 text = delta.get("content")
                 if text:
-                    if self._open != TEXT:
-                        self._begin_block({"type": TEXT, "text": ""}, out)
-                    out.append(
-                        {
-                            "type": "content_block_delta",
-                            "index": self._index,
-                            "delta": {"type": "text_delta", "text": text},
-                        }
-                    )
+                    self._content_delta(TEXT, {"type": "text_delta", "text": text}, out)
                 tool_calls = delta.get("tool_calls")
                 if tool_calls:
                     self._tool_calls(tool_calls, out)
@@ -288,6 +272,13 @@ class StreamReframer:
         return stop_reason, stop_sequence
 
     # -- blocks ------------------------------------------------------------------------------
+
+    def _content_delta(self, block_type: str, delta: dict[str, Any], out: list[dict[str, Any]]) -> None:
+        """A thinking or text delta, opening its block first when another one is open."""
+        if self._open != block_type:
+            start = {"type": THINKING, "thinking": "", "signature": ""} if block_type == THINKING else {"type": TEXT, "text": ""}
+            self._begin_block(start, out)
+        out.append({"type": "content_block_delta", "index": self._index, "delta": delta})
 
     def _begin_block(self, content_block: dict[str, Any], out: list[dict[str, Any]]) -> None:
         """Open a text or thinking block, after closing the open one and any buffered calls."""

@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Cluster, audit_row, reservations_closed, wait_registered, wait_until
+from tests.conftest import (
+    Cluster,
+    audit_row,
+    reservations_closed,
+    wait_registered,
+    wait_until,
+)
 from tests.gateway import DEFAULT_ENV, Gateway
 from tests.rawclient import RawStream
 

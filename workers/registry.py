@@ -18,7 +18,7 @@ from django.db import close_old_connections
 from django.db.models import Count
 
 from workers.instance import GATEWAY_INSTANCE
-from workers.models import Reservation, Role, WorkerEndpoint, WorkerPool
+from workers.models import Reservation, WorkerEndpoint, WorkerPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,4 +154,4 @@ def get_registry() -> Registry:
     return _registry
 
 
-__all__ = ["ClusterSnapshot", "EndpointInfo", "PoolInfo", "Registry", "Role", "get_registry", "load_snapshot"]
+__all__ = ["ClusterSnapshot", "EndpointInfo", "PoolInfo", "Registry", "get_registry", "load_snapshot"]
