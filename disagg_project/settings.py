@@ -163,9 +163,11 @@ MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
 WORKER_CONNECT_TIMEOUT_S = env_float("WORKER_CONNECT_TIMEOUT_S", 5.0)
 # Upper bound of one worker call (the context phase of a long prompt may take minutes).
 WORKER_REQUEST_TIMEOUT_S = env_float("WORKER_REQUEST_TIMEOUT_S", 900.0)
+# Open connections per worker endpoint (a streamed request holds one for its whole answer).
 WORKER_MAX_CONNECTIONS = env_int("WORKER_MAX_CONNECTIONS", 4096)
-# Connection pools the worker connections are spread over (see workers.client).
-WORKER_CLIENT_SHARDS = env_int("WORKER_CLIENT_SHARDS", 16)
+# An idle kept-alive connection is reused only this long: below the 5 s after which uvicorn (and
+# so trtllm-serve) closes one, so a reuse rarely races the server's close.
+WORKER_KEEPALIVE_EXPIRY_S = env_float("WORKER_KEEPALIVE_EXPIRY_S", 4.0)
 # After a client leaves once the context phase is done, how long the gateway waits for the
 # generation worker to take the KV handoff (so the context worker frees it) before closing.
 WORKER_HANDOFF_RELEASE_TIMEOUT_S = env_float("WORKER_HANDOFF_RELEASE_TIMEOUT_S", 5.0)

@@ -1,4 +1,5 @@
-"""HTTP to workers: httpx connection pools per event loop, JSON calls, and OpenAI SSE streams.
+"""HTTP to workers: JSON calls and OpenAI SSE streams over httpx, on this project's lean transport
+(`workers.transport`), one per event loop.
 
 Errors leave this module as `WorkerError`s built from the worker's own message, never from an
 httpx exception's text (which names the worker's address).
@@ -8,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import re
-import ssl
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,14 +24,9 @@ from workers.errors import (
     WorkerError,
     WorkerUnreachable,
 )
+from workers.transport import WorkerTransport
 
-# Several connection pools per loop, used in turn: httpcore's pool scans all of its connections
-# on every request and release, so one pool holding thousands of open streams costs O(n) per
-# operation (quadratic under a burst). Shards divide that by their number.
-_transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[httpx.AsyncHTTPTransport]] = (
-    weakref.WeakKeyDictionary()
-)
-_turn = itertools.count()
+_transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WorkerTransport] = weakref.WeakKeyDictionary()
 
 # How long to wait for the end of a stream's body after `[DONE]`.
 DRAIN_TIMEOUT_S = 1.0
@@ -41,37 +35,21 @@ JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"
 SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
-def transport() -> httpx.AsyncHTTPTransport:
-    """A shared connection pool of the running loop (daphne has no lifespan hook to create them
-    at start).
+def transport() -> WorkerTransport:
+    """The running loop's connection pools (daphne has no lifespan hook to create them at start).
 
     Requests go to the transport directly, not through `httpx.AsyncClient`: the client's layers
     (URL merging, cookies, auth, redirects, event hooks) cost ~200 µs per call and do nothing
     for a worker call; measured on this machine.
     """
     loop = asyncio.get_running_loop()
-    pools = _transports.get(loop)
-    if pools is None:
-        pools = _transports[loop] = [_new_transport() for _ in range(settings.WORKER_CLIENT_SHARDS)]
-    return pools[next(_turn) % len(pools)]
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    # One for all shards: building a default context loads the CA bundle (~25 ms each).
-    return httpx.create_ssl_context()
-
-
-def _new_transport() -> httpx.AsyncHTTPTransport:
-    shards = settings.WORKER_CLIENT_SHARDS
-    return httpx.AsyncHTTPTransport(
-        verify=_tls_context(),
-        limits=httpx.Limits(
-            max_connections=max(1, settings.WORKER_MAX_CONNECTIONS // shards),
-            max_keepalive_connections=max(1, min(settings.WORKER_MAX_CONNECTIONS, 512) // shards),
-            keepalive_expiry=30.0,
-        ),
-    )
+    worker_transport = _transports.get(loop)
+    if worker_transport is None:
+        worker_transport = _transports[loop] = WorkerTransport(
+            max_connections=settings.WORKER_MAX_CONNECTIONS,
+            keepalive_expiry=settings.WORKER_KEEPALIVE_EXPIRY_S,
+        )
+    return worker_transport
 
 
 @functools.cache

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import orjson
 
+from workers.transport import WorkerTransport
+
 from .errors import SimError
 from .schema import DisaggParams
 
@@ -41,7 +43,9 @@ def _context_timeout(handoff_id: int, detail: str) -> SimError:
 
 
 class KvPuller:
-    """Takes handoffs from context workers over one shared, pooled HTTP client."""
+    """Takes handoffs from context workers over one shared, pooled HTTP client (the gateway's
+    own worker transport: the sims share the benchmark machine with the gateway, so their CPU
+    per request matters too)."""
 
     def __init__(self) -> None:
         self._client: httpx.AsyncClient | None = None
@@ -49,8 +53,8 @@ class KvPuller:
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(
+                transport=WorkerTransport(max_connections=65536),
                 trust_env=False,  # never route worker-to-worker calls through a proxy
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
             )
         return self._client
 

@@ -1,0 +1,316 @@
+"""The worker transport (workers.transport) against real TCP servers whose answers each test
+scripts byte by byte: keep-alive reuse, framing, the retry of a stale kept-alive connection,
+timeouts, the pool bound, back-pressure, and closing a half-read answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+
+from workers.transport import READ_HIGH_WATER, WorkerTransport
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+class ScriptedServer:
+    """A TCP server running `handler(reader, writer, connection_number)` per connection."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.closed_by_client = asyncio.Event()
+        self.writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            await self.handler(reader, writer, self.connections)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> ScriptedServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self.writers:
+            writer.close()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return "http://127.0.0.1:%d" % self._server.sockets[0].getsockname()[1]
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request (head and a content-length body); b"" when the client closed first."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return b""
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+def ok(body: bytes = b"hello") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def answer_every_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+    while await read_request(reader):
+        writer.write(ok())
+        await writer.drain()
+
+
+@contextlib.asynccontextmanager
+async def worker_transport(**options: float) -> AsyncIterator[WorkerTransport]:
+    transport = WorkerTransport(**options)  # type: ignore[arg-type]
+    try:
+        yield transport
+    finally:
+        await transport.aclose()
+
+
+async def fetch(transport: WorkerTransport, url: str, *, timeout: float = 5.0, body: bytes = b"{}") -> httpx.Response:
+    request = httpx.Request("POST", url, content=body, extensions={"timeout": httpx.Timeout(timeout).as_dict()})
+    response = await transport.handle_async_request(request)
+    await response.aread()
+    return response
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -> None:
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while request := await read_request(reader):
+            seen.append(request)
+            writer.write(ok(b"answer %d" % len(seen)))
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        first = await fetch(transport, server.url + "/v1/chat?x=1", body=b'{"a": 1}')
+        second = await fetch(transport, server.url + "/v1/chat?x=1")
+    assert (first.status_code, first.content, second.content) == (200, b"answer 1", b"answer 2")
+    assert server.connections == 1
+    head, _, body = seen[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /v1/chat?x=1 HTTP/1.1\r\n")
+    assert b"content-length: 8" in head.lower() and body == b'{"a": 1}'
+
+
+async def test_a_chunked_stream_arrives_as_it_is_sent() -> None:
+    go_on = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n")
+        writer.write(b"6\r\ndata:1\r\n")
+        await writer.drain()
+        await go_on.wait()
+        writer.write(b"6\r\ndata:2\r\n0\r\n\r\n")
+        await answer_every_request(reader, writer, 0)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        assert response.headers["content-type"] == "text/event-stream"
+        chunks = response.aiter_raw()
+        assert await anext(chunks) == b"data:1"  # before the rest was even sent
+        go_on.set()
+        assert [chunk async for chunk in chunks] == [b"data:2"]
+        await response.aclose()
+        assert (await fetch(transport, server.url)).content == b"hello"
+    assert server.connections == 1  # read to its end: the connection went back to the pool
+
+
+async def test_a_body_ending_with_the_connection_is_complete_and_not_reused() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end")
+        await writer.drain()
+        writer.close()
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        assert (await fetch(transport, server.url)).content == b"until the end"
+        assert (await fetch(transport, server.url)).content == b"until the end"
+    assert server.connections == 2
+
+
+async def test_a_kept_alive_connection_the_server_dropped_is_retried_on_a_fresh_one() -> None:
+    # The keep-alive race: the server gives up on the idle connection just as the next request
+    # goes out on it. The request never reached the server, so it is sent once more.
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
+        await read_request(reader)
+        if number == 1:
+            writer.write(ok(b"first"))
+            await writer.drain()
+            await read_request(reader)  # the reuse: hang up without a word
+            return
+        writer.write(ok(b"retried"))
+        await answer_every_request(reader, writer, number)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        assert (await fetch(transport, server.url)).content == b"first"
+        assert (await fetch(transport, server.url)).content == b"retried"
+    assert server.connections == 2
+
+
+async def test_a_fresh_connection_closed_without_an_answer_fails_without_a_retry() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        with pytest.raises(httpx.RemoteProtocolError) as caught:
+            await fetch(transport, server.url)
+        assert caught.value.request.url == httpx.URL(server.url)
+    assert server.connections == 1
+
+
+async def test_an_idle_connection_closed_by_the_server_is_not_reused() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
+        await read_request(reader)
+        writer.write(ok(b"%d" % number))
+        await writer.drain()
+        writer.close()  # a keep-alive timeout, noticed by the client before its next request
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        assert (await fetch(transport, server.url)).content == b"1"
+        pool = next(iter(transport._pools.values()))
+        await wait_for(lambda: pool.open == 0)
+        assert (await fetch(transport, server.url)).content == b"2"
+
+
+async def test_an_expired_idle_connection_is_closed_instead_of_reused() -> None:
+    async with ScriptedServer(answer_every_request) as server, worker_transport(keepalive_expiry=0.05) as transport:
+        await fetch(transport, server.url)
+        await asyncio.sleep(0.1)  # the expiry itself is what is tested
+        await fetch(transport, server.url)
+    assert server.connections == 2
+
+
+async def test_a_worker_that_never_answers_times_out_and_sees_the_connection_close() -> None:
+    client_left = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        await reader.read()  # returns at EOF: the client hung up
+        client_left.set()
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        with pytest.raises(httpx.ReadTimeout):
+            await fetch(transport, server.url, timeout=0.1)
+        await asyncio.wait_for(client_left.wait(), 5)
+
+
+async def test_a_refused_connection_is_a_connect_error() -> None:
+    async with ScriptedServer(answer_every_request) as server:
+        url = server.url
+    async with worker_transport() as transport:
+        with pytest.raises(httpx.ConnectError):
+            await fetch(transport, url)
+        pool = next(iter(transport._pools.values()))
+        assert pool.open == 0
+
+
+async def test_the_pool_bound_makes_a_request_wait_for_a_connection_or_time_out() -> None:
+    release = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        await release.wait()
+        writer.write(ok())
+        await answer_every_request(reader, writer, 0)
+
+    async with ScriptedServer(handler) as server, worker_transport(max_connections=1) as transport:
+        first = asyncio.create_task(fetch(transport, server.url))
+        await wait_for(lambda: server.connections == 1)
+        with pytest.raises(httpx.PoolTimeout):
+            await fetch(transport, server.url, timeout=0.1)
+        waiting = asyncio.create_task(fetch(transport, server.url))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        release.set()
+        assert (await first).status_code == 200
+        assert (await waiting).status_code == 200
+    assert server.connections == 1
+
+
+async def test_closing_a_half_read_answer_closes_the_connection() -> None:
+    client_left = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await reader.read()
+        client_left.set()
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        assert await anext(response.aiter_raw()) == b"first"
+        await response.aclose()
+        await asyncio.wait_for(client_left.wait(), 5)
+        pool = next(iter(transport._pools.values()))
+        await wait_for(lambda: pool.open == 0)
+
+
+async def test_a_connection_lost_mid_body_is_an_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
+        await writer.drain()
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        with pytest.raises(httpx.TransportError):
+            await fetch(transport, server.url)
+
+
+async def test_an_unread_answer_stops_reading_from_the_socket() -> None:
+    # Back-pressure: the gateway does not buffer an answer its client is not taking.
+    payload = b"x" * (64 * READ_HIGH_WATER)  # more than the kernel buffers of both sides hold
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        writer = server.writers[0]
+        await wait_for(lambda: writer.transport.get_write_buffer_size() > 0)
+        await asyncio.sleep(0.05)
+        assert writer.transport.get_write_buffer_size() > 0  # still stuck: the client is not reading
+        body = b"".join([chunk async for chunk in response.aiter_raw()])
+    assert body == payload
+
+
+async def test_malformed_answers_and_interim_answers() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
+        await read_request(reader)
+        if number == 1:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"after continue"))
+        else:
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await answer_every_request(reader, writer, number)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        assert (await fetch(transport, server.url)).content == b"after continue"
+        await transport.aclose()  # the next request goes out on a new connection
+        with pytest.raises(httpx.RemoteProtocolError):
+            await fetch(transport, server.url)
