@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
+import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,11 +21,15 @@ from django.db import close_old_connections
 
 from messages_api.models import ApiKey
 
+logger = logging.getLogger(__name__)
+
 KEY_PREFIX = "sk-gw-"
 # How long a looked-up key (or a miss) is trusted before the database is asked again: revoking
 # a key in the admin takes effect within this time in every process.
 CACHE_TTL_S = 5.0
 MISS_TTL_S = 1.0
+# A key in use is looked up again in the background once its entry has less than this left.
+REFRESH_AHEAD_S = 1.0
 # last_used_at is bookkeeping: write it at most this often per key.
 LAST_USED_RESOLUTION_S = 60.0
 
@@ -63,23 +68,50 @@ def key_from_headers(headers: dict[bytes, bytes]) -> str | None:
 
 
 class KeyCache:
+    """Looked-up keys (and misses) for a few seconds, one lookup at a time per key.
+
+    A burst of requests with a key whose entry has expired shares one database lookup instead of
+    each sending its own (a thousand concurrent lookups once took half of the process's CPU and
+    held every request's start behind them), and a key in use is looked up again shortly before
+    its entry expires, in the background, so its requests do not wait for the database at all.
+    """
+
     def __init__(self) -> None:
         self._entries: dict[str, tuple[Principal | None, float]] = {}
+        self._lookups: dict[str, asyncio.Future[Principal | None]] = {}
         self._last_used_written: dict[str, float] = {}
 
     async def authenticate(self, key: str) -> Principal | None:
         digest = hash_key(key)
         now = time.monotonic()
         entry = self._entries.get(digest)
-        if entry is None or entry[1] <= now:
-            principal = await sync_to_async(_lookup, thread_sensitive=False)(digest)
-            self._entries[digest] = (principal, now + (CACHE_TTL_S if principal else MISS_TTL_S))
-            if len(self._entries) > 10_000:  # bound memory against key-guessing floods
-                self._entries.clear()
-        else:
+        if entry is not None and entry[1] > now:
             principal = entry[0]
+            if principal is not None and entry[1] - now < REFRESH_AHEAD_S:
+                self._lookup(digest)  # fire and forget: the entry stays valid meanwhile
+        else:
+            # Shielded: one waiter's cancellation (its client left) must not fail the others.
+            principal = await asyncio.shield(self._lookup(digest))
         if principal is not None:
             self._touch(principal, now)
+        return principal
+
+    def _lookup(self, digest: str) -> asyncio.Future[Principal | None]:
+        """The lookup of `digest` in flight, started if there is none."""
+        lookup = self._lookups.get(digest)
+        if lookup is None or lookup.get_loop() is not asyncio.get_running_loop():
+            lookup = self._lookups[digest] = asyncio.ensure_future(self._fetch(digest))
+            lookup.add_done_callback(_log_failure)
+        return lookup
+
+    async def _fetch(self, digest: str) -> Principal | None:
+        try:
+            principal = await sync_to_async(_lookup, thread_sensitive=False)(digest)
+        finally:
+            self._lookups.pop(digest, None)
+        if len(self._entries) > 10_000:  # bound memory against key-guessing floods
+            self._entries.clear()
+        self._entries[digest] = (principal, time.monotonic() + (CACHE_TTL_S if principal else MISS_TTL_S))
         return principal
 
     def _touch(self, principal: Principal, now: float) -> None:
@@ -91,6 +123,12 @@ class KeyCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def _log_failure(lookup: asyncio.Future[Principal | None]) -> None:
+    # A background refresh has no waiter to raise into; its waiters (if any) see the error too.
+    if not lookup.cancelled() and lookup.exception() is not None:
+        logger.error("API key lookup failed", exc_info=lookup.exception())
 
 
 def _touch_last_used(digest: str) -> None:
