@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from messages_api import metrics
@@ -50,6 +50,12 @@ class AuditRecord:
     output_tokens: int | None = None
     api_key_name: str = ""
     ended: bool = False
+
+    def received_earlier(self, seconds: float) -> None:
+        """The server had the request `seconds` before this record was made."""
+        if seconds > 0.0:
+            self.received_monotonic -= seconds
+            self.received_at -= timedelta(seconds=seconds)
 
     def since_received_ms(self, at: float | None = None) -> float:
         return round(((at if at is not None else time.monotonic()) - self.received_monotonic) * 1000.0, 3)

@@ -25,6 +25,7 @@ from django.conf import settings
 
 from messages_api import metrics
 from messages_api.accumulate import accumulate_message
+from messages_api.arrival import seconds_since_received
 from messages_api.audit import AuditRecord
 from messages_api.auth import Principal, key_cache, key_from_headers
 from messages_api.convert import to_chat_request
@@ -65,6 +66,7 @@ class ApiConsumer(AsyncHttpConsumer):
         self.response_finished = False
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.record.received_earlier(seconds_since_received(send))
         try:
             await super().__call__(scope, receive, send)
         finally:
