@@ -2,6 +2,10 @@
 
 Claude Code and the proxies in front of it drop a stream that sent nothing for ~15–35 s; a
 stream waiting on a long context phase sends nothing else for minutes.
+
+A heartbeat is an event-loop timer, not a task: thousands of idle streams each hold one timer
+handle instead of a task and its coroutine frame, and arming it costs a heap push. A task exists
+only while a ping is being sent.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ class Heartbeat:
         self._send_ping = send_ping
         self.last_sent = time.monotonic()
         self.pings_sent = 0
-        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._sending: asyncio.Task[None] | None = None
+        self._running = False
 
     def sent(self) -> None:
         """Call after every frame the stream sends."""
@@ -26,26 +32,46 @@ class Heartbeat:
     def due_at(self, moment: float) -> None:
         """Ping at `moment` (a `time.monotonic()` value) unless a frame goes out before."""
         self.last_sent = moment - self.interval
+        if self._running:
+            self._arm()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="heartbeat")
+        if not self._running:
+            self._running = True
+            self._arm()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait({task})
+        self._running = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        sending, self._sending = self._sending, None
+        if sending is not None and not sending.done():
+            sending.cancel()
+            await asyncio.wait({sending})
 
     async def ping(self) -> None:
         await self._send_ping()
         self.pings_sent += 1
         self.sent()
 
-    async def _run(self) -> None:
-        while True:
-            due = self.last_sent + self.interval - time.monotonic()
-            if due > 0:
-                await asyncio.sleep(due)
-                continue
-            await self.ping()
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        # time.monotonic() is the clock of asyncio's default loops; call_later converts anyway.
+        delay = self.last_sent + self.interval - time.monotonic()
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, delay), self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if not self._running:
+            return
+        if time.monotonic() < self.last_sent + self.interval:
+            self._arm()  # a frame went out since the timer was set
+            return
+        self._sending = asyncio.ensure_future(self._ping_then_rearm())
+
+    async def _ping_then_rearm(self) -> None:
+        await self.ping()
+        if self._running:
+            self._arm()
