@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=4, help="tokens each stream generates (default 4)")
     parser.add_argument("--ping-interval", type=float, help="MESSAGES_PING_INTERVAL_S (default 10; --quick 1)")
     parser.add_argument("--start-wait", type=float, help="MESSAGES_STREAM_START_WAIT_S (default 1; --quick 0.5)")
+    parser.add_argument("--ramp", type=float, default=0.0,
+                        help="spread the requests' writes evenly over this many seconds (default 0: all in one instant)")
     parser.add_argument("--sample-interval", type=float, default=0.25, help="RSS sampling period, s")
     h.add_common_arguments(parser)
     args = parser.parse_args()
@@ -62,6 +64,21 @@ async def open_connections(port: int, count: int, batch: int = 500) -> list[h.Ht
     for start in range(0, count, batch):
         connections += await asyncio.gather(*(h.connect(port) for _ in range(start, min(count, start + batch))))
     return connections
+
+
+async def write_requests(connections: list[h.HttpConnection], wire: bytes, ramp: float) -> list[asyncio.Future[h.Response]]:
+    """One request per connection: all in the same instant, or the i-th at i·ramp/N seconds."""
+    if ramp <= 0:
+        return [conn.request(wire, frames=True) for conn in connections]
+    futures = []
+    start = time.perf_counter()
+    step = ramp / len(connections)
+    for i, conn in enumerate(connections):
+        delay = start + i * step - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        futures.append(conn.request(wire, frames=True))
+    return futures
 
 
 async def warm_up(port: int, key: str) -> None:
@@ -135,7 +152,7 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
     meter = h.CpuMeter({"gateway": pid, **{s.name: s.pid for s in sims}}).start()
     t0 = time.perf_counter()
     sampling = asyncio.create_task(sampler(t0))
-    futures = [conn.request(wire, frames=True) for conn in connections]
+    futures = await write_requests(connections, wire, args.ramp)
     write_done = time.perf_counter() - t0
     timeout = args.context_delay + 60 + args.streams * 0.1
     await asyncio.wait(futures, timeout=timeout)
@@ -157,7 +174,8 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
     # RSS with every stream open and idle: samples after the last status line (plus a moment for
     # the upstream context requests to be in flight) and before the context phase ends.
     status_times = [s["status_s"] for s in per_stream if "status_s" in s]
-    all_started = max(status_times) if status_times else args.start_wait
+    # With a ramp the last stream starts `ramp` seconds after the first (samples count from the first).
+    all_started = (max(status_times) if status_times else args.start_wait) + args.ramp
     window = [rss for t, rss in samples if all_started + 0.5 <= t <= args.context_delay - 0.5]
     if not window:  # a very short context phase: the samples between start and the first tokens
         window = [rss for t, rss in samples if all_started <= t <= args.context_delay] or [samples[-1][1]]
@@ -178,7 +196,8 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
     streams_over_gap = sum(1 for s in per_stream if s.get("max_gap_s", float("inf")) > gap_target)
 
     print(f"\n{args.streams} streams, context phase {args.context_delay:g} s, start wait {args.start_wait:g} s, "
-          f"ping interval {args.ping_interval:g} s; all {args.streams} requests written in {write_done * 1000:.1f} ms")
+          f"ping interval {args.ping_interval:g} s; all {args.streams} requests written in {write_done * 1000:.1f} ms"
+          + (f" (ramp {args.ramp:g} s)" if args.ramp > 0 else ""))
     h.print_distributions(
         "per stream, seconds from the request's write",
         [
@@ -249,6 +268,7 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
             "tokens": args.tokens,
             "start_wait_s": args.start_wait,
             "ping_interval_s": args.ping_interval,
+            "ramp_s": args.ramp,
             "gateway_nodelay": args.gateway_nodelay,
         },
         "write_all_ms": write_done * 1000,
