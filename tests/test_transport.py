@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import ipaddress
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -76,8 +81,8 @@ async def answer_every_request(reader: asyncio.StreamReader, writer: asyncio.Str
 
 
 @contextlib.asynccontextmanager
-async def worker_transport(**options: float) -> AsyncIterator[WorkerTransport]:
-    transport = WorkerTransport(**options)  # type: ignore[arg-type]
+async def worker_transport(**options: Any) -> AsyncIterator[WorkerTransport]:
+    transport = WorkerTransport(**options)
     try:
         yield transport
     finally:
@@ -314,3 +319,64 @@ async def test_malformed_answers_and_interim_answers() -> None:
         await transport.aclose()  # the next request goes out on a new connection
         with pytest.raises(httpx.RemoteProtocolError):
             await fetch(transport, server.url)
+
+
+def self_signed_certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with `cryptography` (a Twisted dependency)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "worker.pem", tmp_path / "worker.key"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+async def test_https_workers_are_verified_and_kept_alive(tmp_path: Path) -> None:
+    cert_path, key_path = self_signed_certificate(tmp_path)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert_path, key_path)
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            await answer_every_request(reader, writer, connections)
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_tls)
+    url = "https://127.0.0.1:%d/v1/chat/completions" % server.sockets[0].getsockname()[1]
+    try:
+        trusting = ssl.create_default_context(cafile=str(cert_path))
+        async with worker_transport(ssl_context=trusting) as transport:
+            assert (await fetch(transport, url)).content == b"hello"
+            assert (await fetch(transport, url)).content == b"hello"
+        assert connections == 1
+        async with worker_transport() as transport:  # the system's CAs do not know this certificate
+            with pytest.raises(httpx.ConnectError):
+                await fetch(transport, url)
+    finally:
+        server.close()
