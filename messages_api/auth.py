@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import secrets
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
