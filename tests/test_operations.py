@@ -257,6 +257,9 @@ def test_metrics_and_readiness(gateway: Gateway, make_cluster: Callable[..., Clu
         "gateway_open_reservations",
     ):
         assert name in text, name
+    # The start-up heap was frozen once daphne ran (a full GC walking it stalled the loop ~30 ms).
+    frozen = next(line for line in text.splitlines() if line.startswith("gateway_gc_frozen_objects "))
+    assert float(frozen.split()[1]) > 10_000
     WorkerEndpoint.objects.filter(pool=cluster.pool, role="generation").update(enabled=False)
     wait_until(lambda: httpx.get(gateway.url + "/ready").status_code == 503, timeout=3)
 
