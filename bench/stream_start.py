@@ -46,6 +46,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=4, help="tokens each stream generates (default 4)")
     parser.add_argument("--ping-interval", type=float, help="MESSAGES_PING_INTERVAL_S (default 10; --quick 1)")
     parser.add_argument("--start-wait", type=float, help="MESSAGES_STREAM_START_WAIT_S (default 1; --quick 0.5)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="daphne processes on the same database, the connections split between them as a load "
+                             "balancer would (default 1); memory and CPU figures are their sums")
     parser.add_argument("--ramp", type=float, default=0.0,
                         help="spread the requests' writes evenly over this many seconds (default 0: all in one instant)")
     parser.add_argument("--sample-interval", type=float, default=0.25, help="RSS sampling period, s")
@@ -66,10 +69,10 @@ async def open_connections(port: int, count: int, batch: int = 500) -> list[h.Ht
     return connections
 
 
-async def write_requests(connections: list[h.HttpConnection], wire: bytes, ramp: float) -> list[asyncio.Future[h.Response]]:
+async def write_requests(connections: list[h.HttpConnection], wires: list[bytes], ramp: float) -> list[asyncio.Future[h.Response]]:
     """One request per connection: all in the same instant, or the i-th at i·ramp/N seconds."""
     if ramp <= 0:
-        return [conn.request(wire, frames=True) for conn in connections]
+        return [conn.request(wire, frames=True) for conn, wire in zip(connections, wires)]
     futures = []
     start = time.perf_counter()
     step = ramp / len(connections)
@@ -77,7 +80,7 @@ async def write_requests(connections: list[h.HttpConnection], wire: bytes, ramp:
         delay = start + i * step - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        futures.append(conn.request(wire, frames=True))
+        futures.append(conn.request(wires[i], frames=True))
     return futures
 
 
@@ -123,43 +126,56 @@ def analyse(resp: h.Response, sent_at: float) -> dict[str, Any]:
     return out
 
 
-async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, key: str, sims: list[h.SimProc]) -> dict[str, Any]:
-    port = gateway.port
-    pid = gateway.pid
-    await warm_up(port, key)
+async def run(args: argparse.Namespace, stack: h.Stack, gateways: list[h.GatewayProc], key: str, sims: list[h.SimProc]) -> dict[str, Any]:
+    pids = [g.pid for g in gateways]
+
+    def rss_all() -> float:
+        return sum(h.rss_mib(pid) for pid in pids)
+
+    for gateway in gateways:
+        await warm_up(gateway.port, key)
     quiet = h.wait_for_quiet(args.quiet_wait)
     await asyncio.sleep(1.0)
-    mem_rest = h.proc_memory_kib(pid)
-    rss_rest = mem_rest["VmRSS"] / 1024
+    rss_rest = rss_all()
 
-    connections = await open_connections(port, args.streams)
-    await asyncio.sleep(0.2)
-    rss_connected = h.rss_mib(pid)
+    # Split as a load balancer would: stream i goes to process i mod N, written in that order.
     body = h.messages_body(f"[sim context_delay={args.context_delay:g} tokens={args.tokens}]", stream=True)
-    wire = h.gateway_request(port, key, body)
+    per_gateway = [
+        await open_connections(gateway.port, len(range(i, args.streams, len(gateways))))
+        for i, gateway in enumerate(gateways)
+    ]
+    wire_of = [h.gateway_request(gateway.port, key, body) for gateway in gateways]
+    connections = [per_gateway[i % len(gateways)][i // len(gateways)] for i in range(args.streams)]
+    wires = [wire_of[i % len(gateways)] for i in range(args.streams)]
+    await asyncio.sleep(0.2)
+    rss_connected = rss_all()
 
     samples: list[tuple[float, float]] = []
     stop_sampling = asyncio.Event()
 
     async def sampler(t0: float) -> None:
         while not stop_sampling.is_set():
-            samples.append((time.perf_counter() - t0, h.rss_mib(pid)))
+            samples.append((time.perf_counter() - t0, rss_all()))
             try:
                 await asyncio.wait_for(stop_sampling.wait(), args.sample_interval)
             except TimeoutError:
                 pass
 
-    meter = h.CpuMeter({"gateway": pid, **{s.name: s.pid for s in sims}}).start()
+    gateway_names = ["gateway"] if len(gateways) == 1 else [f"gateway{i}" for i in range(len(gateways))]
+    meter = h.CpuMeter({**dict(zip(gateway_names, pids)), **{s.name: s.pid for s in sims}}).start()
     t0 = time.perf_counter()
     sampling = asyncio.create_task(sampler(t0))
-    futures = await write_requests(connections, wire, args.ramp)
+    futures = await write_requests(connections, wires, args.ramp)
     write_done = time.perf_counter() - t0
     timeout = args.context_delay + 60 + args.streams * 0.1
     await asyncio.wait(futures, timeout=timeout)
     cpu = meter.stop()
+    if len(gateways) > 1:
+        cpu["gateway"] = sum(cpu[name] for name in gateway_names)
+        cpu["gateway:loop-thread"] = sum(cpu[f"{name}:loop-thread"] for name in gateway_names)
     stop_sampling.set()
     await sampling
-    mem_end = h.proc_memory_kib(pid)
+    peak_rss = sum(h.hwm_mib(pid) for pid in pids)
     for conn in connections:
         conn.close()
 
@@ -197,7 +213,8 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
 
     print(f"\n{args.streams} streams, context phase {args.context_delay:g} s, start wait {args.start_wait:g} s, "
           f"ping interval {args.ping_interval:g} s; all {args.streams} requests written in {write_done * 1000:.1f} ms"
-          + (f" (ramp {args.ramp:g} s)" if args.ramp > 0 else ""))
+          + (f" (ramp {args.ramp:g} s)" if args.ramp > 0 else "")
+          + (f"; {len(gateways)} gateway processes, figures summed" if len(gateways) > 1 else ""))
     h.print_distributions(
         "per stream, seconds from the request's write",
         [
@@ -219,7 +236,7 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
             [f"gateway RSS with {args.streams} connections open (no request yet), MiB", rss_connected],
             [f"gateway RSS with {args.streams} streams open, idle in the context phase, MiB", rss_open],
             ["memory per idle open stream, KiB", per_stream_kib],
-            ["gateway peak RSS (VmHWM), MiB", mem_end["VmHWM"] / 1024],
+            ["gateway peak RSS (VmHWM), MiB" + (f", sum of {len(gateways)} processes" if len(gateways) > 1 else ""), peak_rss],
             ["gateway CPU during the load, s", cpu["gateway"]],
             ["  of which the event-loop thread, s", cpu["gateway:loop-thread"]],
             *[[f"{s.name} CPU during the load, s", cpu[s.name]] for s in sims],
@@ -228,8 +245,10 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
         ],
     )
     print(f"({meter.machine_note()})")
+    rss_rest_per_process = rss_rest / len(gateways)  # the target is per process
     checks = {
-        "rss_at_rest": {"value_mb": rss_rest, "target_mb": RSS_AT_REST_TARGET_MB, "ok": rss_rest <= RSS_AT_REST_TARGET_MB},
+        "rss_at_rest": {"value_mb": rss_rest_per_process, "target_mb": RSS_AT_REST_TARGET_MB,
+                        "ok": rss_rest_per_process <= RSS_AT_REST_TARGET_MB},
         "memory_per_idle_stream": {"value_kib": per_stream_kib, "target_kib": PER_STREAM_TARGET_KIB, "ok": per_stream_kib <= PER_STREAM_TARGET_KIB},
         "p99_time_to_status_line": {"value_s": status_dist.get("p99"), "target_s": status_target,
                                       "ok": bool(status_dist.get("n")) and status_dist["p99"] <= status_target},
@@ -241,7 +260,7 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
         "targets",
         ("", "measured", "target", ""),
         [
-            ["RSS at rest, MiB", rss_rest, f"<= {RSS_AT_REST_TARGET_MB:g}", h.verdict(checks["rss_at_rest"]["ok"])],
+            ["RSS at rest (per process), MiB", rss_rest_per_process, f"<= {RSS_AT_REST_TARGET_MB:g}", h.verdict(checks["rss_at_rest"]["ok"])],
             ["memory per idle open stream, KiB", per_stream_kib, f"<= {PER_STREAM_TARGET_KIB:g}",
              h.verdict(checks["memory_per_idle_stream"]["ok"])],
             ["p99 time to status line, s", status_dist.get("p99", float("nan")), f"<= {status_target:.3f}",
@@ -269,6 +288,7 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
             "start_wait_s": args.start_wait,
             "ping_interval_s": args.ping_interval,
             "ramp_s": args.ramp,
+            "processes": args.processes,
             "gateway_nodelay": args.gateway_nodelay,
         },
         "write_all_ms": write_done * 1000,
@@ -283,7 +303,7 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateway: h.GatewayProc, 
             "rss_connections_open_mib": rss_connected,
             "rss_streams_open_mib": rss_open,
             "memory_per_idle_stream_kib": per_stream_kib,
-            "peak_rss_mib": mem_end["VmHWM"] / 1024,
+            "peak_rss_mib": peak_rss,
             "cpu_s": cpu["gateway"],
         },
         "cpu_s": cpu,
@@ -307,12 +327,15 @@ def main() -> None:
         stack.register_worker("bench", h.MODEL, "context", ctx.url, schedule_style="context_first")
         stack.register_worker("bench", h.MODEL, "generation", gen.url)
         key = stack.create_api_key("bench")
-        gateway = stack.start_gateway(
-            {"MESSAGES_STREAM_START_WAIT_S": args.start_wait, "MESSAGES_PING_INTERVAL_S": args.ping_interval},
-            expect_pools=["bench"],
-        )
-        with h.profiled([gateway.pid], h.result_name(args, "stream_start") + "-gateway", args.profile):
-            result = asyncio.run(run(args, stack, gateway, key, [ctx, gen]))
+        gateways = [
+            stack.start_gateway(
+                {"MESSAGES_STREAM_START_WAIT_S": args.start_wait, "MESSAGES_PING_INTERVAL_S": args.ping_interval},
+                expect_pools=["bench"],
+            )
+            for _ in range(args.processes)
+        ]
+        with h.profiled([g.pid for g in gateways], h.result_name(args, "stream_start") + "-gateway", args.profile):
+            result = asyncio.run(run(args, stack, gateways, key, [ctx, gen]))
     h.write_result(h.result_name(args, "stream_start"), result)
 
 
