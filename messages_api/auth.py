@@ -88,15 +88,15 @@ class KeyCache:
         if entry is not None and entry[1] > now:
             principal = entry[0]
             if principal is not None and entry[1] - now < REFRESH_AHEAD_S:
-                self._lookup(digest)  # fire and forget: the entry stays valid meanwhile
+                self._shared_lookup(digest)  # fire and forget: the entry stays valid meanwhile
         else:
             # Shielded: one waiter's cancellation (its client left) must not fail the others.
-            principal = await asyncio.shield(self._lookup(digest))
+            principal = await asyncio.shield(self._shared_lookup(digest))
         if principal is not None:
             self._touch(principal, now)
         return principal
 
-    def _lookup(self, digest: str) -> asyncio.Future[Principal | None]:
+    def _shared_lookup(self, digest: str) -> asyncio.Future[Principal | None]:
         """The lookup of `digest` in flight, started if there is none."""
         lookup = self._lookups.get(digest)
         if lookup is None or lookup.get_loop() is not asyncio.get_running_loop():

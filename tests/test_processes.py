@@ -41,14 +41,21 @@ def open_stream(gateway: Gateway, cluster: Cluster, text: str) -> RawStream:
     )
 
 
+def stream_in_generation(gateway: Gateway, context_worker: SimWorker, generation_worker: SimWorker) -> tuple[Cluster, RawStream, str]:
+    """A registered cluster and a long stream through `gateway` that is relaying tokens, with its
+    request id."""
+    cluster = register_cluster(context_worker, generation_worker)
+    wait_registered(gateway, cluster)
+    stream = open_stream(gateway, cluster, "long [sim tokens=100000]")
+    stream.read_until("content_block_delta")
+    return cluster, stream, stream.response_headers["request-id"]
+
+
 def test_sigkill_mid_stream_is_recovered_by_the_next_start(transactional_db: Any, context_worker: SimWorker, generation_worker: SimWorker) -> None:
     first = Gateway(FAST_HEARTBEAT).start()
     try:
-        cluster = register_cluster(context_worker, generation_worker)
-        wait_registered(first, cluster)
-        s = open_stream(first, cluster, "long [sim tokens=100000]")
-        s.read_until("content_block_delta")
-        request_id = s.response_headers["request-id"]
+        # `_stream` stays referenced: the client must still be connected when the process dies.
+        cluster, _stream, request_id = stream_in_generation(first, context_worker, generation_worker)
         # Rows reach the database through a batching writer; a kill inside its window loses the
         # latest state (documented). Kill once the context phase's release is on disk.
         wait_until(lambda: Reservation.objects.filter(request_id=request_id, stage="context", outcome="success").exists())
@@ -146,11 +153,7 @@ def test_sigterm_cancels_in_flight_requests_cleanly(transactional_db: Any, conte
     worker sees the abort; the writer flushes before the process exits."""
     gateway = Gateway().start()
     try:
-        cluster = register_cluster(context_worker, generation_worker)
-        wait_registered(gateway, cluster)
-        s = open_stream(gateway, cluster, "long [sim tokens=100000]")
-        s.read_until("content_block_delta")
-        request_id = s.response_headers["request-id"]
+        cluster, _stream, request_id = stream_in_generation(gateway, context_worker, generation_worker)
         gateway.kill(signal.SIGTERM)
         assert gateway.process is not None and gateway.process.returncode is not None
     finally:

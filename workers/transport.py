@@ -130,9 +130,6 @@ class _Connection(asyncio.Protocol):
 
     # --- used by the transport ----------------------------------------------------------------
 
-    def reusable(self, now: float, expiry: float) -> bool:
-        return not self.closed and now - self.idle_since < expiry
-
     def send(self, head: bytes, body: bytes) -> None:
         self._reset_response()
         transport = self._transport
@@ -218,15 +215,12 @@ class _OriginPool:
 
     async def acquire(self, connect_timeout: float | None, pool_timeout: float | None) -> tuple[_Connection, bool]:
         """A connection for one request, and whether it was reused."""
-        expiry = self._transport.keepalive_expiry
         while True:
-            now = self.loop.time()
-            self._prune(now)
+            self._prune(self.loop.time())  # what is left is younger than the expiry
             while self._idle:
                 connection = self._idle.pop()
-                if connection.reusable(now, expiry):
+                if not connection.closed:
                     return connection, True
-                connection.close()
             if self.open < self._transport.max_connections:
                 break
             await self._wait_for_slot(pool_timeout)
