@@ -46,7 +46,7 @@ def misconfiguration(protocol: str, schedule_style: str) -> str | None:
         return f"unknown worker protocol {protocol!r} (registered: {known})"
     if schedule_style not in found.schedules:
         supported = ", ".join(sorted(found.schedules))
-        return f"the {protocol} protocol cannot run the {schedule_style!r} schedule (it supports: {supported})"
+        return f"the {protocol} protocol cannot run the {str(schedule_style)!r} schedule (it supports: {supported})"
     return None
 
 
