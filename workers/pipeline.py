@@ -22,7 +22,7 @@ exactly once whichever way the request ends: success, a worker failure, the clie
 
 A client that leaves after the context worker issued its handoff must not strand the KV blocks
 that handoff holds: a context worker keeps them until a generation worker takes them or its own
-timeout expires (minutes: vLLM's NIXL connector waits 480 s by default). So the generation
+timeout expires (minutes: one common KV connector waits 480 s by default). So the generation
 request is still dispatched, and closed as soon as its worker has taken the handoff, in a
 detached task bounded by `WORKER_HANDOFF_RELEASE_TIMEOUT_S`.
 """
@@ -175,8 +175,8 @@ class ChatRun:
         if pool.schedule_style == ScheduleStyle.AGGREGATED or (limit and estimate_prompt_tokens(self.chat) <= limit):
             await self._open_generation(protocol.aggregated_request(self.chat))
             return
-        # Pairs the two legs of the request on the workers (TensorRT-LLM's disagg_request_id,
-        # SGLang's bootstrap room): random, so that gateway processes need not coordinate.
+        # Pairs the two legs of the request on the workers (the protocol puts it where its
+        # engine expects it): random, so that gateway processes need not coordinate.
         pair_id = random.getrandbits(62)
         if pool.schedule_style == ScheduleStyle.GENERATION_FIRST:
             await self._generation_first(pair_id)
