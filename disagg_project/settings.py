@@ -191,6 +191,12 @@ HEALTH_WRITE_INTERVAL_S = env_float("HEALTH_WRITE_INTERVAL_S", 5.0)
 # unreachable, broken stream), let one trial request through after the cool-down.
 BREAKER_FAILURE_THRESHOLD = env_int("BREAKER_FAILURE_THRESHOLD", 5)
 BREAKER_COOLDOWN_S = env_float("BREAKER_COOLDOWN_S", 30.0)
+# A worker 5xx answer (not overload, not a timeout) may follow one client's prompt: it counts
+# toward the breaker only once this many distinct API keys saw one from the endpoint within
+# BREAKER_KEY_WINDOW_S, so one key cannot open the breaker for everyone (1: every such failure
+# counts).
+BREAKER_DISTINCT_KEYS = env_int("BREAKER_DISTINCT_KEYS", 2)
+BREAKER_KEY_WINDOW_S = env_float("BREAKER_KEY_WINDOW_S", 60.0)
 
 # Each process writes a heartbeat; one silent for GATEWAY_DEAD_AFTER_S is dead and its open
 # reservations and in-progress audit rows are closed by the next live process that sweeps.

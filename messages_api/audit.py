@@ -17,6 +17,7 @@ from typing import Any
 from messages_api import metrics
 from messages_api.models import MessageRequest, RequestStatus
 from workers.instance import GATEWAY_INSTANCE
+from workers.trace import RunTrace, Traced
 from workers.writer import get_writer
 
 access_log = logging.getLogger("messages_api.access")
@@ -50,6 +51,9 @@ class AuditRecord:
     output_tokens: int | None = None
     api_key_name: str = ""
     ended: bool = False
+    # The run serving the request, once there is one: its trace (stage, endpoints, timings) is
+    # read whenever the row is written.
+    run: Traced | None = None
 
     def received_earlier(self, seconds: float) -> None:
         """The server had the request `seconds` before this record was made."""
@@ -98,7 +102,18 @@ class AuditRecord:
         return True
 
     def _write(self) -> None:
+        if self.run is not None:
+            self._read_trace(self.run.trace)
         get_writer().upsert(MessageRequest, "request_id", self.row())
+
+    def _read_trace(self, trace: RunTrace) -> None:
+        self.stage = trace.stage
+        self.context_endpoint = trace.context_endpoint
+        self.generation_endpoint = trace.generation_endpoint
+        if trace.context_done_at is not None:
+            self.context_done_ms = self.since_received_ms(trace.context_done_at)
+        if trace.first_chunk_at is not None:
+            self.first_token_ms = self.since_received_ms(trace.first_chunk_at)
 
     def row(self) -> dict[str, Any]:
         return {

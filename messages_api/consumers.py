@@ -41,11 +41,10 @@ from messages_api.validation import (
     validate_count_tokens_request,
     validate_messages_request,
 )
-from workers import services
 from workers.errors import WorkerError
 from workers.pipeline import ChatRun
+from workers.prompt_tokens import count_prompt_tokens
 from workers.registry import PoolInfo, get_registry
-from workers.tokenize import count_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +138,6 @@ class ApiConsumer(AsyncHttpConsumer):
 
     async def _serve(self, body: bytes) -> None:
         current_request_id.set(self.record.request_id)
-        services.ensure_started()
         try:
             if self.scope.get("method") not in self.allowed_methods:
                 await self.send_error(
@@ -232,7 +230,8 @@ class MessagesConsumer(ApiConsumer):
         self.reframer = StreamReframer(
             message_id=new_message_id(), model=request["model"], stop_sequences=request.get("stop_sequences")
         )
-        run = ChatRun(chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request))
+        run = ChatRun(chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request), tenant=record.api_key_name)
+        record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
         try:
             async with run:
                 if record.stream:
@@ -240,21 +239,20 @@ class MessagesConsumer(ApiConsumer):
                 else:
                     await self.respond_json(run)
         except asyncio.CancelledError:
-            self.note_run(run)
+            self.note_reply()
             record.end(RequestStatus.CANCELLED, http_status=499 if not self.response_started else 200)
             raise
         except (WorkerError, AnthropicError) as exc:
-            self.note_run(run)
+            self.note_reply()
             await self.answer_failure(anthropic_error(exc) if isinstance(exc, WorkerError) else exc)
             return
-        self.note_run(run)
+        self.note_reply()
         record.end(RequestStatus.COMPLETED, http_status=200)
 
     # --- the two kinds of answer -----------------------------------------------------------------
 
     async def respond_json(self, run: ChatRun) -> None:
-        await run.opened()
-        self.note_run(run)
+        await run.stream_ready()
         self.record.progress()
         reframer = self.reframer
         assert reframer is not None
@@ -273,11 +271,10 @@ class MessagesConsumer(ApiConsumer):
             # The wait counts from the request's arrival, not from here: under a burst, time spent
             # queued behind other requests' start-up is part of what the client waits.
             remaining = settings.MESSAGES_STREAM_START_WAIT_S - (time.monotonic() - self.record.received_monotonic)
-            if not await run.wait_open(max(0.0, remaining)):
+            if not await run.wait_settled(max(0.0, remaining)):
                 # Still in the context phase: start the response now and keep it alive.
                 await self.start_sse(first_frame=True)
-            await run.opened()
-            self.note_run(run)
+            await run.stream_ready()
             self.record.progress()
             if not self.sse_started:
                 await self.start_sse(first_frame=False)
@@ -336,16 +333,10 @@ class MessagesConsumer(ApiConsumer):
             await self.heartbeat.stop()
             self.record.pings_sent = self.heartbeat.pings_sent
 
-    def note_run(self, run: ChatRun) -> None:
-        """Copy what the run did into the audit record."""
+    def note_reply(self) -> None:
+        """Copy what the reply did (pings, tokens) into the audit record; the run's own trace
+        is read by the record itself."""
         record = self.record
-        record.stage = run.stage
-        record.context_endpoint = run.context_url
-        record.generation_endpoint = run.generation_url
-        if run.context_done_at is not None:
-            record.context_done_ms = record.since_received_ms(run.context_done_at)
-        if run.first_chunk_at is not None:
-            record.first_token_ms = record.since_received_ms(run.first_chunk_at)
         if self.heartbeat is not None:
             record.pings_sent = self.heartbeat.pings_sent
         if self.reframer is not None and self.reframer.started:
@@ -404,7 +395,7 @@ class CountTokensConsumer(ApiConsumer):
         except AnthropicError as error:
             await self.send_error(error)
             return
-        count, _source = await count_prompt_tokens(pool, chat)
+        count = await count_prompt_tokens(pool, chat)
         await self.send_json(200, {"input_tokens": count})
 
 

@@ -11,7 +11,7 @@ import asyncio
 import functools
 import re
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
@@ -156,10 +156,11 @@ async def _fetch(
 
 
 async def post_json(
-    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None
+    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """POST a JSON body and return the JSON object answered; anything else raises WorkerError."""
-    response = await _fetch("POST", url, orjson.dumps(body), JSON_HEADERS, timeout, stage)
+    sent = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
+    response = await _fetch("POST", url, orjson.dumps(body), sent, timeout, stage)
     try:
         data = orjson.loads(response.content)
     except orjson.JSONDecodeError:
@@ -239,10 +240,13 @@ class ChunkStream:
         await self._response.aclose()
 
 
-async def open_stream(url: str, body: dict[str, Any], *, stage: str) -> ChunkStream:
+async def open_stream(
+    url: str, body: dict[str, Any], *, stage: str, headers: Mapping[str, str] | None = None
+) -> ChunkStream:
     """POST a streamed chat request and wait for the response headers."""
+    sent = {**SSE_HEADERS, **headers} if headers else SSE_HEADERS
     try:
-        response = await _send("POST", url, orjson.dumps(body), SSE_HEADERS, None)
+        response = await _send("POST", url, orjson.dumps(body), sent, None)
     except httpx.HTTPError as exc:
         raise _transport_error(exc, stage) from None
     if response.status_code >= 300:
