@@ -156,6 +156,9 @@ LOGGING = {
 MESSAGES_STREAM_START_WAIT_S = env_float("MESSAGES_STREAM_START_WAIT_S", 1.0)
 # A stream silent for this long gets an Anthropic `ping` event (Claude Code's stall timers are ~15 s).
 MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
+# The whole request, from its arrival to the last byte of the answer: past it the request ends
+# with 504 timeout_error (or an error event once streaming) and its reservations are released.
+MESSAGES_REQUEST_DEADLINE_S = env_float("MESSAGES_REQUEST_DEADLINE_S", 3600.0)
 # Largest request body accepted (Anthropic's limit is 32 MB); larger gets 413 request_too_large.
 MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
 
@@ -177,6 +180,9 @@ REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
 
 # The audit/reservation writer batches rows; it flushes at least this often.
 AUDIT_FLUSH_INTERVAL_S = env_float("AUDIT_FLUSH_INTERVAL_S", 0.05)
+# Requests refused without a valid API key are all counted (gateway_unauthenticated_rejections_total)
+# but only this many per second per process get an audit row, so a flood cannot fill the database.
+AUDIT_UNAUTHENTICATED_SAMPLE_PER_S = env_float("AUDIT_UNAUTHENTICATED_SAMPLE_PER_S", 1.0)
 
 # Health: each process probes every endpoint's /health; an endpoint is unhealthy after
 # HEALTH_UNHEALTHY_AFTER consecutive failed checks and healthy again after HEALTH_HEALTHY_AFTER.
