@@ -47,6 +47,35 @@ CSRF_TRUSTED_ORIGINS = [
     o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
 ]
 
+# --- Transport security (production, behind a TLS-terminating proxy) -------------------------
+# All off by default so that `make run` serves plain HTTP on loopback; with them set,
+# `manage.py check --deploy` is clean. They concern the Django side (the admin): the API routes
+# are served by the Channels consumers, which no Django middleware sees, so an HTTPS redirect never
+# applies to them, and the probes are answered before SecurityMiddleware (messages_api/probes.py).
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+# The root probe (`HEAD /`, Claude Code's) answers over plain HTTP too.
+SECURE_REDIRECT_EXEMPT = [r"^$", r"^health$", r"^ready$", r"^metrics$"]
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", False)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", False)
+
+
+def env_proxy_ssl_header(name: str) -> tuple[str, str] | None:
+    """`HTTP_X_FORWARDED_PROTO,https` → the (header, value) pair that marks a request as HTTPS.
+    Set it only behind a proxy that always sets (or strips) that header itself."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    header, sep, secure = (part.strip() for part in value.partition(","))
+    if not sep or not header or not secure:
+        raise ImproperlyConfigured(f"{name} must look like HTTP_X_FORWARDED_PROTO,https (got {value!r})")
+    return header, secure
+
+
+SECURE_PROXY_SSL_HEADER = env_proxy_ssl_header("SECURE_PROXY_SSL_HEADER")
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
@@ -61,6 +90,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: load-balancer probes and the metrics scrape answer for any Host (they arrive by IP)
+    # and are never redirected to HTTPS; everything else keeps the host check (messages_api/probes.py).
+    "messages_api.probes.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
