@@ -177,27 +177,7 @@ class ApiConsumer(AsyncHttpConsumer):
         error = client_error(exc)
         if error is not exc and not isinstance(exc, WorkerError):
             logger.error("unhandled error", exc_info=exc)
-        rejected = error.status < 500 and not self.record.begun
-        if rejected and not self.record.api_key_name:
-            await self.identify()
-        status = RequestStatus.REJECTED if rejected else RequestStatus.FAILED
-        detail = operator_detail(exc, error)
-        persist = True
-        if rejected and not self.record.api_key_name:
-            # No valid key: counted always, written only as a sample, so that a flood of
-            # anonymous requests cannot fill the database.
-            metrics.unauthenticated_rejections.inc()
-            skipped = sample_unauthenticated()
-            persist = skipped is not None
-            if skipped:
-                detail += f" (and {skipped} more unauthenticated rejections not recorded since the last)"
-        self.record.end(
-            status,
-            http_status=self.sent_status or error.status,
-            error_type=error.error_type,
-            error_message=detail,
-            persist=persist,
-        )
+        await self._record_error(exc, error)
         try:
             if not self.response_started:
                 await self.send_error(error)
@@ -206,6 +186,30 @@ class ApiConsumer(AsyncHttpConsumer):
         except Exception:
             # The client is gone, or the answer itself failed: the row is written either way.
             logger.warning("could not send the error answer", exc_info=True)
+
+    async def _record_error(self, exc: Exception, error: AnthropicError) -> None:
+        """End the audit row: `rejected` for the client's own fault before any worker was asked,
+        `failed` otherwise. A request from no known key that never got that far is counted in
+        the metrics always but written only as a sample (AUDIT_UNAUTHENTICATED_SAMPLE_PER_S), so
+        that a flood of anonymous requests cannot fill the database."""
+        record = self.record
+        if not record.begun and not record.api_key_name and error.status != 401:
+            await self.identify()  # refused before authentication (405, 413): whose was it?
+        detail = operator_detail(exc, error)
+        persist = True
+        if not record.begun and not record.api_key_name:
+            metrics.unauthenticated_rejections.inc()
+            skipped = sample_unauthenticated()
+            persist = skipped is not None
+            if skipped:
+                detail += f" (and {skipped} more unauthenticated rejections not recorded since the last)"
+        record.end(
+            RequestStatus.REJECTED if error.status < 500 and not record.begun else RequestStatus.FAILED,
+            http_status=self.sent_status or error.status,
+            error_type=error.error_type,
+            error_message=detail,
+            persist=persist,
+        )
 
     async def send_late_error(self, error: AnthropicError) -> None:
         """End a response that has already started (a consumer that streams overrides this)."""
