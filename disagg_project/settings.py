@@ -190,6 +190,7 @@ MESSAGES_STREAM_START_WAIT_S = env_float("MESSAGES_STREAM_START_WAIT_S", 1.0)
 MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
 # The whole request, from its arrival to the last byte of the answer: past it the request ends
 # with 504 timeout_error (or an error event once streaming) and its reservations are released.
+# 0 disables it.
 MESSAGES_REQUEST_DEADLINE_S = env_float("MESSAGES_REQUEST_DEADLINE_S", 3600.0)
 # Largest request body accepted (Anthropic's limit is 32 MB); larger gets 413 request_too_large.
 MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)

@@ -146,7 +146,8 @@ class ApiConsumer(AsyncHttpConsumer):
         deadline_s = settings.MESSAGES_REQUEST_DEADLINE_S
         try:
             # The deadline counts from the request's arrival (its upload included) to the last byte.
-            deadline = asyncio.timeout(deadline_s - (time.monotonic() - self.record.received_monotonic))
+            elapsed = time.monotonic() - self.record.received_monotonic
+            deadline = asyncio.timeout(deadline_s - elapsed if deadline_s > 0 else None)
             try:
                 async with deadline:
                     if self.scope.get("method") not in self.allowed_methods:
