@@ -104,7 +104,8 @@ def test_unauthenticated_rejections_are_counted_and_sampled(gateway: Gateway, ke
     marker = httpx.post(gateway.url + "/v1/messages", headers={**JSON, "x-api-key": key}, json=MESSAGE, timeout=10)
     audit_row(marker.headers["request-id"])
     written = MessageRequest.objects.filter(request_id__in=ids)
-    assert 1 <= written.count() <= elapsed + 2, (written.count(), elapsed)
+    # (The lower bound is not 1: a refusal just before this test may have taken this second's sample.)
+    assert written.count() <= elapsed + 2 and written.count() < 40, (written.count(), elapsed)
     assert all(row.status == "rejected" and row.api_key_name == "" for row in written)
 
     # A later sample says how many it stands for.
