@@ -5,6 +5,11 @@ Channels' stock `AsyncHttpConsumer` runs `handle()` inside its receive loop, so 
 consumers spawn the work as a task once the body is complete and return to the loop; the
 `http.disconnect` that arrives when the client goes away cancels that task, and the cancellation
 reaches everything the task owns (the pipeline, its worker requests, the heartbeat).
+
+Handlers raise; they never answer an error themselves. Whatever leaves the task — an
+`AnthropicError`, a `WorkerError`, the request's deadline, a bug — reaches `_answer_error`, which
+maps it (`errors.client_error`), ends the audit row once, and answers: an HTTP error before the
+response started, an `error` event and the end of the stream after.
 """
 
 from __future__ import annotations
