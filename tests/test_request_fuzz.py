@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 import orjson
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from messages_api.convert import to_chat_request
@@ -144,22 +144,42 @@ def nested(depth: int) -> Any:
     return value
 
 
-# Block-shaped values: a known tag with any of the fields blocks have, each arbitrary JSON or
-# (for `source` and `content`) shaped in turn, so the checks below the tag are reached.
-SOURCE = st.fixed_dictionaries(
-    {"type": st.sampled_from(("base64", "url", "file", "text", "content"))},
-    optional={name: JSON for name in ("media_type", "data", "url", "file_id", "content")},
-)
-BLOCK = st.deferred(
-    lambda: st.fixed_dictionaries(
-        {"type": st.sampled_from(MESSAGE_BLOCK_TAGS + ("tool_reference",))},
-        optional={
-            **{name: JSON for name in FIELD_NAMES if name not in ("type", "source", "content")},
-            "source": SOURCE | JSON,
-            "content": st.lists(BLOCK, max_size=3) | JSON,
-        },
+# Block-shaped values: each block type with all its fields, each either a valid value or any
+# JSON at all (None standing for a missing field), and sources and nested blocks shaped in turn,
+# so the checks below the tag are reached.
+def either(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(valid, JSON)
+
+
+def shaped(tag: str, **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries({"type": st.just(tag), **{name: either(valid) for name, valid in fields.items()}})
+
+
+TEXT = st.text(max_size=8)
+SOURCES = st.deferred(
+    lambda: st.one_of(
+        shaped("base64", media_type=TEXT, data=TEXT),
+        shaped("text", media_type=TEXT, data=TEXT),
+        shaped("url", url=TEXT),
+        shaped("file", file_id=TEXT),
+        shaped("content", content=TEXT | st.lists(BLOCK, max_size=3)),
     )
 )
+BLOCK: st.SearchStrategy[Any] = st.deferred(
+    lambda: st.one_of(
+        shaped("text", text=TEXT),
+        shaped("image", source=SOURCES),
+        shaped("document", source=SOURCES, title=TEXT, context=TEXT),
+        shaped("search_result", source=TEXT, title=TEXT, content=st.lists(BLOCK, max_size=3)),
+        shaped("thinking", thinking=TEXT, signature=TEXT),
+        shaped("redacted_thinking", data=TEXT),
+        shaped("tool_use", id=TEXT, name=TEXT, input=st.dictionaries(TEXT, JSON, max_size=3)),
+        shaped("tool_result", tool_use_id=TEXT, is_error=st.booleans(), content=TEXT | st.lists(BLOCK, max_size=3)),
+        shaped("tool_reference", tool_name=TEXT),
+        st.fixed_dictionaries({"type": st.sampled_from(MESSAGE_BLOCK_TAGS)}),
+    )
+)
+
 
 # Where the rich request holds a content block (a turn's, a tool result's, a document source's).
 BLOCK_PATHS = [p for p in RICH_PATHS if len(p) >= 2 and p[-2] == "content" and isinstance(p[-1], int)]
@@ -221,6 +241,16 @@ def test_any_json_anywhere_gives_a_request_or_a_400(mutations: list[tuple[tuple[
 
 @FUZZ
 @given(st.lists(BLOCK_MUTATION, min_size=1, max_size=3))
+# The 500s issue 9 reported, always tried first: a document's content source that is a number,
+# an image without source, a text that is a number, a URL source without its URL (directly and
+# inside a tool result).
+@example([(("messages", 1, "content", 0), {"type": "document", "source": {"type": "content", "content": 5}})])
+@example([(("messages", 3, "content", 0, "content", 0), {"type": "document", "source": {"type": "content", "content": 5}})])
+@example([(("messages", 1, "content", 0), {"type": "image"})])
+@example([(("messages", 3, "content", 0, "content", 1), {"type": "image"})])
+@example([(("messages", 1, "content", 0), {"type": "text", "text": 7})])
+@example([(("messages", 1, "content", 0), {"type": "image", "source": {"type": "url"}})])
+@example([(("messages", 3, "content", 0, "content", 1), {"type": "image", "source": {"type": "url"}})])
 def test_any_block_anywhere_gives_a_request_or_a_400(mutations: list[tuple[tuple[Any, ...], Any]]) -> None:
     handled(mutated(mutations))
 
