@@ -123,8 +123,10 @@ def upload(port: int, size: int, mode: str, result: Upload) -> None:
     answered.set()
     result.ended_at = time.monotonic() - started
     if b"\r\n\r\n" in data:
+        # The JSON object of the answer, whether framed by content-length or chunked.
+        body = data.split(b"\r\n\r\n", 1)[1]
         try:
-            result.error_type = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["type"]
+            result.error_type = json.loads(body[body.find(b"{") : body.rfind(b"}") + 1])["error"]["type"]
         except (ValueError, KeyError, TypeError):
             result.error_type = None
     sock.close()
