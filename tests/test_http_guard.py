@@ -178,6 +178,23 @@ def test_expect_100_continue_is_answered_413_instead(guarded: Gateway) -> None:
     assert answer.status == 413  # and Conversation.answer checked no `100 Continue` came first
 
 
+def test_a_refused_client_that_keeps_sending_is_dropped_after_the_linger(guarded: Gateway) -> None:
+    conversation = Conversation(guarded.port)
+    try:
+        conversation.send(post_head(400_000_000))
+        answer = conversation.answer(wait_close=0)
+        assert answer.status == 413
+        # Still writing after the answer: read and dropped for LINGER_S, then the connection ends.
+        deadline = time.monotonic() + http_guard.LINGER_S + 3.0
+        with pytest.raises(OSError):
+            while time.monotonic() < deadline:
+                conversation.send(b"x" * 1024)
+                time.sleep(0.02)  # a slow writer: the linger, not a full buffer, must end it
+        assert time.monotonic() - conversation.started >= http_guard.LINGER_S
+    finally:
+        conversation.close()
+
+
 def test_a_chunked_body_is_cut_at_the_limit(guarded: Gateway) -> None:
     # Twice the limit and no last chunk: only a cut at the limit can answer this request.
     conversation = Conversation(guarded.port)
