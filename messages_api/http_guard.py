@@ -75,7 +75,7 @@ LINGER_S = 2.0
 # that each still exists (an override of a method that was renamed would silently do nothing).
 RELIED_ON: dict[object, tuple[str, ...]] = {
     HTTPChannel: (
-        "connectionMade", "dataReceived", "allHeadersReceived", "allContentReceived", "lineLengthExceeded",
+        "dataReceived", "allHeadersReceived", "allContentReceived", "lineLengthExceeded",
         "_respondToBadRequestAndDisconnect", "connectionLost", "setTimeout", "callLater", "length",
         "persistent", "totalHeadersSize", "maxHeaders", "_receivedHeaderSize", "_receivedHeaderCount",
         "_handlingRequest", "_buffer", "line_mode", "MAX_LENGTH",
