@@ -60,4 +60,17 @@ Gauge("gateway_gc_frozen_objects", "Objects loaded at start-up that the garbage 
 )
 
 
+def _guard_http_intake() -> None:
+    """Under daphne (its command line imports this module before it runs the server) bound what a
+    client sends while daphne parses it: body limit, read deadline, errors in Anthropic's
+    envelope (messages_api/http_guard.py)."""
+    daphne_server = sys.modules.get("daphne.server")
+    if daphne_server is None:
+        return
+    from messages_api import http_guard
+
+    http_guard.install(daphne_server)
+
+
+_guard_http_intake()
 _start_services_with_daphne()

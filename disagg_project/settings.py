@@ -194,6 +194,14 @@ MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
 MESSAGES_REQUEST_DEADLINE_S = env_float("MESSAGES_REQUEST_DEADLINE_S", 3600.0)
 # Largest request body accepted (Anthropic's limit is 32 MB); larger gets 413 request_too_large.
 MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
+# Request intake (messages_api/http_guard.py): enforced while daphne parses, before any body is
+# buffered and before the API key is looked at. A declared Content-Length over the limit is
+# refused before the body is read; a chunked body is cut at it. A request's line, headers and
+# body must all arrive within this many seconds of its first byte (408 otherwise).
+MESSAGES_BODY_READ_TIMEOUT_S = env_float("MESSAGES_BODY_READ_TIMEOUT_S", 30.0)
+# Deepest JSON nesting accepted in a request body (400 beyond): orjson parses 1,024 levels but
+# cannot re-encode past 254, which the worker request needs (tool schemas, tool_use inputs).
+MESSAGES_MAX_JSON_DEPTH = env_int("MESSAGES_MAX_JSON_DEPTH", 64)
 
 # Worker HTTP client.
 WORKER_CONNECT_TIMEOUT_S = env_float("WORKER_CONNECT_TIMEOUT_S", 5.0)

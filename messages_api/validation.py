@@ -12,6 +12,12 @@ Unknown top-level fields are tolerated: Claude Code sends `context_management`,
 rejecting any of them is a known way to break it (reference/anthropic_api.md §6). A `null`
 optional field counts as absent, as the SDKs' own types allow for most of them.
 
+Every content block is checked to the field, directly or inside a `tool_result` or a document's
+`content` source, so that nothing a client sends can surprise the converter (a 500 from client
+input is a bug). Before any of that, the body's nesting depth is bounded
+(MESSAGES_MAX_JSON_DEPTH): orjson parses 1,024 levels but cannot encode past 254, and the worker
+request re-encodes tool schemas and tool_use inputs.
+
 Only the shape is checked here; what the gateway cannot serve (server tools, PDF documents, ...)
 is refused by `convert.to_chat_request`, which knows why.
 """
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+from django.conf import settings
 
 from messages_api.errors import AnthropicError
 
@@ -62,7 +70,16 @@ MESSAGE_BLOCK_TAGS = (
     "tool_removal",
 )
 TOOL_RESULT_BLOCK_TAGS = ("text", "image", "document", "search_result", "tool_reference")
+DOCUMENT_CONTENT_TAGS = ("text", "image")
 IMAGE_SOURCE_TYPES = ("base64", "url", "file")
+DOCUMENT_SOURCE_TYPES = ("base64", "text", "content", "url", "file")
+# The string fields each source type requires (SDK: *_source_param.py).
+SOURCE_FIELDS: dict[str, tuple[str, ...]] = {
+    "base64": ("media_type", "data"),
+    "text": ("media_type", "data"),
+    "url": ("url",),
+    "file": ("file_id",),
+}
 
 
 def validate_messages_request(body: object) -> dict[str, Any]:
@@ -90,7 +107,25 @@ def validate_count_tokens_request(body: object) -> dict[str, Any]:
 def _object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise AnthropicError(400, "The request body must be a JSON object", "invalid_request_error")
+    _check_depth(body, settings.MESSAGES_MAX_JSON_DEPTH)
     return body
+
+
+def _check_depth(body: dict[str, Any], limit: int) -> None:
+    """Refuse nesting deeper than `limit` (the body object is level 1), naming the top-level field.
+
+    Iterative: a deep body must not exhaust the stack of the check meant to refuse it.
+    """
+    stack: list[tuple[Any, int, str]] = [
+        (value, 2, key) for key, value in body.items() if type(value) is dict or type(value) is list
+    ]
+    while stack:
+        value, depth, field = stack.pop()
+        if depth > limit:
+            _fail(field, f"JSON nested deeper than the limit of {limit} levels")
+        for child in value.values() if type(value) is dict else value:
+            if type(child) is dict or type(child) is list:
+                stack.append((child, depth + 1, field))
 
 
 def _validate_shared(request: dict[str, Any], max_tokens: int | None) -> None:
@@ -150,29 +185,39 @@ def _block(block: object, path: str, tags: tuple[str, ...]) -> None:
 
 def _text_block(block: dict[str, Any], path: str) -> None:
     _string_field(block, "text", path)
+    _optional_list(block, "citations", path)
 
 
 def _image_block(block: dict[str, Any], path: str) -> None:
+    _source(block, path, IMAGE_SOURCE_TYPES)
+
+
+def _document_block(block: dict[str, Any], path: str) -> None:
+    source = _source(block, path, DOCUMENT_SOURCE_TYPES)
+    if source["type"] == "content":
+        spath = f"{path}.source"
+        content = _required(source, "content", spath)
+        if not isinstance(content, str):
+            if not isinstance(content, list):
+                _fail(f"{spath}.content", "Input should be a valid string or a list of content blocks")
+            for j, inner in enumerate(content):
+                _block(inner, f"{spath}.content.{j}", DOCUMENT_CONTENT_TAGS)
+    for name in ("title", "context"):
+        _optional_string(block, name, path)
+
+
+def _source(block: dict[str, Any], path: str, kinds: tuple[str, ...]) -> dict[str, Any]:
+    """An image or document `source`: a tagged object with the string fields of its type."""
     source = _required(block, "source", path)
     spath = f"{path}.source"
     if not isinstance(source, dict):
         _fail(spath, "Input should be a valid dictionary")
     kind = _required(source, "type", spath)
-    if kind not in IMAGE_SOURCE_TYPES:
-        _bad_tag(f"{spath}.type", kind, IMAGE_SOURCE_TYPES)
-    if kind == "base64":
-        _string_field(source, "media_type", spath)
-        _string_field(source, "data", spath)
-    elif kind == "url":
-        _string_field(source, "url", spath)
-
-
-def _document_block(block: dict[str, Any], path: str) -> None:
-    source = _required(block, "source", path)
-    if not isinstance(source, dict):
-        _fail(f"{path}.source", "Input should be a valid dictionary")
-    if not isinstance(_required(source, "type", f"{path}.source"), str):
-        _fail(f"{path}.source.type", "Input should be a valid string")
+    if kind not in kinds:
+        _bad_tag(f"{spath}.type", kind, kinds)
+    for name in SOURCE_FIELDS.get(kind, ()):
+        _string_field(source, name, spath)
+    return source
 
 
 def _tool_use_block(block: dict[str, Any], path: str) -> None:
@@ -197,6 +242,13 @@ def _tool_result_block(block: dict[str, Any], path: str) -> None:
 
 def _thinking_block(block: dict[str, Any], path: str) -> None:
     _string_field(block, "thinking", path)
+    # Required by the API, where it proves the block came from Claude; the gateway's own thinking
+    # blocks carry "" and open models cannot check one, so only its type is checked.
+    _optional_string(block, "signature", path)
+
+
+def _redacted_thinking_block(block: dict[str, Any], path: str) -> None:
+    _string_field(block, "data", path)
 
 
 def _search_result_block(block: dict[str, Any], path: str) -> None:
@@ -205,6 +257,8 @@ def _search_result_block(block: dict[str, Any], path: str) -> None:
         _fail(f"{path}.content", "Input should be a valid list")
     for j, inner in enumerate(content):
         _block(inner, f"{path}.content.{j}", ("text",))
+    _string_field(block, "source", path)
+    _string_field(block, "title", path)
 
 
 _BLOCK_FIELDS: dict[str, Callable[[dict[str, Any], str], None]] = {
@@ -214,6 +268,7 @@ _BLOCK_FIELDS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "tool_use": _tool_use_block,
     "tool_result": _tool_result_block,
     "thinking": _thinking_block,
+    "redacted_thinking": _redacted_thinking_block,
     "search_result": _search_result_block,
 }
 
@@ -369,6 +424,18 @@ def _required(container: dict[str, Any], key: str, path: str) -> Any:
 def _string_field(container: dict[str, Any], key: str, path: str) -> None:
     if not isinstance(_required(container, key, path), str):
         _fail(f"{path}.{key}", "Input should be a valid string")
+
+
+def _optional_string(container: dict[str, Any], key: str, path: str) -> None:
+    value = container.get(key)
+    if value is not None and not isinstance(value, str):
+        _fail(f"{path}.{key}", "Input should be a valid string")
+
+
+def _optional_list(container: dict[str, Any], key: str, path: str) -> None:
+    value = container.get(key)
+    if value is not None and not isinstance(value, list):
+        _fail(f"{path}.{key}", "Input should be a valid list")
 
 
 def _bad_tag(path: str, tag: object, expected: tuple[str, ...]) -> NoReturn:

@@ -1,0 +1,268 @@
+"""The HTTP intake guard: what a client sends is bounded while daphne's parser reads it.
+
+Daphne serves HTTP/1.1 through Twisted's parser, which writes a request's whole body to a file
+before daphne looks at the request; daphne then queues the body to the application in 8 KiB
+messages, all at once. The consumer's own 413 therefore came after the memory was spent: four
+parallel 400 MB uploads without an API key took a gateway from 93 to 1,723 MiB. Twisted's own
+rejections are bare (an empty `400`; a header line over 16 KiB: the connection closed without an
+answer), and its idle timer restarts on every byte, so a client sending one byte a second holds a
+connection for ever.
+
+This module plugs into the parser where each of these is decided, per connection, before any
+application runs (so none of it depends on an API key):
+
+- a declared `Content-Length` over MESSAGES_MAX_BODY_BYTES: 413 once the headers are in, before
+  a byte of the body is read (and instead of `100 Continue`);
+- a chunked body: counted as it is decoded, cut with the same 413 when it passes the limit;
+- the request line, headers and body must arrive within MESSAGES_BODY_READ_TIMEOUT_S of the
+  request's first byte (a connection that sends nothing is left to Twisted's idle timeout, which
+  closes it silently: an unasked-for answer on an idle kept-alive connection would be read by
+  the client as the answer to its next request);
+- a malformed request line, header or chunked framing: 400 instead of Twisted's empty one;
+- a line over Twisted's 16 KiB, a header section over 16 KiB or more than 500 headers: 431;
+- daphne's own HTML error pages (bytes it cannot decode in the path, ...): the same envelope.
+
+Statuses and types. Each answer is Anthropic's envelope
+(`{"type":"error","error":{"type":..,"message":..},"request_id":"req_.."}`, JSON, `request-id`
+header). A body over the limit is Anthropic's documented 413 `request_too_large`. A header
+section too large has no Anthropic status; 431 (RFC 6585) is the one HTTP defines for it, and
+`request_too_large` is Anthropic's type for a request over a byte limit; the SDKs raise their
+generic status error for it and do not retry, as for 413. A request not received in time is
+HTTP's 408 with Anthropic's `timeout_error`; the SDKs retry 408 (reference/anthropic_api.md),
+which is right for a slow link. Malformed HTTP is 400 `invalid_request_error`.
+
+How a refusal ends: the answer is written with `connection: close`, the write side is shut (a FIN
+after the answer) and whatever the client still sends is read and dropped, for at most
+`LINGER_S`; then the connection is aborted. Closing at once with unread input would make the
+kernel send a reset, which can destroy the answer before a client that is still writing its body
+reads it.
+
+Installation: `install()` makes daphne's `Server.run()` build its HTTP factory from
+`GuardedHTTPFactory` (it instantiates the module global `daphne.server.HTTPFactory`);
+`disagg_project/asgi.py` calls it when loaded under daphne, whose command line imports the
+application before it runs the server. Every daphne and Twisted internal used here is listed in
+`RELIED_ON` and checked by tests/test_http_guard.py, so an upgrade that changes one fails there.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from types import ModuleType
+from typing import Any
+
+import orjson
+from daphne.http_protocol import HTTPFactory, WebRequest
+from django.conf import settings
+from prometheus_client import Counter
+from twisted.internet.interfaces import IDelayedCall
+from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
+
+from messages_api.audit import new_request_id
+from messages_api.errors import error_body, error_type_for_status
+
+__all__ = ["GuardedChannel", "GuardedHTTPFactory", "GuardedRequest", "install", "refusal_bytes"]
+
+logger = logging.getLogger(__name__)
+
+# How long a refused connection keeps reading (and dropping) what the client still sends, so the
+# answer is not destroyed by a reset while the client is busy writing. Loopback drains a 400 MB
+# upload in well under this; a client on a slow link that never reads while writing loses the
+# answer either way.
+LINGER_S = 2.0
+
+# The daphne and Twisted names this module overrides or reads; tests/test_http_guard.py checks
+# that each still exists (an override of a method that was renamed would silently do nothing).
+RELIED_ON: dict[object, tuple[str, ...]] = {
+    HTTPChannel: (
+        "dataReceived", "allHeadersReceived", "allContentReceived", "lineLengthExceeded",
+        "_respondToBadRequestAndDisconnect", "connectionLost", "setTimeout", "callLater", "length",
+        "persistent", "totalHeadersSize", "maxHeaders", "_receivedHeaderSize", "_receivedHeaderCount",
+        "_handlingRequest", "_buffer", "line_mode", "MAX_LENGTH",
+    ),
+    WebRequest: ("handleContentChunk", "basic_error", "handle_reply", "channel"),
+    HTTPFactory: ("buildProtocol", "protocol"),
+    _GenericHTTPChannelProtocol: ("_channel", "requestFactory"),
+}
+
+# Anthropic's type for a request over a byte limit, also for the header section's 431.
+TOO_LARGE = "request_too_large"
+
+refused = Counter(
+    "gateway_http_refused",
+    "Requests refused by the HTTP intake guard before any application saw them, by status.",
+    ["status"],
+)
+
+
+def refusal_bytes(status: int, message: str, error_type: str | None = None, request_id: str | None = None) -> bytes:
+    """A complete HTTP/1.1 answer in Anthropic's envelope that closes the connection."""
+    request_id = request_id or new_request_id()
+    body = orjson.dumps(error_body(error_type or error_type_for_status(status), message, request_id))
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        f"request-id: {request_id}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class GuardedChannel(HTTPChannel):
+    """Twisted's HTTP/1.1 channel with the limits above; everything after a request's body has
+    arrived (daphne's processing, the response, disconnect detection) is Twisted's own."""
+
+    _refused: int | None = None  # the status of the refusal sent, once one is
+    _intake_deadline: IDelayedCall | None = None
+    _linger: IDelayedCall | None = None
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._refused is not None:
+            return  # lingering after a refusal: read and drop
+        if self._intake_deadline is None and not self._handlingRequest:
+            # The first byte of a request (the connection's first, or the next on a kept-alive
+            # connection) starts its clock; Twisted's idle timer restarts on every byte.
+            self._intake_deadline = self.callLater(settings.MESSAGES_BODY_READ_TIMEOUT_S, self._intake_timed_out)
+        super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        # `length` is the declared Content-Length (None when chunked), known before the body.
+        limit = settings.MESSAGES_MAX_BODY_BYTES
+        if self.length is not None and self.length > limit:
+            self.refuse(413, body_too_large_message(limit), TOO_LARGE)
+            return  # not Twisted's: no `100 Continue`, no body file
+        super().allHeadersReceived()
+
+    def allContentReceived(self) -> None:
+        if self._refused is not None:
+            return  # a refused request never reaches daphne
+        self._cancel(self._intake_deadline)
+        self._intake_deadline = None
+        super().allContentReceived()
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        self.refuse(431, f"A request line or header is longer than the limit of {self.MAX_LENGTH} bytes", TOO_LARGE)
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        # Twisted's one answer for every parse failure; its counters say which limit it was.
+        if self._receivedHeaderSize > self.totalHeadersSize:
+            self.refuse(431, f"The request line and headers are larger than the limit of {self.totalHeadersSize} bytes", TOO_LARGE)
+        elif self._receivedHeaderCount > self.maxHeaders:
+            self.refuse(431, f"The request has more than the limit of {self.maxHeaders} headers", TOO_LARGE)
+        elif not self.line_mode:
+            self.refuse(400, "The request body's chunked encoding is malformed")
+        else:
+            self.refuse(400, "The request line or headers are malformed")
+
+    def connectionLost(self, reason: Any) -> None:
+        self._cancel(self._intake_deadline)
+        self._cancel(self._linger)
+        super().connectionLost(reason)
+
+    # --- the refusal ----------------------------------------------------------------------------
+
+    def refuse(self, status: int, message: str, error_type: str | None = None) -> None:
+        """Answer `status` in Anthropic's envelope, stop parsing, and close (lingering)."""
+        transport = self.transport
+        if self._refused is not None or transport is None:
+            return
+        self._refused = status
+        self._cancel(self._intake_deadline)
+        self._intake_deadline = None
+        self.setTimeout(None)  # Twisted's idle timer: the linger decides from now on
+        self._buffer = b""  # input the line parser has not reached is never parsed now
+        self.persistent = False
+        refused.labels(status=str(status)).inc()
+        logger.info("refused a request from %s with %s: %s", _peer(transport), status, message)
+        transport.write(refusal_bytes(status, message, error_type))
+        lose_write = getattr(transport, "loseWriteConnection", None)
+        if lose_write is None:
+            self.loseConnection()
+            return
+        lose_write()
+        self._linger = self.callLater(LINGER_S, self._end_linger)
+
+    def _intake_timed_out(self) -> None:
+        self._intake_deadline = None
+        if not self._handlingRequest:
+            seconds = settings.MESSAGES_BODY_READ_TIMEOUT_S
+            self.refuse(408, f"The request was not received within {seconds:g} seconds", "timeout_error")
+
+    def _end_linger(self) -> None:
+        self._linger = None
+        if self.transport is not None:
+            self.transport.abortConnection()
+
+    @staticmethod
+    def _cancel(call: IDelayedCall | None) -> None:
+        if call is not None and call.active():
+            call.cancel()
+
+
+class GuardedRequest(WebRequest):
+    """Daphne's request, counting the body as it is decoded and answering in Anthropic's envelope."""
+
+    def __init__(self, channel: HTTPChannel, *args: Any, **kwargs: Any) -> None:
+        # Twisted would parse a POSTed form body into `args` (all of it, in memory); daphne never
+        # reads `args`.
+        kwargs.setdefault("parsePOSTFormSubmission", False)
+        super().__init__(channel, *args, **kwargs)
+        self.body_bytes = 0
+
+    def handleContentChunk(self, data: bytes) -> None:
+        self.body_bytes += len(data)
+        limit = settings.MESSAGES_MAX_BODY_BYTES
+        if self.body_bytes > limit:
+            # Only a chunked body gets here: a declared length over the limit was refused earlier.
+            channel = self.channel
+            if isinstance(channel, GuardedChannel):
+                channel.refuse(413, body_too_large_message(limit), TOO_LARGE)
+            return
+        super().handleContentChunk(data)
+
+    def basic_error(self, status: int, status_text: bytes, body: str) -> None:
+        """Daphne's HTML error page (bad path bytes, invalid header, application crash or
+        timeout) in Anthropic's envelope; `body` is daphne's one-line reason, never a traceback."""
+        request_id = new_request_id()
+        self.handle_reply(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"request-id", request_id.encode())],
+            }
+        )
+        self.handle_reply(
+            {"type": "http.response.body", "body": orjson.dumps(error_body(error_type_for_status(status), body, request_id))}
+        )
+
+
+class GuardedHTTPFactory(HTTPFactory):
+    """Daphne's HTTP factory, building guarded channels and requests."""
+
+    def protocol(self) -> _GenericHTTPChannelProtocol:  # type: ignore[override]
+        # Twisted's `_genericHTTPChannelProtocolFactory`, with our channel instead of HTTPChannel.
+        return _GenericHTTPChannelProtocol(GuardedChannel())
+
+    def buildProtocol(self, addr: Any) -> _GenericHTTPChannelProtocol | None:
+        protocol = super().buildProtocol(addr)  # daphne sets its WebRequest as request factory
+        if protocol is not None:
+            protocol.requestFactory = GuardedRequest
+        return protocol
+
+
+def body_too_large_message(limit: int) -> str:
+    return f"Request body is larger than the limit of {limit} bytes"
+
+
+def install(daphne_server: ModuleType) -> None:
+    """Make daphne's `Server.run()` (module `daphne.server`) build the guarded factory."""
+    daphne_server.HTTPFactory = GuardedHTTPFactory  # type: ignore[attr-defined]
+
+
+def _peer(transport: Any) -> str:
+    try:
+        peer = transport.getPeer()
+        return f"{peer.host}:{peer.port}"
+    except Exception:  # noqa: BLE001 - only for the log line
+        return "?"
