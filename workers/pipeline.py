@@ -173,7 +173,7 @@ class ChatRun:
         )
         self.stage = Stage.CONTEXT
         generation_open = self._generation_open = asyncio.create_task(
-            client.open_stream(self.generation_url + trtllm.CHAT_PATH, body, stage=Stage.GENERATION)
+            client.open_stream(self.generation_url + trtllm.CHAT_PATH, body, stage=Stage.GENERATION, waits_for_context=True)
         )
         context_phase = asyncio.create_task(self._context_phase(disagg_request_id, reservation=context))
         try:
@@ -209,7 +209,7 @@ class ChatRun:
                 reservation = self._reserve(Role.CONTEXT, exclude=tried)
             self.context_url = reservation.endpoint.url
             try:
-                response = await client.post_json(
+                response = await client.post_completion(
                     reservation.endpoint.url + trtllm.CHAT_PATH, body, stage=Stage.CONTEXT
                 )
             except WorkerUnreachable:
