@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 # Text fields of a delta or a message.
-_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "role", "refusal")
-_USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+_TEXT_FIELDS = frozenset(("content", "reasoning_content", "reasoning", "role", "refusal"))
+_USAGE_COUNTS = frozenset(("prompt_tokens", "completion_tokens", "total_tokens"))
 _DETAIL_COUNTS = {"prompt_tokens_details": ("cached_tokens",), "completion_tokens_details": ("reasoning_tokens",)}
 
 
@@ -82,13 +82,16 @@ def _check_choice(choice: Any, where: str, body_name: str, *, streamed: bool) ->
         raise ShapeError(f"{where}.{body_name}", "is missing or null")
     if not isinstance(body, dict):
         raise ShapeError(f"{where}.{body_name}", "is not an object")
-    for field in _TEXT_FIELDS:
-        value = body.get(field)
-        if value is not None and not isinstance(value, str):
-            raise ShapeError(f"{where}.{body_name}.{field}", "is not a string")
-    tool_calls = body.get("tool_calls")
-    if tool_calls is not None:
-        _check_tool_calls(tool_calls, f"{where}.{body_name}.tool_calls", streamed=streamed)
+    # Over the fields present (a delta has one or two), not over every field checked: this runs
+    # once per relayed token.
+    for field, value in body.items():
+        if value is None:
+            continue
+        if field in _TEXT_FIELDS:
+            if type(value) is not str:
+                raise ShapeError(f"{where}.{body_name}.{field}", "is not a string")
+        elif field == "tool_calls":
+            _check_tool_calls(value, f"{where}.{body_name}.tool_calls", streamed=streamed)
 
 
 def _check_tool_calls(tool_calls: Any, where: str, *, streamed: bool) -> None:
@@ -123,20 +126,19 @@ def _check_usage(usage: Any) -> None:
         return
     if not isinstance(usage, dict):
         raise ShapeError("usage", "is not an object")
-    for field in _USAGE_COUNTS:
-        value = usage.get(field)
-        if value is not None and not _is_count(value):
-            raise ShapeError(f"usage.{field}", "is not a non-negative integer")
-    for name, counts in _DETAIL_COUNTS.items():
-        details = usage.get(name)
-        if details is None:
+    for field, value in usage.items():
+        if value is None:
             continue
-        if not isinstance(details, dict):
-            raise ShapeError(f"usage.{name}", "is not an object")
-        for field in counts:
-            value = details.get(field)
-            if value is not None and not _is_count(value):
-                raise ShapeError(f"usage.{name}.{field}", "is not a non-negative integer")
+        if field in _USAGE_COUNTS:
+            if not _is_count(value):
+                raise ShapeError(f"usage.{field}", "is not a non-negative integer")
+        elif field in _DETAIL_COUNTS:
+            if not isinstance(value, dict):
+                raise ShapeError(f"usage.{field}", "is not an object")
+            for count in _DETAIL_COUNTS[field]:
+                detail = value.get(count)
+                if detail is not None and not _is_count(detail):
+                    raise ShapeError(f"usage.{field}.{count}", "is not a non-negative integer")
 
 
 def _is_count(value: Any) -> bool:

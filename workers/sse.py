@@ -28,7 +28,7 @@ wrapping both halves. This module is the same state machine over bytes, with the
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _LINE_END = re.compile(rb"\r\n?|\n")
 _BOM = b"\xef\xbb\xbf"
@@ -46,9 +46,11 @@ class SSELineTooLong(SSEError):
         self.limit = limit
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One dispatched event. `event` is "message" when the stream named no type."""
+class Event(NamedTuple):
+    """One dispatched event. `event` is "message" when the stream named no type.
+
+    A named tuple rather than a frozen dataclass: one is built per relayed token, and it is
+    several times cheaper to build."""
 
     data: str
     event: str = "message"
@@ -80,6 +82,8 @@ class SSEDecoder:
         """Decode `data`; return the events it completed (often none or one)."""
         if not data:
             return []
+        if not self._skip_lf and not self._at_start and b"\r" not in data:
+            return self._feed_lf(data)
         buffer = self._buffer
         if self._skip_lf:
             self._skip_lf = False
@@ -113,6 +117,52 @@ class SSEDecoder:
             raise SSELineTooLong(limit)
         self._scanned = len(buffer)
         self._line_complete = not buffer
+        return events
+
+    def _feed_lf(self, data: bytes) -> list[Event]:
+        """`feed` for data whose lines all end in "\n" (what workers send): splitting bytes is
+        several times cheaper than the general scan. Still linear: buffered bytes are joined
+        once, when the line they belong to ends."""
+        buffer = self._buffer
+        limit = self.max_line_bytes
+        if (
+            not buffer
+            and not self._data
+            and not self._event_type
+            and data.startswith(b"data:")
+            and data.endswith(b"\n\n")
+            and data.count(b"\n") == 2
+        ):
+            # One whole `data:` event per feed, the shape of a token relayed as it is made.
+            value = data[6:-2] if data[5:6] == b" " else data[5:-2]
+            if len(data) - 2 > limit:  # the line, as the general path measures it
+                raise SSELineTooLong(limit)
+            self._scanned = 0
+            self._line_complete = True
+            return [Event(value.decode("utf-8", "replace"), "message", self._last_id, self._retry)]
+        if b"\n" not in data:
+            buffer += data
+            if len(buffer) > limit:
+                raise SSELineTooLong(limit)
+            self._scanned = len(buffer)
+            self._line_complete = False
+            return []
+        if buffer:
+            data = bytes(buffer) + data
+            buffer.clear()
+        *lines, rest = data.split(b"\n")
+        events: list[Event] = []
+        for line in lines:
+            if len(line) > limit:
+                raise SSELineTooLong(limit)
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        if len(rest) > limit:
+            raise SSELineTooLong(limit)
+        buffer += rest
+        self._scanned = len(rest)
+        self._line_complete = not rest
         return events
 
     def end(self) -> list[Event]:
@@ -157,7 +207,7 @@ class SSEDecoder:
         if not data:
             return None
         return Event(
-            data=b"\n".join(data).decode("utf-8", "replace"),
+            data=(data[0] if len(data) == 1 else b"\n".join(data)).decode("utf-8", "replace"),
             event=event_type.decode("utf-8", "replace") if event_type else "message",
             id=self._last_id,
             retry=self._retry,
