@@ -343,3 +343,25 @@ async def test_a_stream_ending_without_done_is_broken() -> None:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         error, _ = await elapsed(read_all(stream))
     assert type(error) is StreamBroken and error.status == 502
+
+
+async def test_a_client_leaving_during_a_watched_read_is_a_cancellation_not_a_timeout(deadlines: Any) -> None:
+    # The stream's one deadline timer cancels the reading task when it passes; a cancellation
+    # from elsewhere (the client left) must stay a cancellation and close the worker connection.
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK))) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        got_one = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in stream:
+                got_one.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(got_one.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        await asyncio.wait_for(worker.hung_up.wait(), 5)
+    assert task.cancelled()
+    assert stream._deadline is not None and stream._deadline._handle is None  # its timer is gone
