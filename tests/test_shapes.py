@@ -110,3 +110,89 @@ def test_malformed_completions_are_refused_naming_the_field(value: Any, named: s
     with pytest.raises(ShapeError) as info:
         check_completion(value)
     assert str(info.value) == named
+
+
+# --- what passes the checks is safe to read ------------------------------------------------------
+# Random JSON over the chat vocabulary: whatever the checks let through must not crash the code
+# that reads it (the pipeline's completion_as_chunks, the front door's reframer) with anything
+# but its own, deliberate error.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from messages_api.errors import AnthropicError  # noqa: E402
+from messages_api.reframe import StreamReframer  # noqa: E402
+from workers.pipeline import completion_as_chunks  # noqa: E402
+
+# Wrong values, truthy ones first: a falsy wrong value is mostly skipped by its readers.
+JUNK = st.sampled_from([5, 1.5, True, [1], {"a": 1}, "x", -1, None, [], {}])
+
+
+def maybe(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """The documented value, or a wrong one."""
+    return st.one_of(valid, valid, JUNK)
+
+
+TEXT = st.one_of(st.none(), st.sampled_from(["", "hi", " there"]))
+COUNT = st.integers(min_value=0, max_value=50)
+FUNCTION = st.fixed_dictionaries({}, optional={"name": maybe(st.sampled_from([None, "get", "put"])), "arguments": maybe(st.sampled_from([None, "", '{"a":', " 1}", "{}"]))})
+TOOL_CALL = st.fixed_dictionaries(
+    {"index": maybe(st.integers(min_value=0, max_value=2))},
+    optional={"id": maybe(st.sampled_from([None, "call_1", "call_2"])), "type": maybe(st.just("function")), "function": maybe(FUNCTION)},
+)
+BODY = st.fixed_dictionaries(
+    {},
+    optional={"role": maybe(st.just("assistant")), "content": maybe(TEXT), "reasoning_content": maybe(TEXT), "reasoning": maybe(TEXT),
+              "tool_calls": maybe(st.lists(maybe(TOOL_CALL), max_size=2))},
+)
+FINISH = st.sampled_from([None, "stop", "length", "tool_calls"])
+USAGE = st.fixed_dictionaries(
+    {},
+    optional={"prompt_tokens": maybe(COUNT), "completion_tokens": maybe(COUNT), "total_tokens": maybe(COUNT),
+              "prompt_tokens_details": maybe(st.fixed_dictionaries({}, optional={"cached_tokens": maybe(COUNT)}))},
+)
+
+
+def answers(body_name: str) -> st.SearchStrategy[Any]:
+    choice = st.fixed_dictionaries({"index": maybe(st.just(0))}, optional={body_name: maybe(BODY), "finish_reason": maybe(FINISH), "stop_reason": JUNK})
+    return maybe(st.fixed_dictionaries({"choices": maybe(st.lists(maybe(choice), max_size=2))}, optional={"usage": maybe(USAGE), "id": TEXT}))
+
+
+def reframe(chunks: list[Any]) -> None:
+    reframer = StreamReframer(message_id="msg_1", model="m")
+    events: list[dict[str, Any]] = []
+    try:
+        for item in chunks:
+            events += reframer.feed(item)
+        events += reframer.finish()
+    except AnthropicError:
+        pass  # a deliberate refusal (e.g. tool arguments that are not JSON), answered as such
+    for event in events:
+        delta = event.get("delta", {})
+        for field in ("text", "thinking", "partial_json"):
+            assert field not in delta or type(delta[field]) is str, event
+
+
+def passes(check: Any, value: Any) -> bool:
+    try:
+        check(value)
+    except ShapeError:
+        return False
+    return True
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(answers("delta"), min_size=1, max_size=6))
+def test_chunks_that_pass_are_safe_for_the_reframer(values: list[Any]) -> None:
+    reframe([value for value in values if passes(check_chunk, value)])
+
+
+@settings(max_examples=500, deadline=None)
+@given(answers("message"))
+def test_completions_that_pass_become_chunks_that_pass(value: Any) -> None:
+    if not passes(check_completion, value):
+        return
+    chunks = completion_as_chunks(value)
+    for item in chunks:
+        check_chunk(item)
+    reframe(chunks)
