@@ -47,6 +47,35 @@ CSRF_TRUSTED_ORIGINS = [
     o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
 ]
 
+# --- Transport security (production, behind a TLS-terminating proxy) -------------------------
+# All off by default so that `make run` serves plain HTTP on loopback; with them set,
+# `manage.py check --deploy` is clean. They concern the Django side (the admin): the API routes
+# are served by the Channels consumers, which no Django middleware sees, so an HTTPS redirect never
+# applies to them, and the probes are answered before SecurityMiddleware (messages_api/probes.py).
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+# The root probe (`HEAD /`, Claude Code's) answers over plain HTTP too.
+SECURE_REDIRECT_EXEMPT = [r"^$", r"^health$", r"^ready$", r"^metrics$"]
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", False)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", False)
+
+
+def env_proxy_ssl_header(name: str) -> tuple[str, str] | None:
+    """`HTTP_X_FORWARDED_PROTO,https` → the (header, value) pair that marks a request as HTTPS.
+    Set it only behind a proxy that always sets (or strips) that header itself."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    header, sep, secure = (part.strip() for part in value.partition(","))
+    if not sep or not header or not secure:
+        raise ImproperlyConfigured(f"{name} must look like HTTP_X_FORWARDED_PROTO,https (got {value!r})")
+    return header, secure
+
+
+SECURE_PROXY_SSL_HEADER = env_proxy_ssl_header("SECURE_PROXY_SSL_HEADER")
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
@@ -61,6 +90,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: load-balancer probes and the metrics scrape answer for any Host (they arrive by IP)
+    # and are never redirected to HTTPS; everything else keeps the host check (messages_api/probes.py).
+    "messages_api.probes.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -156,6 +188,10 @@ LOGGING = {
 MESSAGES_STREAM_START_WAIT_S = env_float("MESSAGES_STREAM_START_WAIT_S", 1.0)
 # A stream silent for this long gets an Anthropic `ping` event (Claude Code's stall timers are ~15 s).
 MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
+# The whole request, from its arrival to the last byte of the answer: past it the request ends
+# with 504 timeout_error (or an error event once streaming) and its reservations are released.
+# 0 disables it.
+MESSAGES_REQUEST_DEADLINE_S = env_float("MESSAGES_REQUEST_DEADLINE_S", 3600.0)
 # Largest request body accepted (Anthropic's limit is 32 MB); larger gets 413 request_too_large.
 MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
 
@@ -194,6 +230,9 @@ REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
 
 # The audit/reservation writer batches rows; it flushes at least this often.
 AUDIT_FLUSH_INTERVAL_S = env_float("AUDIT_FLUSH_INTERVAL_S", 0.05)
+# Requests refused without a valid API key are all counted (gateway_unauthenticated_rejections_total)
+# but only this many per second per process get an audit row, so a flood cannot fill the database.
+AUDIT_UNAUTHENTICATED_SAMPLE_PER_S = env_float("AUDIT_UNAUTHENTICATED_SAMPLE_PER_S", 1.0)
 
 # Health: each process probes every endpoint's /health; an endpoint is unhealthy after
 # HEALTH_UNHEALTHY_AFTER consecutive failed checks and healthy again after HEALTH_HEALTHY_AFTER.
@@ -208,6 +247,12 @@ HEALTH_WRITE_INTERVAL_S = env_float("HEALTH_WRITE_INTERVAL_S", 5.0)
 # unreachable, broken stream), let one trial request through after the cool-down.
 BREAKER_FAILURE_THRESHOLD = env_int("BREAKER_FAILURE_THRESHOLD", 5)
 BREAKER_COOLDOWN_S = env_float("BREAKER_COOLDOWN_S", 30.0)
+# A worker 5xx answer (not overload, not a timeout) may follow one client's prompt: it counts
+# toward the breaker only once this many distinct API keys saw one from the endpoint within
+# BREAKER_KEY_WINDOW_S, so one key cannot open the breaker for everyone (1: every such failure
+# counts).
+BREAKER_DISTINCT_KEYS = env_int("BREAKER_DISTINCT_KEYS", 2)
+BREAKER_KEY_WINDOW_S = env_float("BREAKER_KEY_WINDOW_S", 60.0)
 
 # Each process writes a heartbeat; one silent for GATEWAY_DEAD_AFTER_S is dead and its open
 # reservations and in-progress audit rows are closed by the next live process that sweeps.

@@ -17,26 +17,9 @@ from typing import Any
 import jiter
 import orjson
 
-from messages_api.errors import AnthropicError
+from messages_api.errors import AnthropicError, from_error_event
 
 __all__ = ["accumulate_message"]
-
-# An error event carries only a type; this gives it back its HTTP status. overloaded_error is
-# 529, as the real API answers it, not the 503 that also maps to it.
-STATUS_BY_ERROR_TYPE = {
-    "invalid_request_error": 400,
-    "authentication_error": 401,
-    "billing_error": 402,
-    "permission_error": 403,
-    "not_found_error": 404,
-    "conflict_error": 409,
-    "request_too_large": 413,
-    "rate_limit_error": 429,
-    "api_error": 500,
-    "timeout_error": 504,
-    "overloaded_error": 529,
-}
-
 
 def accumulate_message(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The Message the events describe; an `error` event is raised as its `AnthropicError`."""
@@ -50,7 +33,7 @@ def accumulate_message(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for event in events:
             kind = event["type"]
             if kind == "error":
-                raise _error(event)
+                raise from_error_event(event)
             if kind == "ping":
                 continue
             if message is None:
@@ -140,13 +123,6 @@ def _finish_block(block: dict[str, Any], text: str, truncated: bool) -> None:
         if not isinstance(value, dict):
             raise AnthropicError(500, "The worker returned tool call arguments that are not a JSON object", "api_error")
         block["input"] = value
-
-
-def _error(event: dict[str, Any]) -> AnthropicError:
-    error = event.get("error") or {}
-    error_type = error.get("type") or "api_error"
-    message = error.get("message") or "Internal server error"
-    return AnthropicError(STATUS_BY_ERROR_TYPE.get(error_type, 500), message, error_type)
 
 
 def _malformed(what: str) -> AnthropicError:

@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from django.conf import settings
+
 from messages_api import metrics
 from messages_api.models import MessageRequest, RequestStatus
 from workers.instance import GATEWAY_INSTANCE
+from workers.trace import RunTrace, Traced
 from workers.writer import get_writer
 
 access_log = logging.getLogger("messages_api.access")
@@ -31,6 +34,7 @@ class AuditRecord:
     request_id: str = field(default_factory=new_request_id)
     received_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     received_monotonic: float = field(default_factory=time.monotonic)
+    route: str = ""  # method and path, e.g. "POST /v1/messages"
     model: str = ""
     stream: bool = False
     status: str = RequestStatus.IN_PROGRESS
@@ -49,7 +53,11 @@ class AuditRecord:
     input_tokens: int | None = None
     output_tokens: int | None = None
     api_key_name: str = ""
+    begun: bool = False
     ended: bool = False
+    # The run serving the request, once there is one: its trace (stage, endpoints, timings) is
+    # read whenever the row is written.
+    run: Traced | None = None
 
     def received_earlier(self, seconds: float) -> None:
         """The server had the request `seconds` before this record was made."""
@@ -62,6 +70,7 @@ class AuditRecord:
 
     def begin(self) -> None:
         """The request was accepted: make it visible as in progress."""
+        self.begun = True
         self._write()
 
     def progress(self) -> None:
@@ -76,8 +85,13 @@ class AuditRecord:
         http_status: int | None = None,
         error_type: str = "",
         error_message: str = "",
+        persist: bool = True,
     ) -> bool:
-        """Record the terminal status once; later calls change nothing and return False."""
+        """Record the terminal status once; later calls change nothing and return False.
+
+        With `persist=False` the request is counted in the metrics but leaves no row and no access
+        log line (a sampled-out unauthenticated rejection).
+        """
         if self.ended:
             return False
         self.ended = True
@@ -87,8 +101,10 @@ class AuditRecord:
         self.error_type = error_type
         self.error_message = error_message[:2000]
         self.finished_ms = self.since_received_ms()
-        self._write()
         metrics.observe(self)
+        if not persist:
+            return True
+        self._write()
         access_log.info(
             "%s stream=%s status=%s http=%s stage=%s ms=%.1f%s",
             self.model or "-", self.stream, status, self.http_status, self.stage, self.finished_ms,
@@ -98,12 +114,24 @@ class AuditRecord:
         return True
 
     def _write(self) -> None:
+        if self.run is not None:
+            self._read_trace(self.run.trace)
         get_writer().upsert(MessageRequest, "request_id", self.row())
+
+    def _read_trace(self, trace: RunTrace) -> None:
+        self.stage = trace.stage
+        self.context_endpoint = trace.context_endpoint
+        self.generation_endpoint = trace.generation_endpoint
+        if trace.context_done_at is not None:
+            self.context_done_ms = self.since_received_ms(trace.context_done_at)
+        if trace.first_chunk_at is not None:
+            self.first_token_ms = self.since_received_ms(trace.first_chunk_at)
 
     def row(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
             "received_at": self.received_at,
+            "route": self.route[:200],
             "model": self.model[:200],
             "stream": self.stream,
             "status": self.status,
@@ -124,6 +152,47 @@ class AuditRecord:
             "api_key_name": self.api_key_name,
             "gateway_instance": GATEWAY_INSTANCE,
         }
+
+
+class RateSampler:
+    """Lets at most `per_second` events through per second (a token bucket holding one second's
+    worth), and counts the ones it held back so the next sample can say how many it stands for.
+
+    Process-local and lock-free: it is only used from the event loop.
+    """
+
+    def __init__(self, per_second: float) -> None:
+        self.per_second = per_second
+        self._tokens = max(per_second, 1.0) if per_second > 0 else 0.0
+        self._updated = time.monotonic()
+        self.skipped = 0
+
+    def take(self) -> int | None:
+        """None when this event is not sampled; else how many were skipped since the last sample."""
+        if self.per_second <= 0:
+            self.skipped += 1
+            return None
+        now = time.monotonic()
+        self._tokens = min(max(self.per_second, 1.0), self._tokens + (now - self._updated) * self.per_second)
+        self._updated = now
+        if self._tokens < 1.0:
+            self.skipped += 1
+            return None
+        self._tokens -= 1.0
+        skipped, self.skipped = self.skipped, 0
+        return skipped
+
+
+_unauthenticated_sampler: RateSampler | None = None
+
+
+def sample_unauthenticated() -> int | None:
+    """Whether to write this unauthenticated rejection's row (AUDIT_UNAUTHENTICATED_SAMPLE_PER_S):
+    None if not, else how many such rejections went unrecorded since the last written one."""
+    global _unauthenticated_sampler
+    if _unauthenticated_sampler is None:
+        _unauthenticated_sampler = RateSampler(settings.AUDIT_UNAUTHENTICATED_SAMPLE_PER_S)
+    return _unauthenticated_sampler.take()
 
 
 def close_abandoned_requests(sender: object, instances: list[str], reason: str, **kwargs: Any) -> None:

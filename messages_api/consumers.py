@@ -5,6 +5,11 @@ Channels' stock `AsyncHttpConsumer` runs `handle()` inside its receive loop, so 
 consumers spawn the work as a task once the body is complete and return to the loop; the
 `http.disconnect` that arrives when the client goes away cancels that task, and the cancellation
 reaches everything the task owns (the pipeline, its worker requests, the heartbeat).
+
+Handlers raise; they never answer an error themselves. Whatever leaves the task — an
+`AnthropicError`, a `WorkerError`, the request's deadline, a bug — reaches `_answer_error`, which
+maps it (`errors.client_error`), ends the audit row once, and answers: an HTTP error before the
+response started, an `error` event and the end of the stream after.
 """
 
 from __future__ import annotations
@@ -26,26 +31,30 @@ from django.conf import settings
 from messages_api import metrics
 from messages_api.accumulate import accumulate_message
 from messages_api.arrival import seconds_since_received
-from messages_api.audit import AuditRecord
+from messages_api.audit import AuditRecord, sample_unauthenticated
 from messages_api.auth import Principal, key_cache, key_from_headers
 from messages_api.convert import to_chat_request
-from messages_api.errors import AnthropicError, invalid_request
+from messages_api.errors import (
+    AnthropicError,
+    DeadlineExceeded,
+    client_error,
+    invalid_request,
+    operator_detail,
+)
 from messages_api.heartbeat import Heartbeat
 from messages_api.logging import current_request_id
 from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.sse import PING_FRAME, encode_event
-from messages_api.upstream import anthropic_error
 from messages_api.validation import (
     validate_count_tokens_request,
     validate_messages_request,
 )
-from workers import services
 from workers.errors import WorkerError
 from workers.pipeline import ChatRun
+from workers.prompt_tokens import count_prompt_tokens
 from workers.registry import PoolInfo, get_registry
-from workers.tokenize import count_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +73,11 @@ class ApiConsumer(AsyncHttpConsumer):
         self._refused = False
         self.response_started = False
         self.response_finished = False
+        self.sent_status: int | None = None  # the status line sent, once it was
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.record.received_earlier(seconds_since_received(send))
+        self.record.route = f"{scope.get('method', '')} {scope.get('path', '')}"
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -130,31 +141,83 @@ class ApiConsumer(AsyncHttpConsumer):
             f"Request body is larger than the limit of {settings.MESSAGES_MAX_BODY_BYTES} bytes",
             "request_too_large",
         )
-        self._task = asyncio.create_task(self._reject(error))
-
-    async def _reject(self, error: AnthropicError) -> None:
-        current_request_id.set(self.record.request_id)
-        self.record.end(RequestStatus.REJECTED, http_status=error.status, error_type=error.error_type, error_message=error.message)
-        await self.send_error(error)
+        self._task = asyncio.create_task(self._answer_error(error))
 
     async def _serve(self, body: bytes) -> None:
+        """The request's task: everything it raises ends in `_answer_error`, the one boundary."""
         current_request_id.set(self.record.request_id)
-        services.ensure_started()
+        deadline_s = settings.MESSAGES_REQUEST_DEADLINE_S
         try:
-            if self.scope.get("method") not in self.allowed_methods:
-                await self.send_error(
-                    AnthropicError(405, f"Method {self.scope.get('method')} is not allowed here", "invalid_request_error")
-                )
-                return
-            await self.handle_request(body)
+            # The deadline counts from the request's arrival (its upload included) to the last byte.
+            elapsed = time.monotonic() - self.record.received_monotonic
+            deadline = asyncio.timeout(deadline_s - elapsed if deadline_s > 0 else None)
+            try:
+                async with deadline:
+                    if self.scope.get("method") not in self.allowed_methods:
+                        raise AnthropicError(
+                            405,
+                            f"Method {self.scope.get('method')} is not allowed here",
+                            "invalid_request_error",
+                            headers=((b"allow", ", ".join(self.allowed_methods).encode()),),
+                        )
+                    await self.handle_request(body)
+            except TimeoutError as exc:
+                if not deadline.expired():
+                    raise  # someone else's timeout: a bug, answered as one
+                raise DeadlineExceeded(deadline_s) from exc
         except asyncio.CancelledError:
+            if self.record.begun:
+                self.record.end(RequestStatus.CANCELLED, http_status=self.sent_status or 499)
             raise
-        except Exception:
-            logger.exception("unhandled error")
-            error = AnthropicError(500, "Internal server error", "api_error")
-            self.record.end(RequestStatus.FAILED, http_status=500, error_type=error.error_type, error_message=error.message)
+        except Exception as exc:
+            await self._answer_error(exc)
+
+    # --- the error boundary ----------------------------------------------------------------------
+
+    async def _answer_error(self, exc: Exception) -> None:
+        """The one place an error becomes an answer and an audit row, whatever raised it and
+        whenever: an HTTP error before the response started, `send_late_error` after."""
+        current_request_id.set(self.record.request_id)
+        error = client_error(exc)
+        if error is not exc and not isinstance(exc, WorkerError):
+            logger.error("unhandled error", exc_info=exc)
+        await self._record_error(exc, error)
+        try:
             if not self.response_started:
                 await self.send_error(error)
+            elif not self.response_finished:
+                await self.send_late_error(error)
+        except Exception:
+            # The client is gone, or the answer itself failed: the row is written either way.
+            logger.warning("could not send the error answer", exc_info=True)
+
+    async def _record_error(self, exc: Exception, error: AnthropicError) -> None:
+        """End the audit row: `rejected` for the client's own fault before any worker was asked,
+        `failed` otherwise. A request from no known key that never got that far is counted in
+        the metrics always but written only as a sample (AUDIT_UNAUTHENTICATED_SAMPLE_PER_S), so
+        that a flood of anonymous requests cannot fill the database."""
+        record = self.record
+        if not record.begun and not record.api_key_name and error.status != 401:
+            await self.identify()  # refused before authentication (405, 413): whose was it?
+        detail = operator_detail(exc, error)
+        persist = True
+        if not record.begun and not record.api_key_name:
+            metrics.unauthenticated_rejections.inc()
+            skipped = sample_unauthenticated()
+            persist = skipped is not None
+            if skipped:
+                detail += f" (and {skipped} more unauthenticated rejections not recorded since the last)"
+        record.end(
+            RequestStatus.REJECTED if error.status < 500 and not record.begun else RequestStatus.FAILED,
+            http_status=self.sent_status or error.status,
+            error_type=error.error_type,
+            error_message=detail,
+            persist=persist,
+        )
+
+    async def send_late_error(self, error: AnthropicError) -> None:
+        """End a response that has already started (a consumer that streams overrides this)."""
+        await self.send_body(b"", more_body=False)
 
     # --- to implement --------------------------------------------------------------------------
 
@@ -173,6 +236,20 @@ class ApiConsumer(AsyncHttpConsumer):
         self.record.api_key_name = principal.name
         return principal
 
+    async def identify(self) -> None:
+        """Name the key of a request refused before authentication (a 405, a 413), if it has a
+        valid one, so that its audit row is attributed (and not sampled as anonymous)."""
+        key = key_from_headers(self.request_headers or dict(self.scope.get("headers") or ()))
+        if not key:
+            return
+        try:
+            principal = await key_cache.authenticate(key)
+        except Exception:
+            logger.warning("API key lookup failed while answering an error", exc_info=True)
+            return
+        if principal is not None:
+            self.record.api_key_name = principal.name
+
     def parse_json(self, body: bytes) -> Any:
         try:
             return orjson.loads(body)
@@ -184,6 +261,7 @@ class ApiConsumer(AsyncHttpConsumer):
 
     async def send_json(self, status: int, data: Any, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
         self.response_started = True
+        self.sent_status = status
         await self.send_response(
             status,
             orjson.dumps(data),
@@ -191,7 +269,7 @@ class ApiConsumer(AsyncHttpConsumer):
         )
 
     async def send_error(self, error: AnthropicError) -> None:
-        headers: list[tuple[bytes, bytes]] = []
+        headers: list[tuple[bytes, bytes]] = list(error.headers)
         if error.retry_after is not None:
             headers.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
         await self.send_json(error.status, error.body(self.record.request_id), headers)
@@ -215,46 +293,35 @@ class MessagesConsumer(ApiConsumer):
 
     async def handle_message(self, body: bytes) -> None:
         record = self.record
-        try:
-            await self.authenticate()
-            request = validate_messages_request(self.parse_json(body))
-            record.model = request["model"]
-            record.stream = bool(request.get("stream"))
-            chat = to_chat_request(request)
-            pool = await pool_for_model(request["model"])
-        except AnthropicError as error:
-            record.end(RequestStatus.REJECTED, http_status=error.status, error_type=error.error_type, error_message=error.message)
-            await self.send_error(error)
-            return
+        await self.authenticate()
+        request = validate_messages_request(self.parse_json(body))
+        record.model = request["model"]
+        record.stream = bool(request.get("stream"))
+        chat = to_chat_request(request)
+        pool = await pool_for_model(request["model"])
 
         record.pool_name = pool.name
         record.begin()
         self.reframer = StreamReframer(
             message_id=new_message_id(), model=request["model"], stop_sequences=request.get("stop_sequences")
         )
-        run = ChatRun(chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request))
+        run = ChatRun(chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request), tenant=record.api_key_name)
+        record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
         try:
             async with run:
                 if record.stream:
                     await self.respond_streamed(run)
                 else:
                     await self.respond_json(run)
-        except asyncio.CancelledError:
-            self.note_run(run)
-            record.end(RequestStatus.CANCELLED, http_status=499 if not self.response_started else 200)
-            raise
-        except (WorkerError, AnthropicError) as exc:
-            self.note_run(run)
-            await self.answer_failure(anthropic_error(exc) if isinstance(exc, WorkerError) else exc)
-            return
-        self.note_run(run)
+        finally:
+            # Whichever way the run ended (the error boundary writes the failed or cancelled row).
+            self.note_reply()
         record.end(RequestStatus.COMPLETED, http_status=200)
 
     # --- the two kinds of answer -----------------------------------------------------------------
 
     async def respond_json(self, run: ChatRun) -> None:
-        await run.opened()
-        self.note_run(run)
+        await run.stream_ready()
         self.record.progress()
         reframer = self.reframer
         assert reframer is not None
@@ -273,11 +340,10 @@ class MessagesConsumer(ApiConsumer):
             # The wait counts from the request's arrival, not from here: under a burst, time spent
             # queued behind other requests' start-up is part of what the client waits.
             remaining = settings.MESSAGES_STREAM_START_WAIT_S - (time.monotonic() - self.record.received_monotonic)
-            if not await run.wait_open(max(0.0, remaining)):
+            if not await run.wait_settled(max(0.0, remaining)):
                 # Still in the context phase: start the response now and keep it alive.
                 await self.start_sse(first_frame=True)
-            await run.opened()
-            self.note_run(run)
+            await run.stream_ready()
             self.record.progress()
             if not self.sse_started:
                 await self.start_sse(first_frame=False)
@@ -291,20 +357,26 @@ class MessagesConsumer(ApiConsumer):
         finally:
             await self.stop_heartbeat()
 
-    async def answer_failure(self, error: AnthropicError) -> None:
-        record = self.record
-        record.end(RequestStatus.FAILED, http_status=error.status if not self.sse_started else 200, error_type=error.error_type, error_message=error.message)
+    async def send_late_error(self, error: AnthropicError) -> None:
+        """The stream has started: end it with an error event (never message_stop after it)."""
+        await self.stop_heartbeat()
         if not self.sse_started:
-            await self.send_error(error)
+            await super().send_late_error(error)
             return
-        # The stream has started: end it with an error event (never message_stop after it).
-        assert self.reframer is not None
-        await self.send_body(encode_events(self.reframer.fail(error.event())), more_body=False)
+        try:
+            assert self.reframer is not None
+            # Closes the open content block first, as the SDKs' accumulators expect.
+            events = self.reframer.fail(error.event())
+        except Exception:
+            logger.exception("the reframer failed while ending a stream")
+            events = [error.event()]
+        await self.send_body(encode_events(events), more_body=False)
 
     # --- the event stream ------------------------------------------------------------------------
 
     async def start_sse(self, *, first_frame: bool) -> None:
         self.response_started = True
+        self.sent_status = 200
         self.sse_started = True
         metrics.open_streams.inc()
         await self.send_headers(
@@ -332,20 +404,15 @@ class MessagesConsumer(ApiConsumer):
             self.heartbeat.sent()
 
     async def stop_heartbeat(self) -> None:
+        """Idempotent: every way out of a stream calls it before the last frame."""
         if self.heartbeat is not None:
             await self.heartbeat.stop()
             self.record.pings_sent = self.heartbeat.pings_sent
 
-    def note_run(self, run: ChatRun) -> None:
-        """Copy what the run did into the audit record."""
+    def note_reply(self) -> None:
+        """Copy what the reply did (pings, tokens) into the audit record; the run's own trace
+        is read by the record itself."""
         record = self.record
-        record.stage = run.stage
-        record.context_endpoint = run.context_url
-        record.generation_endpoint = run.generation_url
-        if run.context_done_at is not None:
-            record.context_done_ms = record.since_received_ms(run.context_done_at)
-        if run.first_chunk_at is not None:
-            record.first_token_ms = record.since_received_ms(run.first_chunk_at)
         if self.heartbeat is not None:
             record.pings_sent = self.heartbeat.pings_sent
         if self.reframer is not None and self.reframer.started:
@@ -396,15 +463,11 @@ class CountTokensConsumer(ApiConsumer):
     """`POST /v1/messages/count_tokens` → `{"input_tokens": N}`."""
 
     async def handle_request(self, body: bytes) -> None:
-        try:
-            await self.authenticate()
-            request = validate_count_tokens_request(self.parse_json(body))
-            chat = to_chat_request({**request, "max_tokens": 1})
-            pool = await pool_for_model(request["model"])
-        except AnthropicError as error:
-            await self.send_error(error)
-            return
-        count, _source = await count_prompt_tokens(pool, chat)
+        await self.authenticate()
+        request = validate_count_tokens_request(self.parse_json(body))
+        chat = to_chat_request({**request, "max_tokens": 1})
+        pool = await pool_for_model(request["model"])
+        count = await count_prompt_tokens(pool, chat)
         await self.send_json(200, {"input_tokens": count})
 
 
@@ -414,17 +477,14 @@ class ModelsConsumer(ApiConsumer):
     allowed_methods = ("GET",)
 
     async def handle_request(self, body: bytes) -> None:
-        try:
-            await self.authenticate()
-            snapshot = await get_registry().snapshot()
-            models = [model_info(pool) for pool in sorted(snapshot.pools, key=lambda p: p.model)]
-            model_id = self.scope["url_route"]["kwargs"].get("model_id")
-            if model_id is not None:
-                found = next((m for m in models if m["id"] == model_id), None)
-                if found is None:
-                    raise AnthropicError(404, f"model: {model_id}", "not_found_error")
-                await self.send_json(200, found)
-                return
-            await self.send_json(200, model_page(models, parse_qs(self.scope.get("query_string", b"").decode())))
-        except AnthropicError as error:
-            await self.send_error(error)
+        await self.authenticate()
+        snapshot = await get_registry().snapshot()
+        models = [model_info(pool) for pool in sorted(snapshot.pools, key=lambda p: p.model)]
+        model_id = self.scope["url_route"]["kwargs"].get("model_id")
+        if model_id is not None:
+            found = next((m for m in models if m["id"] == model_id), None)
+            if found is None:
+                raise AnthropicError(404, f"model: {model_id}", "not_found_error")
+            await self.send_json(200, found)
+            return
+        await self.send_json(200, model_page(models, parse_qs(self.scope.get("query_string", b"").decode())))

@@ -1,11 +1,19 @@
-"""Anthropic's error envelope and status table: the one place an error gets its type.
+"""Anthropic's errors: the envelope, the status <-> type table, and the one mapping from anything
+that can go wrong while serving a request to the answer the client gets.
 
     {"type": "error", "error": {"type": ..., "message": ...}, "request_id": "req_..."}
+
+`client_error(exc)` is the only place an exception becomes an `AnthropicError`: a worker failure
+(`WorkerError`), one of ours (`AnthropicError`), the request's deadline, or a bug. The consumer
+answers the result as an HTTP error before the stream starts and as an `error` event after, so a
+late failure carries exactly the message its HTTP error would have.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from workers.errors import ContextLengthExceeded, NoEndpointAvailable, WorkerError
 
 # Anthropic's table (docs: api/errors). A status not listed maps by class: 4xx → invalid request,
 # 5xx → api_error.
@@ -24,8 +32,17 @@ ERROR_TYPE_BY_STATUS: dict[int, str] = {
     529: "overloaded_error",
 }
 
+# The inverse, for an error that arrives as an event (which carries only a type): overloaded_error
+# is 529, as the real API answers it, not the 503 that also maps to it.
+STATUS_BY_ERROR_TYPE: dict[str, int] = {
+    **{error_type: status for status, error_type in ERROR_TYPE_BY_STATUS.items() if status != 503},
+    "overloaded_error": 529,
+}
+
 # Statuses whose clients should come back later: they carry `retry-after` (seconds).
 RETRY_AFTER_STATUSES = frozenset({429, 503, 529})
+
+INTERNAL_ERROR_MESSAGE = "Internal server error"
 
 
 def error_type_for_status(status: int) -> str:
@@ -48,6 +65,7 @@ class AnthropicError(Exception):
         error_type: str | None = None,
         *,
         retry_after: float | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -56,6 +74,7 @@ class AnthropicError(Exception):
         if retry_after is None and status in RETRY_AFTER_STATUSES:
             retry_after = 1.0
         self.retry_after = retry_after
+        self.headers = headers
 
     def body(self, request_id: str | None = None) -> dict[str, Any]:
         return error_body(self.error_type, self.message, request_id)
@@ -68,6 +87,13 @@ class AnthropicError(Exception):
         return f"AnthropicError({self.status}, {self.error_type!r}, {self.message!r})"
 
 
+class DeadlineExceeded(AnthropicError):
+    """The request outlived MESSAGES_REQUEST_DEADLINE_S (arrival to last byte)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(504, f"Request timed out: it exceeded the deadline of {seconds:g} seconds", "timeout_error")
+
+
 def error_body(error_type: str, message: str, request_id: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"type": "error", "error": {"type": error_type, "message": message}}
     if request_id:
@@ -77,3 +103,58 @@ def error_body(error_type: str, message: str, request_id: str | None = None) -> 
 
 def invalid_request(message: str) -> AnthropicError:
     return AnthropicError(400, message, "invalid_request_error")
+
+
+def from_error_event(event: dict[str, Any]) -> AnthropicError:
+    """An `error` stream event back as the `AnthropicError` it was made from."""
+    error = event.get("error") or {}
+    error_type = error.get("type") or "api_error"
+    message = error.get("message") or INTERNAL_ERROR_MESSAGE
+    return AnthropicError(STATUS_BY_ERROR_TYPE.get(error_type, 500), message, error_type)
+
+
+def from_worker_error(exc: WorkerError) -> AnthropicError:
+    """A cluster failure as Anthropic's answer (status, type, the worker's scrubbed message)."""
+    if isinstance(exc, ContextLengthExceeded):
+        # Claude Code matches this wording to compact its context.
+        return AnthropicError(
+            400,
+            f"prompt is too long: {exc.prompt_tokens} tokens > {exc.max_context_tokens} maximum",
+            "invalid_request_error",
+        )
+    if isinstance(exc, NoEndpointAvailable):
+        return AnthropicError(529, "Overloaded: " + exc.message, "overloaded_error", retry_after=exc.retry_after)
+    status = exc.status
+    if status in (400, 413, 422):
+        return AnthropicError(400, exc.message, "invalid_request_error")
+    if status == 429:
+        return AnthropicError(429, exc.message, "rate_limit_error", retry_after=exc.retry_after)
+    if status in (503, 529):
+        return AnthropicError(status, exc.message, "overloaded_error", retry_after=exc.retry_after)
+    if status == 504:
+        return AnthropicError(504, exc.message, "timeout_error")
+    if 500 <= status < 600:
+        return AnthropicError(status, exc.message, "api_error")
+    # A worker's 401/403/404/… is the gateway's misconfiguration, not the client's fault.
+    return AnthropicError(500, f"the {exc.stage} worker rejected the request with status {status}", "api_error")
+
+
+def client_error(exc: BaseException) -> AnthropicError:
+    """What the client is told about `exc`. Anything unexpected is a bug: a bare 500 that names
+    nothing inside the gateway (the traceback goes to the log)."""
+    if isinstance(exc, AnthropicError):
+        return exc
+    if isinstance(exc, WorkerError):
+        return from_worker_error(exc)
+    return AnthropicError(500, INTERNAL_ERROR_MESSAGE, "api_error")
+
+
+def operator_detail(exc: BaseException, error: AnthropicError) -> str:
+    """What the audit row keeps about `exc`: the worker's redacted full text when it carries one
+    (`WorkerError.detail`), the exception's class for a bug, else what the client was told."""
+    detail = getattr(exc, "detail", None)
+    if isinstance(detail, str) and detail:
+        return detail
+    if not isinstance(exc, (AnthropicError, WorkerError)):
+        return f"{error.message} ({type(exc).__name__})"
+    return error.message

@@ -24,6 +24,10 @@ generation_phase = Histogram(
 )
 open_streams = Gauge("gateway_open_streams", "Streamed responses currently open.")
 pings_sent = Counter("gateway_pings_sent", "Ping events sent on silent streams.")
+unauthenticated_rejections = Counter(
+    "gateway_unauthenticated_rejections",
+    "Requests refused without a valid API key (only a sample of them is written to the audit).",
+)
 
 
 def observe(record: AuditRecord) -> None:

@@ -32,15 +32,18 @@ class RequestStatus(models.TextChoices):
 
 
 class MessageRequest(models.Model):
-    """The audit row of one `POST /v1/messages` request.
+    """The audit row of one `POST /v1/messages` request, and of every rejected or failed request
+    to the other API routes (`route` tells them apart).
 
-    A request is `rejected` when it never reached a worker (auth, validation, unknown model),
-    `failed` when a worker or the gateway failed it, `cancelled` when the client left.
+    A request is `rejected` when the client's request was refused before any worker was asked
+    (auth, validation, unknown model, method, size), `failed` when a worker or the gateway failed
+    it (or it outlived its deadline), `cancelled` when the client left.
     Timings are milliseconds since `received_at`.
     """
 
     request_id = models.CharField(max_length=64, unique=True)
     received_at = models.DateTimeField(db_index=True)
+    route = models.CharField(max_length=200, blank=True, default="", help_text="Method and path.")
     model = models.CharField(max_length=200, blank=True, default="", db_index=True)
     stream = models.BooleanField(default=False)
     status = models.CharField(

@@ -84,7 +84,7 @@ async def test_client_leaving_after_the_handoff_does_not_strand_it(cluster: Clus
 
     async def serve() -> None:
         async with pipeline.ChatRun(chat, pool=pool, request_id="req_handoff_test") as run:
-            await run.opened()
+            await run.stream_ready()
 
     run_task = asyncio.create_task(serve())
     with pytest.raises(asyncio.CancelledError):

@@ -1,4 +1,4 @@
-"""The circuit breaker's state machine (pure: a fake clock, no workers)."""
+"""The circuit breaker's state machine and what counts toward it (pure: a fake clock, no workers)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from workers import health as health_module
-from workers.health import BreakerState, EndpointHealth
+from workers.errors import StreamBroken, WorkerError, WorkerUnreachable
+from workers.health import BreakerState, EndpointHealth, FailureScope, failure_scope
 from workers.registry import EndpointInfo
 
 ENDPOINT = EndpointInfo(id=7, pool_name="p", role="generation", url="http://w", enabled=True, draining=False, healthy=True)
@@ -27,6 +28,8 @@ def clock(monkeypatch: pytest.MonkeyPatch, settings: object) -> Clock:
     monkeypatch.setattr(health_module.time, "monotonic", clock)
     settings.BREAKER_FAILURE_THRESHOLD = 3  # type: ignore[attr-defined]
     settings.BREAKER_COOLDOWN_S = 30  # type: ignore[attr-defined]
+    settings.BREAKER_DISTINCT_KEYS = 2  # type: ignore[attr-defined]
+    settings.BREAKER_KEY_WINDOW_S = 60  # type: ignore[attr-defined]
     return clock
 
 
@@ -85,3 +88,108 @@ def test_disabled_draining_and_unhealthy_are_not_usable(clock: Clock) -> None:
     assert health.usable(ENDPOINT)
     for changes in ({"enabled": False}, {"draining": True}, {"healthy": False}):
         assert not health.usable(replace(ENDPOINT, **changes)), changes
+
+
+# --- what a failure says about its endpoint ----------------------------------------------------------
+
+WORKER_500 = WorkerError(500, "Internal Server Error (simulated)", stage="generation")
+
+
+@pytest.mark.parametrize(
+    "error,scope",
+    [
+        (WorkerUnreachable(503, "could not be reached", stage="context", code="unreachable"), FailureScope.ENDPOINT),
+        (WorkerUnreachable(502, "answered 502 without a body", stage="generation", code="no_answer"), FailureScope.ENDPOINT),
+        (StreamBroken(502, "closed the stream before it was complete", stage="generation"), FailureScope.ENDPOINT),
+        (WorkerError(504, "timed out", stage="context", code="timeout"), FailureScope.ENDPOINT),
+        (WorkerError(429, "slow down", stage="generation"), FailureScope.ENDPOINT),
+        (WorkerError(503, "overloaded", stage="generation"), FailureScope.ENDPOINT),
+        (WorkerError(529, "overloaded", stage="generation"), FailureScope.ENDPOINT),
+        (WORKER_500, FailureScope.REQUEST),
+        (WorkerError(502, "the generation worker returned a malformed answer", stage="generation"), FailureScope.REQUEST),
+        (WorkerError(400, "bad request", stage="context"), None),
+        (WorkerError(404, "no such model", stage="context"), None),
+    ],
+)
+def test_failure_scope(error: WorkerError, scope: FailureScope | None) -> None:
+    assert failure_scope(error) is scope
+
+
+def test_one_key_alone_never_opens_the_breaker_with_worker_500s(clock: Clock) -> None:
+    health = EndpointHealth()
+    for _ in range(50):
+        health.report(ENDPOINT.id, WORKER_500, tenant="alice")
+        clock.now += 0.1
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED and health.usable(ENDPOINT)
+
+
+def test_worker_500s_from_distinct_keys_open_it(clock: Clock) -> None:
+    health = EndpointHealth()
+    health.report(ENDPOINT.id, WORKER_500, tenant="alice")
+    health.report(ENDPOINT.id, WORKER_500, tenant="alice")  # alone: not counted
+    health.report(ENDPOINT.id, WORKER_500, tenant="bob")  # two keys: counted from here on
+    health.report(ENDPOINT.id, WORKER_500, tenant="alice")
+    assert health.usable(ENDPOINT)
+    health.report(ENDPOINT.id, WORKER_500, tenant="bob")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.OPEN
+
+
+def test_keys_count_only_within_the_window(clock: Clock) -> None:
+    health = EndpointHealth()
+    health.report(ENDPOINT.id, WORKER_500, tenant="alice")
+    clock.now += 61  # alice's failure has left the window
+    for _ in range(5):
+        health.report(ENDPOINT.id, WORKER_500, tenant="bob")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED
+
+
+def test_requests_without_a_key_count_as_one_key(clock: Clock) -> None:
+    health = EndpointHealth()
+    for _ in range(5):
+        health.report(ENDPOINT.id, WORKER_500, tenant=None)
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED
+
+
+def test_connection_failures_and_overload_count_whoever_sent_them(clock: Clock) -> None:
+    health = EndpointHealth()
+    overload = WorkerError(503, "overloaded", stage="generation")
+    unreachable = WorkerUnreachable(503, "could not be reached", stage="generation", code="unreachable")
+    health.report(ENDPOINT.id, overload, tenant="alice")
+    health.report(ENDPOINT.id, unreachable, tenant="alice")
+    health.report(ENDPOINT.id, overload, tenant="alice")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.OPEN
+
+
+def test_client_errors_say_nothing_and_success_closes(clock: Clock) -> None:
+    health = EndpointHealth()
+    for _ in range(5):
+        health.report(ENDPOINT.id, WorkerError(400, "bad request", stage="context"), tenant="alice")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED
+    health.report(ENDPOINT.id, WORKER_500, tenant="alice")
+    health.report(ENDPOINT.id, None, tenant="bob")  # a success forgets the keys seen failing
+    health.report(ENDPOINT.id, WORKER_500, tenant="bob")
+    health.report(ENDPOINT.id, WORKER_500, tenant="bob")
+    health.report(ENDPOINT.id, WORKER_500, tenant="bob")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED
+
+
+def test_one_key_setting_restores_counting_every_500(clock: Clock, settings: object) -> None:
+    settings.BREAKER_DISTINCT_KEYS = 1  # type: ignore[attr-defined]
+    health = EndpointHealth()
+    for _ in range(3):
+        health.report(ENDPOINT.id, WORKER_500, tenant="alice")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.OPEN
+
+
+def test_a_half_open_trial_that_meets_one_keys_500_gives_the_trial_to_the_next_request(clock: Clock) -> None:
+    health = EndpointHealth()
+    for _ in range(3):
+        health.record_failure(ENDPOINT.id)
+    clock.now += 30
+    health.on_routed(ENDPOINT.id)
+    assert not health.usable(ENDPOINT)
+    health.report(ENDPOINT.id, WORKER_500, tenant="alice")
+    assert health.usable(ENDPOINT)  # no verdict on the endpoint: another request may try it
+    health.on_routed(ENDPOINT.id)
+    health.report(ENDPOINT.id, None, tenant="bob")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED

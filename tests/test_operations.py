@@ -210,6 +210,30 @@ def test_breaker_opens_on_generation_failures_without_blaming_context(gateways: 
     assert metric_value(metrics, "gateway_breaker_state", endpoint=cluster.generation.url) == 0.0
 
 
+@pytest.mark.parametrize("distinct_keys", ["2", "1"])
+def test_one_key_whose_prompts_make_the_worker_fail_does_not_shut_out_the_others(
+    gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster], distinct_keys: str
+) -> None:
+    """Key A's prompt makes the generation worker answer 500, again and again. With the default
+    rule (two distinct keys) key B is still served; counting every 500 (one key: the rule
+    switched off) opens the breaker and B gets 529, which is what this test guards against."""
+    from messages_api.auth import create_api_key
+
+    gateway = gateways(BREAKER_FAILURE_THRESHOLD="3", BREAKER_COOLDOWN_S="60", BREAKER_DISTINCT_KEYS=distinct_keys)
+    cluster = make_cluster(gateway)
+    _, other_key = create_api_key(f"other-key-{distinct_keys}")
+    statuses = [post(gateway, cluster, "this prompt breaks the worker [sim gen_status=500]").status_code for _ in range(6)]
+    answered = post(gateway, cluster, "hi [sim tokens=1]", headers={"x-api-key": other_key})
+    if distinct_keys == "2":
+        assert statuses == [500] * 6  # each answered by the worker, none refused by a breaker
+        assert answered.status_code == 200, answered.text
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert metric_value(metrics, "gateway_breaker_state", endpoint=cluster.generation.url) == 0.0
+    else:
+        assert statuses == [500, 500, 500, 529, 529, 529]
+        assert answered.status_code == 529 and answered.json()["error"]["type"] == "overloaded_error"
+
+
 # --- routing policies ------------------------------------------------------------------------------
 
 
@@ -257,6 +281,8 @@ def test_metrics_and_readiness(gateway: Gateway, make_cluster: Callable[..., Clu
         "gateway_open_reservations",
     ):
         assert name in text, name
+    # Every reservation of the request above was released once: none a second time.
+    assert metric_value(text, "gateway_duplicate_releases_total") == 0.0
     # The start-up heap was frozen once daphne ran (a full GC walking it stalled the loop ~30 ms).
     frozen = next(line for line in text.splitlines() if line.startswith("gateway_gc_frozen_objects "))
     assert float(frozen.split()[1]) > 10_000

@@ -27,8 +27,10 @@ class WorkerEndpointInline(admin.TabularInline):
 
 @admin.register(WorkerPool)
 class WorkerPoolAdmin(admin.ModelAdmin):
-    list_display = ("name", "model", "schedule_style", "routing", "max_local_prefill_tokens", "endpoint_summary")
+    list_display = ("name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens", "endpoint_summary")
+    list_filter = ("protocol", "schedule_style", "routing")
     search_fields = ("name", "model")
+    fields = ("name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens")
     inlines = [WorkerEndpointInline]
 
     @admin.display(description="endpoints")

@@ -24,7 +24,7 @@ import functools
 import logging
 import re
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -291,10 +291,13 @@ async def _fetch(
     raise worker_error(response.status_code, error_body, stage, _retry_after(response))
 
 
-async def post_json(url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None) -> dict[str, Any]:
+async def post_json(
+    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """POST a JSON body and return the JSON object answered, all within `timeout` (default
-    WORKER_REQUEST_TIMEOUT_S); anything else raises WorkerError."""
-    content = await _fetch("POST", url, orjson.dumps(body), JSON_HEADERS, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage)
+    WORKER_REQUEST_TIMEOUT_S); anything else raises WorkerError. `headers` add to the JSON ones."""
+    sent = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
+    content = await _fetch("POST", url, orjson.dumps(body), sent, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage)
     with boundary(stage):
         data = orjson.loads(content)
         if not isinstance(data, dict):
@@ -302,10 +305,12 @@ async def post_json(url: str, body: dict[str, Any], *, stage: str, timeout: floa
     return data
 
 
-async def post_completion(url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None) -> dict[str, Any]:
+async def post_completion(
+    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """POST a non-streamed chat request and return its chat completion, checked against the
     documented shape (workers.shapes), all within `timeout` (default WORKER_CONTEXT_TIMEOUT_S)."""
-    completion = await post_json(url, body, stage=stage, timeout=timeout or settings.WORKER_CONTEXT_TIMEOUT_S)
+    completion = await post_json(url, body, stage=stage, timeout=timeout or settings.WORKER_CONTEXT_TIMEOUT_S, headers=headers)
     with boundary(stage):
         return check_completion(completion)
 
@@ -478,14 +483,22 @@ class ChunkStream:
         await self._response.aclose()
 
 
-async def open_stream(url: str, body: dict[str, Any], *, stage: str, waits_for_context: bool = False) -> ChunkStream:
+async def open_stream(
+    url: str,
+    body: dict[str, Any],
+    *,
+    stage: str,
+    headers: Mapping[str, str] | None = None,
+    waits_for_context: bool = False,
+) -> ChunkStream:
     """POST a streamed chat request and wait for the response headers.
 
     The first body byte is due WORKER_FIRST_BYTE_TIMEOUT_S after sending, plus
     WORKER_CONTEXT_TIMEOUT_S when `waits_for_context` (generation first: the worker cannot answer
     before the context phase, which has that deadline, ends); the whole stream is due by
-    WORKER_REQUEST_TIMEOUT_S.
+    WORKER_REQUEST_TIMEOUT_S. `headers` add to the SSE ones.
     """
+    sent = {**SSE_HEADERS, **headers} if headers else SSE_HEADERS
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
     ends_by = sent_at + settings.WORKER_REQUEST_TIMEOUT_S
@@ -493,7 +506,7 @@ async def open_stream(url: str, body: dict[str, Any], *, stage: str, waits_for_c
     first_byte_by = min(sent_at + first_byte_s, ends_by)
     with boundary(stage):
         async with asyncio.timeout_at(first_byte_by):
-            response = await _send("POST", url, orjson.dumps(body), SSE_HEADERS, first_byte_by - sent_at)
+            response = await _send("POST", url, orjson.dumps(body), sent, first_byte_by - sent_at)
             if response.status_code >= 300:
                 try:
                     error_body = await _error_body(response)

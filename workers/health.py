@@ -5,9 +5,20 @@ Routing asks `usable(endpoint)`. The prober's verdict is written to the database
 so the admin shows it and processes that have not probed yet route by it; each process's own
 probes and breakers take precedence for its own routing.
 
+Request outcomes reach the breakers through one call, `report(endpoint_id, error, tenant=...)`,
+which decides from what the failure says:
+
+- the endpoint failed (connection refused or cut, a bare 502/503 from whatever is in front of
+  the worker, a timeout, overload: 429/503/529): it counts for the endpoint, whoever sent it;
+- the worker answered this request with an error (a 500, or another 5xx with a body): that may
+  follow the request's own content, so it counts only once `BREAKER_DISTINCT_KEYS` different API
+  keys have seen such failures from the endpoint within `BREAKER_KEY_WINDOW_S`. One key sending
+  a prompt that makes the worker fail cannot take the endpoint away from everyone else;
+- anything else (4xx) says nothing about the endpoint.
+
 A breaker counts only failures of requests sent to its own endpoint: a generation failure never
 counts against the context endpoint that served the same request (SGLang's PD router records a
-decode 5xx against both; reference/peers.md §2).
+decode 5xx against both, so a broken decode worker also shuts its healthy prefill workers out).
 """
 
 from __future__ import annotations
@@ -15,15 +26,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from enum import Enum
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
 from workers import client
-from workers.errors import WorkerError
+from workers.errors import StreamBroken, WorkerError, WorkerUnreachable
 from workers.registry import EndpointInfo, get_registry
 
 logger = logging.getLogger(__name__)
@@ -37,6 +49,28 @@ class ProbeState:
     last_error: str = ""
     last_checked_at: float = 0.0
     last_written_at: float = 0.0
+
+
+class FailureScope(Enum):
+    ENDPOINT = "endpoint"  # the endpoint (or the way to it) is failing, for every request
+    REQUEST = "request"  # the worker failed this request; it may follow the request's content
+
+
+# Statuses that mean "too busy now", whatever the request: they count against the endpoint.
+OVERLOAD_STATUSES = frozenset({429, 503, 529})
+
+
+def failure_scope(error: WorkerError) -> FailureScope | None:
+    """What a failed worker call says about its endpoint; None when it says nothing (a 4xx: the
+    request itself was refused)."""
+    if isinstance(error, (WorkerUnreachable, StreamBroken)):
+        # Refused, reset or cut connections, and bare 502/503 answers (WorkerUnreachable).
+        return FailureScope.ENDPOINT
+    if error.code == "timeout" or error.status == 504 or error.status in OVERLOAD_STATUSES:
+        return FailureScope.ENDPOINT
+    if error.status >= 500:
+        return FailureScope.REQUEST
+    return None
 
 
 class BreakerState:
@@ -53,6 +87,8 @@ class Breaker:
     # whose outcome never comes (its client left) does not block the endpoint for ever: after
     # another cool-down a new trial goes.
     trial_started_at: float | None = None
+    # Request-scoped failures not (yet) counted: when each API key last saw one.
+    failing_keys: dict[str, float] = field(default_factory=dict)
 
     def state(self, now: float, cooldown: float) -> str:
         if self.opened_at is None:
@@ -94,6 +130,34 @@ class EndpointHealth:
             breaker.trial_started_at = now
 
     # --- request outcomes --------------------------------------------------------------------------
+
+    def report(self, endpoint_id: int, error: WorkerError | None, *, tenant: str | None = None) -> None:
+        """A worker call's outcome (`error` None: success), from the API key `tenant`."""
+        if error is None:
+            self.record_success(endpoint_id)
+            return
+        scope = failure_scope(error)
+        if scope is FailureScope.ENDPOINT:
+            self.record_failure(endpoint_id)
+        elif scope is FailureScope.REQUEST:
+            self.record_request_failure(endpoint_id, tenant)
+
+    def record_request_failure(self, endpoint_id: int, tenant: str | None) -> None:
+        """A failure that may follow the request's content: it counts like any other once
+        `BREAKER_DISTINCT_KEYS` keys (requests without a key share one) saw such failures from
+        the endpoint within `BREAKER_KEY_WINDOW_S`."""
+        now = time.monotonic()
+        breaker = self.breakers.setdefault(endpoint_id, Breaker())
+        keys = breaker.failing_keys
+        window = settings.BREAKER_KEY_WINDOW_S
+        for key in [k for k, at in keys.items() if now - at > window]:
+            del keys[key]
+        keys[tenant or ""] = now
+        if len(keys) >= settings.BREAKER_DISTINCT_KEYS:
+            self.record_failure(endpoint_id)
+        else:
+            # No verdict on the endpoint: a half-open breaker's trial slot goes to the next request.
+            breaker.trial_started_at = None
 
     def record_success(self, endpoint_id: int) -> None:
         breaker = self.breakers.get(endpoint_id)

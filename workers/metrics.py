@@ -1,4 +1,5 @@
-"""Prometheus metrics of the cluster side: retries, open reservations, breaker state.
+"""Prometheus metrics of the cluster side: retries, open reservations, duplicate releases,
+breaker state.
 
 Gauges that mirror in-memory state are read at scrape time by a collector, so the hot path never
 touches them.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from workers.health import BreakerState, health
@@ -24,7 +25,7 @@ _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerStat
 
 
 class ClusterCollector(Collector):
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         open_reservations = GaugeMetricFamily(
             "gateway_open_reservations", "Reservations this process holds, by endpoint.", labels=["pool", "role", "endpoint"]
         )
@@ -44,6 +45,11 @@ class ClusterCollector(Collector):
         yield open_reservations
         yield breaker
         yield healthy
+        yield CounterMetricFamily(
+            "gateway_duplicate_releases",
+            "Releases of a reservation that was already released (each is released once; above 0 is a bug).",
+            value=ledger.duplicate_releases,
+        )
 
 
 REGISTRY.register(ClusterCollector())

@@ -3,12 +3,19 @@ the reservations the router holds on them."""
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.db import models
+
+from workers import protocols
+from workers.protocols import base as schedules
 
 
 class ScheduleStyle(models.TextChoices):
-    CONTEXT_FIRST = "context_first", "context first"
-    GENERATION_FIRST = "generation_first", "generation first"
+    """How a request's worker calls are ordered (see `workers.protocols.base`)."""
+
+    CONTEXT_FIRST = schedules.CONTEXT_FIRST, "context first"
+    GENERATION_FIRST = schedules.GENERATION_FIRST, "generation first"
+    AGGREGATED = schedules.AGGREGATED, "aggregated (no context phase)"
 
 
 class RoutingPolicy(models.TextChoices):
@@ -49,8 +56,13 @@ class WorkerPool(models.Model):
     routing = models.CharField(
         max_length=20, choices=RoutingPolicy.choices, default=RoutingPolicy.ROUND_ROBIN
     )
+    # Choices are read from the protocol registry when used, so registering a protocol needs no
+    # migration.
     protocol = models.CharField(
-        max_length=20, default="trtllm", help_text="The disaggregated protocol the workers speak."
+        max_length=20,
+        choices=protocols.choices,
+        default=protocols.DEFAULT,
+        help_text="The protocol the pool's workers speak; it decides which schedule styles the pool can use.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -61,9 +73,15 @@ class WorkerPool(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.model})"
 
+    def clean(self) -> None:
+        problem = protocols.misconfiguration(self.protocol, self.schedule_style)
+        if problem is not None:
+            field = "protocol" if protocols.lookup(self.protocol) is None else "schedule_style"
+            raise ValidationError({field: problem})
+
 
 class WorkerEndpoint(models.Model):
-    """One worker server (a `trtllm-serve` instance) in a pool, in one role."""
+    """One worker server (e.g. a `trtllm-serve` instance) in a pool, in one role."""
 
     pool = models.ForeignKey(WorkerPool, on_delete=models.CASCADE, related_name="endpoints")
     role = models.CharField(max_length=20, choices=Role.choices)

@@ -1,25 +1,30 @@
 """One chat request through the cluster: the context phase, then the generation stream.
 
-    async with ChatRun(chat, pool=pool, request_id=rid) as run:
-        run.start()                       # the pipeline runs as a child task
-        if await run.wait_open(1.0): ...  # context done and the generation stream's headers in
+    async with ChatRun(chat, pool=pool, request_id=rid, tenant=key_name) as run:
+        run.start()                          # the pipeline runs as a child task
+        if await run.wait_settled(1.0): ...  # the stream is ready, or the pipeline failed
+        await run.stream_ready()             # raises the pipeline's WorkerError
         async for chunk in run.chunks(): ...
+    run.trace                                # stage, endpoints, timings (for the audit)
 
 `ChatRun` owns every task, worker request and reservation it creates, and its exit releases them
 exactly once whichever way the request ends: success, a worker failure, the client leaving
-(cancellation), or a server shutdown. Three schedules, per pool:
+(cancellation), or a server shutdown. What goes to the workers is the pool's protocol's business
+(`workers.protocols`); the run only orders the calls. The schedules, per pool:
 
-- context first: reserve generation, POST `context_only`, then POST `generation_only` with the
-  handoff and stream it;
+- context first: reserve generation, send the context request, then the generation request
+  carrying the handoff, and stream it;
 - generation first: the generation request goes out first and waits on its worker for the KV of
-  the request id; the context request follows; a context failure cancels the generation request;
-- conditional: a prompt within `max_local_prefill_tokens` skips the context phase and goes whole to
-  the reserved generation endpoint.
+  the pairing id; the context request follows; a context failure cancels the generation request;
+- aggregated, or conditional: the pool's schedule is `aggregated`, or a prompt within
+  `max_local_prefill_tokens` skips the context phase; the request goes whole to the reserved
+  generation endpoint.
 
 A client that leaves after the context worker issued its handoff must not strand the KV blocks
-that handoff holds (reference/peers.md §0.1): the generation request is still dispatched, and
-closed as soon as its worker has taken the handoff, in a detached task bounded by
-`WORKER_HANDOFF_RELEASE_TIMEOUT_S`.
+that handoff holds: a context worker keeps them until a generation worker takes them or its own
+timeout expires (minutes: one common KV connector waits 480 s by default). So the generation
+request is still dispatched, and closed as soon as its worker has taken the handoff, in a
+detached task bounded by `WORKER_HANDOFF_RELEASE_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -29,21 +34,23 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 from django.conf import settings
 
-from workers import client, router
+from workers import client, protocols, router
 from workers.client import ChunkStream
-from workers.errors import StreamBroken, WorkerError, WorkerUnreachable
+from workers.errors import WorkerError, WorkerUnreachable
 from workers.health import health
 from workers.metrics import worker_retries
 from workers.models import Outcome, Role, ScheduleStyle, Stage
-from workers.protocols import trtllm
+from workers.prompt_tokens import estimate_prompt_tokens
+from workers.protocols import Handoff, WorkerProtocol
 from workers.registry import PoolInfo
 from workers.reservations import Reservation
-from workers.tokens import estimate_prompt_tokens
+from workers.trace import RunTrace
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,9 @@ _detached: set[asyncio.Task[None]] = set()
 
 
 class ChatRun:
+    # The pool's protocol, resolved when the pipeline starts (a misconfigured pool fails there).
+    _protocol: WorkerProtocol
+
     def __init__(
         self,
         chat: dict[str, Any],
@@ -59,18 +69,18 @@ class ChatRun:
         pool: PoolInfo,
         request_id: str,
         session: str | None = None,
+        tenant: str | None = None,
     ) -> None:
+        """`session` keeps a conversation on one generation endpoint (session affinity);
+        `tenant` names the API key, so a worker failure that may follow this client's request
+        content counts against the endpoint only with other keys' (see `workers.health`)."""
         self.chat = chat
         self.pool = pool
         self.request_id = request_id
         self.session = session
-        # Where the request is, and what it touched (read by the audit).
-        self.stage: str = Stage.RECEIVED
-        self.context_url: str = ""
-        self.generation_url: str = ""
-        self.prompt_tokens: int | None = None
-        self.context_done_at: float | None = None
-        self.first_chunk_at: float | None = None
+        self.tenant = tenant
+        self._trace = RunTrace(stage=Stage.RECEIVED)
+        self._generation_url = ""
 
         self._reservations: list[Reservation] = []
         self._open_task: asyncio.Task[None] | None = None
@@ -79,6 +89,14 @@ class ChatRun:
         self._complete_response: dict[str, Any] | None = None
         self._handoff_issued = False
         self._generation_endpoint_id = 0
+
+    @property
+    def trace(self) -> RunTrace:
+        """Where the request is, what it touched, and when (an immutable snapshot)."""
+        return self._trace
+
+    def _note(self, **changes: Any) -> None:
+        self._trace = replace(self._trace, **changes)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -101,15 +119,17 @@ class ChatRun:
         if self._open_task is None:
             self._open_task = asyncio.create_task(self._open(), name=f"chat-run-{self.request_id}")
 
-    async def wait_open(self, timeout: float | None) -> bool:
-        """Wait up to `timeout` for the pipeline to open (or fail); True when it has finished."""
+    async def wait_settled(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` for the pipeline to settle: True once the generation stream is
+        ready to read or the pipeline has failed (`stream_ready()` then returns or raises at
+        once); False while it is still running (e.g. a long context phase)."""
         self.start()
         assert self._open_task is not None
         done, _ = await asyncio.wait({self._open_task}, timeout=timeout)
         return bool(done)
 
-    async def opened(self) -> None:
-        """Wait for the generation stream to be open; raises the pipeline's WorkerError."""
+    async def stream_ready(self) -> None:
+        """Wait until the generation stream is ready to read; raises the pipeline's WorkerError."""
         self.start()
         assert self._open_task is not None
         # Shield: cancelling the waiter must not cancel the pipeline behind the run's back; the
@@ -137,45 +157,53 @@ class ChatRun:
             stream, self._stream = self._stream, None
             await stream.aclose()
         for reservation in self._reservations:
-            reservation.release(outcome)
+            # The phases release what they are done with; a second release would be counted as
+            # a duplicate (gateway_duplicate_releases_total), which must mean a bug.
+            if reservation.released_at is None:
+                reservation.release(outcome)
 
     # --- the pipeline ----------------------------------------------------------------------------
 
     async def _open(self) -> None:
         pool = self.pool
+        protocol = self._protocol = _protocol_for(pool)
         generation = self._reserve(Role.GENERATION)
-        self.generation_url = generation.endpoint.url
+        self._generation_url = generation.endpoint.url
+        self._note(generation_endpoint=generation.endpoint.url)
         self._generation_endpoint_id = generation.endpoint.id
         limit = pool.max_local_prefill_tokens
-        if limit and estimate_prompt_tokens(self.chat) <= limit:
-            await self._open_generation(trtllm.streamed(self.chat))
+        if pool.schedule_style == ScheduleStyle.AGGREGATED or (limit and estimate_prompt_tokens(self.chat) <= limit):
+            await self._open_generation(protocol.aggregated_request(self.chat))
             return
-        disagg_request_id = random.getrandbits(62)
+        # Pairs the two legs of the request on the workers (the protocol puts it where its
+        # engine expects it): random, so that gateway processes need not coordinate.
+        pair_id = random.getrandbits(62)
         if pool.schedule_style == ScheduleStyle.GENERATION_FIRST:
-            await self._generation_first(disagg_request_id)
+            await self._generation_first(pair_id)
         else:
-            await self._context_first(disagg_request_id)
+            await self._context_first(pair_id)
 
-    async def _context_first(self, disagg_request_id: int) -> None:
-        result = await self._context_phase(disagg_request_id)
-        if result.complete_response is not None:
-            self._complete_response = result.complete_response
+    async def _context_first(self, pair_id: int) -> None:
+        handoff = await self._context_phase(pair_id)
+        complete = handoff.complete_answer
+        if complete is not None:
+            self._complete_response = complete
             self._release_stage(Role.GENERATION, Outcome.SUCCESS)
             return
-        body = trtllm.generation_request_after_context(self.chat, result)
+        body = self._protocol.generation_request_after_context(self.chat, handoff)
         await self._open_generation(body)
 
-    async def _generation_first(self, disagg_request_id: int) -> None:
+    async def _generation_first(self, pair_id: int) -> None:
         context = self._reserve(Role.CONTEXT)
-        self.context_url = context.endpoint.url
-        body = trtllm.generation_request_first(
-            self.chat, disagg_request_id, context.endpoint.url, ScheduleStyle.GENERATION_FIRST
+        self._note(context_endpoint=context.endpoint.url)
+        body = self._protocol.generation_request_first(
+            self.chat, pair_id=pair_id, context_url=context.endpoint.url, schedule_style=ScheduleStyle.GENERATION_FIRST
         )
-        self.stage = Stage.CONTEXT
+        self._note(stage=Stage.CONTEXT)
         generation_open = self._generation_open = asyncio.create_task(
-            client.open_stream(self.generation_url + trtllm.CHAT_PATH, body, stage=Stage.GENERATION, waits_for_context=True)
+            self._stream_from_generation(body, waits_for_context=True)
         )
-        context_phase = asyncio.create_task(self._context_phase(disagg_request_id, reservation=context))
+        context_phase = asyncio.create_task(self._context_phase(pair_id, reservation=context))
         try:
             await asyncio.wait({context_phase, generation_open}, return_when=asyncio.FIRST_COMPLETED)
             if not context_phase.done() and not generation_open.cancelled() and generation_open.exception():
@@ -192,57 +220,58 @@ class ChatRun:
                 generation_open.cancel()
             await asyncio.wait({context_phase})  # its reservation is released before we go on
             raise
-        self.stage = Stage.GENERATION
+        self._note(stage=Stage.GENERATION)
         await self._await_generation()
 
-    async def _context_phase(
-        self, disagg_request_id: int, reservation: Reservation | None = None
-    ) -> trtllm.ContextResult:
-        """POST `context_only`; a connection failure before any answer is retried once elsewhere."""
-        self.stage = Stage.CONTEXT
-        body = trtllm.context_request(self.chat, disagg_request_id, self.pool.schedule_style)
+    async def _context_phase(self, pair_id: int, reservation: Reservation | None = None) -> Handoff:
+        """Send the context request; a connection failure before any answer is retried once
+        on another context endpoint."""
+        self._note(stage=Stage.CONTEXT)
+        protocol = self._protocol
+        body = protocol.context_request(self.chat, pair_id=pair_id, schedule_style=self.pool.schedule_style)
         tried: list[str] = []
         # Generation-first already told its generation worker where the KV comes from.
         may_retry = reservation is None
         while True:
             if reservation is None:
                 reservation = self._reserve(Role.CONTEXT, exclude=tried)
-            self.context_url = reservation.endpoint.url
+            url = reservation.endpoint.url
+            self._note(context_endpoint=url)
             try:
                 response = await client.post_completion(
-                    reservation.endpoint.url + trtllm.CHAT_PATH, body, stage=Stage.CONTEXT
+                    url + protocol.chat_path, body, stage=Stage.CONTEXT, headers=self._headers(body)
                 )
-            except WorkerUnreachable:
-                health.record_failure(reservation.endpoint.id)
+            except WorkerError as exc:
+                self._report(reservation.endpoint.id, exc)
                 reservation.release(Outcome.FAILURE)
-                tried.append(reservation.endpoint.url)
+                if not isinstance(exc, WorkerUnreachable):
+                    raise
+                tried.append(url)
                 reservation = None
                 if not may_retry or len(tried) > 1 or not self._has_other(Role.CONTEXT, tried):
                     raise
                 worker_retries.labels(Stage.CONTEXT).inc()
                 continue
-            except WorkerError as exc:
-                if exc.status >= 500:
-                    health.record_failure(reservation.endpoint.id)
-                reservation.release(Outcome.FAILURE)
-                raise
             except BaseException as exc:
                 reservation.release(Outcome.CANCELLED if isinstance(exc, asyncio.CancelledError) else Outcome.FAILURE)
                 raise
-            health.record_success(reservation.endpoint.id)
-            result = trtllm.read_context_response(response)
+            self._report(reservation.endpoint.id, None)
+            handoff = protocol.read_context_answer(response)
             reservation.release(Outcome.SUCCESS)
-            self._handoff_issued = result.disaggregated_params is not None
-            self.prompt_tokens = result.prompt_tokens
-            self.context_done_at = time.monotonic()
-            return result
+            self._handoff_issued = handoff.generation_pending
+            self._note(context_done_at=time.monotonic())
+            return handoff
 
     async def _open_generation(self, body: dict[str, Any]) -> None:
-        self.stage = Stage.GENERATION
-        self._generation_open = asyncio.create_task(
-            client.open_stream(self.generation_url + trtllm.CHAT_PATH, body, stage=Stage.GENERATION)
-        )
+        self._note(stage=Stage.GENERATION)
+        self._generation_open = asyncio.create_task(self._stream_from_generation(body))
         await self._await_generation()
+
+    async def _stream_from_generation(self, body: dict[str, Any], *, waits_for_context: bool = False) -> ChunkStream:
+        url = self._generation_url + self._protocol.chat_path
+        return await client.open_stream(
+            url, body, stage=Stage.GENERATION, headers=self._headers(body), waits_for_context=waits_for_context
+        )
 
     async def _await_generation(self) -> None:
         assert self._generation_open is not None
@@ -251,33 +280,42 @@ class ChatRun:
             # let the worker take the handoff first) to close().
             self._stream = await asyncio.shield(self._generation_open)
         except WorkerError as exc:
-            if exc.status >= 500:
-                health.record_failure(self._generation_endpoint_id)
+            # Only failures: the open stream's success is known when it has been read to its end.
+            self._report(self._generation_endpoint_id, exc)
             raise
 
     # --- the stream ------------------------------------------------------------------------------
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        """The generation stream's chunks, after `opened()`."""
+        """The generation stream's chunks, after `stream_ready()`."""
         if self._complete_response is not None:
-            self.first_chunk_at = time.monotonic()
+            self._note(first_chunk_at=time.monotonic())
             for chunk in completion_as_chunks(self._complete_response):
                 yield chunk
-            self.stage = Stage.DONE
+            self._note(stage=Stage.DONE)
             return
-        assert self._stream is not None, "chunks() before opened()"
+        assert self._stream is not None, "chunks() before stream_ready()"
+        first = True
         try:
             async for chunk in self._stream:
-                if self.first_chunk_at is None:
-                    self.first_chunk_at = time.monotonic()
+                if first:
+                    first = False
+                    self._note(first_chunk_at=time.monotonic())
                 yield chunk
-        except StreamBroken:
-            health.record_failure(self._generation_endpoint_id)
+        except WorkerError as exc:
+            self._report(self._generation_endpoint_id, exc)
             raise
-        health.record_success(self._generation_endpoint_id)
-        self.stage = Stage.DONE
+        self._report(self._generation_endpoint_id, None)
+        self._note(stage=Stage.DONE)
 
     # --- helpers -----------------------------------------------------------------------------------
+
+    def _report(self, endpoint_id: int, error: WorkerError | None) -> None:
+        """An endpoint's outcome for this request, to its breaker (which decides what counts)."""
+        health.report(endpoint_id, error, tenant=self.tenant)
+
+    def _headers(self, body: dict[str, Any]) -> dict[str, str]:
+        return dict(self._protocol.headers(body, request_id=self.request_id))
 
     def _reserve(self, role: str, exclude: list[str] | tuple[str, ...] = ()) -> Reservation:
         reservation = router.reserve(
@@ -288,7 +326,7 @@ class ChatRun:
 
     def _release_stage(self, role: str, outcome: str) -> None:
         for reservation in self._reservations:
-            if reservation.stage == role:
+            if reservation.stage == role and reservation.released_at is None:
                 reservation.release(outcome)
 
     def _has_other(self, role: str, tried: list[str]) -> bool:
@@ -300,6 +338,16 @@ class ChatRun:
         )
         _detached.add(task)
         task.add_done_callback(_detached.discard)
+
+
+def _protocol_for(pool: PoolInfo) -> WorkerProtocol:
+    """The pool's protocol; a pool the system check would refuse fails its requests instead."""
+    problem = protocols.misconfiguration(pool.protocol, pool.schedule_style)
+    protocol = protocols.lookup(pool.protocol)
+    if problem is not None or protocol is None:
+        logger.error("pool %s cannot serve requests: %s", pool.name, problem)
+        raise WorkerError(500, "the worker pool for this model is misconfigured", stage=Stage.RECEIVED, code="misconfigured")
+    return protocol
 
 
 async def _close_when_taken(generation_open: asyncio.Task[ChunkStream], timeout: float) -> None:
@@ -337,4 +385,4 @@ def completion_as_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
     return chunks
 
 
-__all__ = ["ChatRun", "WorkerError", "completion_as_chunks"]
+__all__ = ["ChatRun", "RunTrace", "WorkerError", "completion_as_chunks"]

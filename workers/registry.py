@@ -61,10 +61,6 @@ class ClusterSnapshot:
                 return pool
         return None
 
-    @property
-    def models(self) -> list[str]:
-        return sorted({p.model for p in self.pools})
-
 
 def load_snapshot() -> ClusterSnapshot:
     """Read pools and endpoints (synchronous; run it off the event loop)."""
@@ -131,6 +127,12 @@ class Registry:
             async with self._first_load:
                 if self._snapshot is None:
                     await self.refresh()
+                    # Under daphne the services are already running (started with the loop, see
+                    # `disagg_project.asgi`); under any other ASGI server the first request that
+                    # needs the cluster starts them. Once per process, never per request.
+                    from workers import services
+
+                    services.ensure_started()
         assert self._snapshot is not None
         return self._snapshot
 

@@ -25,16 +25,11 @@ class ReservationLedger:
 
     def __init__(self) -> None:
         self.open_by_endpoint: Counter[int] = Counter()
-        self.reserved_total = 0
-        self.released_total = 0
+        # Releases of an already released reservation (exported as a metric; should stay 0).
         self.duplicate_releases = 0
 
     def open_count(self, endpoint_id: int) -> int:
         return self.open_by_endpoint.get(endpoint_id, 0)
-
-    @property
-    def open_total(self) -> int:
-        return self.reserved_total - self.released_total
 
 
 ledger = ReservationLedger()
@@ -58,13 +53,8 @@ class Reservation:
     def take(cls, request_id: str, endpoint: EndpointInfo, stage: str) -> Reservation:
         reservation = cls(request_id=request_id, endpoint=endpoint, stage=stage)
         ledger.open_by_endpoint[endpoint.id] += 1
-        ledger.reserved_total += 1
         reservation._persist()
         return reservation
-
-    @property
-    def released(self) -> bool:
-        return self.released_at is not None
 
     def release(self, outcome: str) -> bool:
         """Release once; returns False (and counts it) if it was already released."""
@@ -77,7 +67,6 @@ class Reservation:
         ledger.open_by_endpoint[self.endpoint.id] -= 1
         if ledger.open_by_endpoint[self.endpoint.id] <= 0:
             del ledger.open_by_endpoint[self.endpoint.id]
-        ledger.released_total += 1
         self._persist()
         return True
 

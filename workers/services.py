@@ -1,9 +1,11 @@
 """The background work of a gateway process: registry refresh, health probes, heartbeat and
 recovery of dead processes' rows.
 
-Daphne has no ASGI lifespan, so they start with the first request, or earlier when the ASGI
-module is loaded under daphne's asyncio reactor (see `disagg_project.asgi`). One set per event
-loop; each loop iteration is guarded so a failure is logged and retried, never fatal.
+They are started in one place per server: daphne has no ASGI lifespan, so `disagg_project.asgi`
+starts them on daphne's event loop as soon as the application is loaded, before any request.
+Under another ASGI server the registry's first load (the first request that needs the cluster)
+starts them instead (`Registry.snapshot`). One set per event loop; each loop iteration is guarded
+so a failure is logged and retried, never fatal.
 """
 
 from __future__ import annotations

@@ -1,6 +1,53 @@
-"""Disaggregated protocols: how a chat request is split into a context and a generation request.
+"""Worker protocols: how a chat request is split into a context and a generation request.
 
-One module per protocol; `trtllm` (TensorRT-LLM's `disaggregated_params`) is the one in use.
-vLLM's `kv_transfer_params` or SGLang's bootstrap room would be one module each, with the same
-three functions.
+One module per engine family implements `WorkerProtocol` (see `workers.protocols.base`) and is
+registered here under the name a pool's `protocol` field holds. Adding one (vLLM's
+`kv_transfer_params`, SGLang's bootstrap room, a plain OpenAI-compatible server) is writing its
+module and adding it to `PROTOCOLS`; the pipeline, the admin's choices, `register_worker
+--protocol` and the system check all read this registry.
 """
+
+from __future__ import annotations
+
+from workers.protocols import trtllm
+from workers.protocols.base import AGGREGATED, Handoff, WorkerProtocol
+
+DEFAULT = trtllm.PROTOCOL.name
+
+PROTOCOLS: dict[str, WorkerProtocol] = {}
+
+
+def register(protocol: WorkerProtocol) -> WorkerProtocol:
+    """Make `protocol` selectable by its name; a second protocol of the same name is an error."""
+    existing = PROTOCOLS.get(protocol.name)
+    if existing is not None and existing is not protocol:
+        raise ValueError(f"a worker protocol named {protocol.name!r} is already registered: {existing!r}")
+    PROTOCOLS[protocol.name] = protocol
+    return protocol
+
+
+register(trtllm.PROTOCOL)
+
+
+def lookup(name: str) -> WorkerProtocol | None:
+    return PROTOCOLS.get(name)
+
+
+def choices() -> list[tuple[str, str]]:
+    """`(name, label)` of every registered protocol (the model field's choices)."""
+    return [(p.name, p.label) for p in sorted(PROTOCOLS.values(), key=lambda p: p.name)]
+
+
+def misconfiguration(protocol: str, schedule_style: str) -> str | None:
+    """Why a pool with this protocol and schedule cannot serve requests, or None if it can."""
+    found = PROTOCOLS.get(protocol)
+    if found is None:
+        known = ", ".join(sorted(PROTOCOLS)) or "none"
+        return f"unknown worker protocol {protocol!r} (registered: {known})"
+    if schedule_style not in found.schedules:
+        supported = ", ".join(sorted(found.schedules))
+        return f"the {protocol} protocol cannot run the {str(schedule_style)!r} schedule (it supports: {supported})"
+    return None
+
+
+__all__ = ["AGGREGATED", "DEFAULT", "PROTOCOLS", "Handoff", "WorkerProtocol", "choices", "lookup", "misconfiguration", "register"]

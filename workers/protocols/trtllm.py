@@ -1,15 +1,23 @@
 """TensorRT-LLM's disaggregated protocol (`disaggregated_params` on OpenAI chat requests).
 
-See reference/trtllm_disagg.md §1.2–1.3: a context worker answers a `context_only` request with
-the handoff on its choice; a generation worker takes a `generation_only` request carrying it.
+A context worker answers a non-streamed `context_only` request (`disaggregated_params:
+{request_type: "context_only", disagg_request_id, schedule_style}`) with the handoff in its first
+choice's `disaggregated_params` (`ctx_request_id` and the transfer state) and, where it tokenized
+the prompt, `prompt_token_ids`. A generation worker takes the same chat request, streamed, with
+that handoff as `disaggregated_params` and `request_type: "generation_only"`. When the context
+phase already finished the answer (any `finish_reason` other than `length`/`not_finished`), it is
+the answer and no generation request follows. Generation first sends the generation request
+first, carrying `ctx_request_id` (the pairing id) and the context endpoint; the worker waits for
+that KV.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from workers.errors import WorkerError
+from workers.protocols.base import AGGREGATED, CONTEXT_FIRST, GENERATION_FIRST, Handoff, WorkerProtocol
 
 CHAT_PATH = "/v1/chat/completions"
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
@@ -17,7 +25,7 @@ STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
 @dataclass(frozen=True, slots=True)
 class ContextResult:
-    """What the context phase handed over."""
+    """What the context phase handed over (a `Handoff`)."""
 
     disaggregated_params: dict[str, Any] | None
     prompt_token_ids: list[int] | None
@@ -25,6 +33,14 @@ class ContextResult:
     # The context phase already produced the whole answer (EOS or max_tokens reached on the
     # first token): there is nothing for a generation worker to do.
     complete_response: dict[str, Any] | None
+
+    @property
+    def generation_pending(self) -> bool:
+        return self.disaggregated_params is not None
+
+    @property
+    def complete_answer(self) -> dict[str, Any] | None:
+        return self.complete_response
 
 
 def context_request(chat: dict[str, Any], disagg_request_id: int, schedule_style: str) -> dict[str, Any]:
@@ -86,3 +102,38 @@ def streamed(chat: dict[str, Any]) -> dict[str, Any]:
     body["stream"] = True
     body["stream_options"] = STREAM_OPTIONS
     return body
+
+
+class TrtllmProtocol(WorkerProtocol):
+    """The functions above behind the `WorkerProtocol` interface.
+
+    They are looked up in this module when called, so a test that replaces one (as
+    `tests/test_cancellation.py` does) changes what the pipeline runs.
+    """
+
+    name: ClassVar[str] = "trtllm"
+    label: ClassVar[str] = "TensorRT-LLM (disaggregated_params)"
+    schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, GENERATION_FIRST, AGGREGATED})
+    chat_path: ClassVar[str] = CHAT_PATH
+
+    def aggregated_request(self, chat: dict[str, Any]) -> dict[str, Any]:
+        return streamed(chat)
+
+    def context_request(self, chat: dict[str, Any], *, pair_id: int, schedule_style: str) -> dict[str, Any]:
+        return context_request(chat, pair_id, schedule_style)
+
+    def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
+        return read_context_response(answer)
+
+    def generation_request_after_context(self, chat: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
+        if not isinstance(handoff, ContextResult):
+            raise TypeError(f"not a TensorRT-LLM handoff: {type(handoff).__name__}")
+        return generation_request_after_context(chat, handoff)
+
+    def generation_request_first(
+        self, chat: dict[str, Any], *, pair_id: int, context_url: str, schedule_style: str
+    ) -> dict[str, Any]:
+        return generation_request_first(chat, pair_id, context_url, schedule_style)
+
+
+PROTOCOL = TrtllmProtocol()

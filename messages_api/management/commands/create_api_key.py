@@ -13,9 +13,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="A name for the key (unique), shown in the audit.")
+        parser.add_argument("--replace", action="store_true", help="Delete a key of that name first (rotate it).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         name = options["name"]
+        if options["replace"]:
+            ApiKey.objects.filter(name=name).delete()
         if ApiKey.objects.filter(name=name).exists():
             raise CommandError(f"an API key named {name!r} already exists")
         api_key, key = create_api_key(name)

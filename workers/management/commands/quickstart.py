@@ -4,18 +4,21 @@ When no real worker is registered it starts a simulated context and generation w
 registers them (pool `local-sim`, model `sim-model`); it rotates the `make-run` API key and prints
 it with a ready-to-paste curl line; then it serves the gateway with daphne in this process. The
 simulated workers stop when the gateway does.
+
+It lives in `workers` because it starts the simulator; the API key belongs to the front door,
+which `workers` never imports, so the key is made by that app's `create_api_key` command.
 """
 
 from __future__ import annotations
 
+import io
 import shlex
 from typing import Any
 
 from daphne.cli import CommandLineInterface
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from messages_api.auth import create_api_key
-from messages_api.models import ApiKey
 from workers.models import Role, WorkerEndpoint, WorkerPool
 from workers.sim.process import SimWorker, start_simworker
 
@@ -72,6 +75,10 @@ class Command(BaseCommand):
             return start_simworker(role, port=0)  # the port is taken: any free one will do
 
     def _rotate_key(self) -> str:
-        ApiKey.objects.filter(name=KEY_NAME).delete()
-        _, key = create_api_key(KEY_NAME)
-        return key
+        out = io.StringIO()
+        # The key is the last line `create_api_key` prints (its note goes to stderr).
+        call_command("create_api_key", KEY_NAME, replace=True, stdout=out, stderr=io.StringIO())
+        lines = out.getvalue().split()
+        if not lines:
+            raise CommandError("create_api_key printed no key")
+        return lines[-1]

@@ -1,0 +1,99 @@
+"""The interface every worker protocol implements, and the neutral handoff between its phases.
+
+A protocol turns one OpenAI chat request into the worker requests of a schedule and reads the
+context worker's answer. The pipeline (`workers.pipeline`) drives the schedule: it routes,
+reserves, sends, retries and cleans up, and never looks inside what a protocol builds or reads.
+
+Schedules (`ScheduleStyle` values):
+
+- `aggregated`: one request, whole, to a generation endpoint (no context phase). Every protocol
+  can do this: it is also how conditional disaggregation serves short prompts.
+- `context_first`: the context request, then a generation request carrying the handoff that the
+  context worker answered with.
+- `generation_first`: the generation request goes out first and waits on its worker for the
+  KV of a pairing id; the context request follows.
+
+A protocol that has no context phase (a plain OpenAI-compatible server) implements only
+`aggregated_request` and lists `{"aggregated"}` as its schedules; the pipeline never calls the
+disaggregated builders of a protocol for a schedule it does not list (a system check and the
+pool's validation keep such pools from being configured).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
+
+AGGREGATED = "aggregated"
+CONTEXT_FIRST = "context_first"
+GENERATION_FIRST = "generation_first"
+
+
+class Handoff(Protocol):
+    """What the context phase handed over, opaque to the pipeline beyond these three questions."""
+
+    @property
+    def generation_pending(self) -> bool:
+        """A generation request must follow (the context worker holds KV for it)."""
+
+    @property
+    def complete_answer(self) -> dict[str, Any] | None:
+        """The context worker already produced the whole answer (an OpenAI chat completion):
+        there is nothing for a generation worker to do."""
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's token count as the context worker counted it, if it said."""
+
+
+class WorkerProtocol(ABC):
+    """How one engine family splits a chat request between context and generation workers.
+
+    Implementations are stateless: one instance serves every pool that names it.
+    """
+
+    #: The value of `WorkerPool.protocol` that selects this protocol.
+    name: ClassVar[str]
+    #: Shown in the admin's choice list.
+    label: ClassVar[str]
+    #: The schedules (`ScheduleStyle` values) this protocol can run.
+    schedules: ClassVar[frozenset[str]]
+    #: Path of the chat endpoint on a worker's base URL.
+    chat_path: ClassVar[str] = "/v1/chat/completions"
+
+    def headers(self, body: dict[str, Any], *, request_id: str) -> Mapping[str, str]:
+        """Extra HTTP headers a worker request with `body` needs (signatures, request ids)."""
+        return {}
+
+    @abstractmethod
+    def aggregated_request(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """The whole request for one generation worker, streamed (the context phase skipped)."""
+
+    def context_request(self, chat: dict[str, Any], *, pair_id: int, schedule_style: str) -> dict[str, Any]:
+        """The context (prefill) request, answered as one JSON object."""
+        raise self._unsupported("a context phase")
+
+    def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
+        """Check the context worker's answer and keep what the generation request needs.
+
+        Raises `WorkerError` (502) when the answer lacks what the protocol requires.
+        """
+        raise self._unsupported("a context phase")
+
+    def generation_request_after_context(self, chat: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
+        """Context first: the streamed generation request that takes over `handoff`."""
+        raise self._unsupported(CONTEXT_FIRST)
+
+    def generation_request_first(
+        self, chat: dict[str, Any], *, pair_id: int, context_url: str, schedule_style: str
+    ) -> dict[str, Any]:
+        """Generation first: the streamed generation request, sent before the context request
+        with the same `pair_id`, that waits for the KV from the worker at `context_url`."""
+        raise self._unsupported(GENERATION_FIRST)
+
+    def _unsupported(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"the {self.name} protocol has no {what}")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
