@@ -176,8 +176,9 @@ _MAX_CONTEXT = re.compile(r"maximum context length is (\d+) tokens", re.I)
 _PROMPT_TOKENS = re.compile(r"(?:resulted in|requested) (\d+) tokens(?: \((\d+) in the messages)?", re.I)
 
 
-def error_message(body: bytes, status: int, stage: str) -> tuple[str, str | None]:
-    """The worker's raw message and code from an OpenAI, TensorRT-LLM or FastAPI error body."""
+def _error_fields(body: bytes, status: int, stage: str) -> tuple[str, str | None, bool]:
+    """The worker's raw message and code from an OpenAI, TensorRT-LLM or FastAPI error body, and
+    whether the body held the message (False: the message is a generic one)."""
     message: str | None = None
     code: str | None = None
     try:
@@ -194,9 +195,10 @@ def error_message(body: bytes, status: int, stage: str) -> tuple[str, str | None
             message, code = data["message"], data.get("code")
         elif isinstance(data.get("detail"), str):
             message = data["detail"]
+    parsed = bool(message)
     if not message:
         message = f"{stage} worker rejected the request with status {status}"
-    return str(message), (str(code) if code is not None else None)
+    return str(message), (str(code) if code is not None else None), parsed
 
 
 def worker_error(status: int, body: bytes, stage: str, retry_after: float | None = None) -> WorkerError:
@@ -211,9 +213,11 @@ def worker_error(status: int, body: bytes, stage: str, retry_after: float | None
         )
     raw_text = body.decode("utf-8", "replace")
     logger.warning("the %s worker answered %d: %s", stage, status, redact.log_text(raw_text))
-    raw_message, code = error_message(body, status, stage)
+    raw_message, code, parsed = _error_fields(body, status, stage)
     message = redact.client_text(raw_message) or f"the {stage} worker rejected the request with status {status}"
-    detail = redact.audit_text(raw_text or raw_message)
+    # The engine's own message when the body had one (what an operator reads first), else the
+    # body itself (a proxy's HTML page, a plain-text error).
+    detail = redact.audit_text(raw_message if parsed or not raw_text.strip() else raw_text)
     if code is not None:
         code = redact.client_text(code, limit=64)
     # Read the numbers from the raw text: scrubbing must not hide them.
