@@ -12,8 +12,8 @@ shape. A worker's non-2xx answer becomes one in `worker_error()`, whose client m
 engine's own, scrubbed (`workers.redact`), never an httpx exception's text (which names the
 worker's address).
 
-Deadlines are totals per phase, kept here with `asyncio.timeout_at`, not per read: the transport
-gets no read timeout. A call's answer is read incrementally and cut at its size limit.
+Deadlines are totals per phase, kept here (`asyncio.timeout` per call, one `_StreamDeadline`
+timer per stream), not per read: the transport gets no read timeout. A call's answer is read incrementally and cut at its size limit.
 """
 
 from __future__ import annotations
