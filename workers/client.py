@@ -13,7 +13,8 @@ engine's own, scrubbed (`workers.redact`), never an httpx exception's text (whic
 worker's address).
 
 Deadlines are totals per phase, kept here (`asyncio.timeout` per call, one `_StreamDeadline`
-timer per stream), not per read: the transport gets no read timeout. A call's answer is read incrementally and cut at its size limit.
+timer per stream), not per read: the transport gets no read timeout. A call's answer is read
+incrementally and cut at its size limit.
 """
 
 from __future__ import annotations
