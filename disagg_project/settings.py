@@ -203,10 +203,27 @@ MESSAGES_BODY_READ_TIMEOUT_S = env_float("MESSAGES_BODY_READ_TIMEOUT_S", 30.0)
 # cannot re-encode past 254, which the worker request needs (tool schemas, tool_use inputs).
 MESSAGES_MAX_JSON_DEPTH = env_int("MESSAGES_MAX_JSON_DEPTH", 64)
 
-# Worker HTTP client.
+# Worker HTTP client. Every *_TIMEOUT_S below but the connect one is a deadline for a whole phase,
+# not a per-read timeout: a worker trickling a byte at a time cannot hold a request past it. A
+# passed deadline is a 504 `timeout` (workers.client).
 WORKER_CONNECT_TIMEOUT_S = env_float("WORKER_CONNECT_TIMEOUT_S", 5.0)
-# Upper bound of one worker call (the context phase of a long prompt may take minutes).
-WORKER_REQUEST_TIMEOUT_S = env_float("WORKER_REQUEST_TIMEOUT_S", 900.0)
+# The whole context-phase call, from sending it to the last byte of its answer (the prefill of a
+# long prompt may take minutes).
+WORKER_CONTEXT_TIMEOUT_S = env_float("WORKER_CONTEXT_TIMEOUT_S", 600.0)
+# From sending a generation request to the first byte of its stream's body. When the generation
+# request goes out before the context phase (generation first), its worker cannot answer until that
+# phase ends, so WORKER_CONTEXT_TIMEOUT_S is added.
+WORKER_FIRST_BYTE_TIMEOUT_S = env_float("WORKER_FIRST_BYTE_TIMEOUT_S", 120.0)
+# The longest a generation stream may go without a complete event once the gateway waits for one
+# (bytes that do not complete an event do not count).
+WORKER_IDLE_TIMEOUT_S = env_float("WORKER_IDLE_TIMEOUT_S", 120.0)
+# The longest any one worker call may last from sending it to its end (a generation stream
+# included), and the deadline of calls that have no phase deadline of their own.
+WORKER_REQUEST_TIMEOUT_S = env_float("WORKER_REQUEST_TIMEOUT_S", 1800.0)
+# The longest line (or event) of a worker's event stream; longer is a 502, never buffered further.
+WORKER_MAX_SSE_LINE_BYTES = env_int("WORKER_MAX_SSE_LINE_BYTES", 8 * 1024 * 1024)
+# The largest non-streamed worker answer read; larger is a 502, cut as soon as it is exceeded.
+WORKER_MAX_JSON_BYTES = env_int("WORKER_MAX_JSON_BYTES", 64 * 1024 * 1024)
 # Open connections per worker endpoint (a streamed request holds one for its whole answer).
 WORKER_MAX_CONNECTIONS = env_int("WORKER_MAX_CONNECTIONS", 4096)
 # An idle kept-alive connection is reused only this long: below the 5 s after which uvicorn (and

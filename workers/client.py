@@ -1,35 +1,61 @@
 """HTTP to workers: JSON calls and OpenAI SSE streams over httpx, on this project's lean transport
 (`workers.transport`), one per event loop.
 
-Errors leave this module as `WorkerError`s built from the worker's own message, never from an
-httpx exception's text (which names the worker's address).
+    completion = await post_completion(url, body, stage="context")   # validated chat.completion
+    stream = await open_stream(url, body, stage="generation")        # headers in
+    async for chunk in stream: ...                                    # validated chunks to [DONE]
+    await stream.aclose()
+
+Every failure leaves this module as a `WorkerError` (workers.errors), and from one place,
+`boundary()`: transport errors, passed deadlines, answers too large, undecodable or of the wrong
+shape. A worker's non-2xx answer becomes one in `worker_error()`, whose client message is the
+engine's own, scrubbed (`workers.redact`), never an httpx exception's text (which names the
+worker's address).
+
+Deadlines are totals per phase, kept here (`asyncio.timeout` per call, one `_StreamDeadline`
+timer per stream), not per read: the transport gets no read timeout. A call's answer is read
+incrementally and cut at its size limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
 import re
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import httpx
 import orjson
 from django.conf import settings
 
+from workers import redact
 from workers.errors import (
+    AnswerTooLarge,
     ContextLengthExceeded,
+    MalformedAnswer,
+    MalformedChunk,
     StreamBroken,
+    StreamTimedOut,
     WorkerError,
+    WorkerTimeout,
     WorkerUnreachable,
 )
+from workers.shapes import ShapeError, check_chunk, check_completion
+from workers.sse import Event, SSEDecoder, SSELineTooLong
 from workers.transport import WorkerTransport
+
+logger = logging.getLogger(__name__)
 
 _transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WorkerTransport] = weakref.WeakKeyDictionary()
 
 # How long to wait for the end of a stream's body after `[DONE]`.
 DRAIN_TIMEOUT_S = 1.0
+# An error answer is read up to this many bytes (the rest is dropped: a message is short).
+ERROR_BODY_BYTES = 64 * 1024
 
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
 SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
@@ -53,10 +79,11 @@ def transport() -> WorkerTransport:
 
 
 @functools.cache
-def _timeouts(total: float | None = None) -> dict[str, float | None]:
-    connect = settings.WORKER_CONNECT_TIMEOUT_S
-    read = total if total is not None else settings.WORKER_REQUEST_TIMEOUT_S
-    return httpx.Timeout(read, connect=min(connect, read), pool=connect).as_dict()
+def _timeouts(deadline_s: float) -> dict[str, float | None]:
+    """The transport's own timeouts: connecting only (a connect timeout is "unreachable", which
+    may be retried elsewhere). Reads get none: the caller's phase deadline covers them."""
+    connect = min(settings.WORKER_CONNECT_TIMEOUT_S, deadline_s)
+    return {"connect": connect, "pool": connect, "read": None, "write": None}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -64,22 +91,95 @@ def _url(url: str) -> httpx.URL:
     return httpx.URL(url)  # endpoints are few: parse each once
 
 
-async def _send(method: str, url: str, content: bytes | None, headers: dict[str, str], timeout: float | None) -> httpx.Response:
+async def _send(method: str, url: str, content: bytes | None, headers: dict[str, str], deadline_s: float) -> httpx.Response:
     """Send and return the response with its body unread (the caller reads or streams it)."""
-    request = httpx.Request(method, _url(url), content=content, headers=headers, extensions={"timeout": _timeouts(timeout)})
+    request = httpx.Request(method, _url(url), content=content, headers=headers, extensions={"timeout": _timeouts(deadline_s)})
     response = await transport().handle_async_request(request)
     response.request = request
     return response
 
 
-# --- error bodies ------------------------------------------------------------------------------
+# --- the error boundary --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def boundary(stage: str, *, streaming: bool = False) -> Iterator[None]:
+    """Map every failure of a worker call inside the block to its `WorkerError`.
+
+    `streaming`: the generation stream is open (its headers arrived), so a failure is a
+    `StreamBroken` of the matching kind. A `WorkerError` raised inside passes through.
+    """
+    try:
+        yield
+    except WorkerError:
+        raise
+    except (TimeoutError, httpx.TimeoutException) as exc:
+        if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+            raise _unreachable(stage, exc) from exc
+        timeout_class = StreamTimedOut if streaming else WorkerTimeout
+        raise timeout_class(
+            504, f"the {stage} worker timed out", stage=stage, code="timeout", detail=_describe(exc, stage, "timed out")
+        ) from exc
+    except httpx.HTTPError as exc:
+        if streaming:
+            raise StreamBroken(
+                502,
+                f"the {stage} worker closed the stream before it was complete",
+                stage=stage,
+                code="stream_broken",
+                detail=_describe(exc, stage, "stream broken"),
+            ) from exc
+        raise _unreachable(stage, exc) from exc
+    except SSELineTooLong as exc:
+        raise MalformedChunk(
+            502,
+            f"the {stage} worker sent a stream line longer than {exc.limit} bytes",
+            stage=stage,
+            code="answer_too_large",
+        ) from exc
+    except ShapeError as exc:
+        # The message names only the field (a path the checker built), never the worker's data.
+        if streaming:
+            raise MalformedChunk(
+                502, f"the {stage} worker sent a malformed stream chunk: {exc}", stage=stage, code="malformed_answer"
+            ) from exc
+        raise MalformedAnswer(
+            502, f"the {stage} worker sent a malformed answer: {exc}", stage=stage, code="malformed_answer"
+        ) from exc
+    except orjson.JSONDecodeError as exc:
+        what = "stream chunk" if streaming else "answer"
+        error_class = MalformedChunk if streaming else MalformedAnswer
+        raise error_class(
+            502,
+            f"the {stage} worker sent a malformed {what}: it is not JSON",
+            stage=stage,
+            code="malformed_answer",
+            detail=redact.audit_text(f"{what} is not JSON: {exc}"),
+        ) from exc
+
+
+def _unreachable(stage: str, exc: BaseException) -> WorkerUnreachable:
+    return WorkerUnreachable(
+        503, f"the {stage} worker could not be reached", stage=stage, code="unreachable", detail=_describe(exc, stage, "unreachable")
+    )
+
+
+def _describe(exc: BaseException, stage: str, what: str) -> str:
+    """For the audit row: the exception's kind and text (an httpx error names the worker's
+    address, which an operator wants and a client must not see)."""
+    text = str(exc)
+    return redact.audit_text(f"the {stage} worker {what}: {type(exc).__name__}" + (f": {text}" if text else ""))
+
+
+# --- error answers -------------------------------------------------------------------------------
 
 _MAX_CONTEXT = re.compile(r"maximum context length is (\d+) tokens", re.I)
 _PROMPT_TOKENS = re.compile(r"(?:resulted in|requested) (\d+) tokens(?: \((\d+) in the messages)?", re.I)
 
 
-def error_message(body: bytes, status: int, stage: str) -> tuple[str, str | None]:
-    """The worker's message and code from an OpenAI, TensorRT-LLM or FastAPI error body."""
+def _error_fields(body: bytes, status: int, stage: str) -> tuple[str, str | None, bool]:
+    """The worker's raw message and code from an OpenAI, TensorRT-LLM or FastAPI error body, and
+    whether the body held the message (False: the message is a generic one)."""
     message: str | None = None
     code: str | None = None
     try:
@@ -96,12 +196,15 @@ def error_message(body: bytes, status: int, stage: str) -> tuple[str, str | None
             message, code = data["message"], data.get("code")
         elif isinstance(data.get("detail"), str):
             message = data["detail"]
+    parsed = bool(message)
     if not message:
         message = f"{stage} worker rejected the request with status {status}"
-    return str(message), (str(code) if code is not None else None)
+    return str(message), (str(code) if code is not None else None), parsed
 
 
 def worker_error(status: int, body: bytes, stage: str, retry_after: float | None = None) -> WorkerError:
+    """The `WorkerError` for a worker's error answer: the client message scrubbed, the raw body
+    logged, a redacted copy in `detail` for the audit row."""
     if status in (502, 503) and not body.strip():
         # A bare 502/503 comes from something in front of the worker (a proxy, a load balancer,
         # a server still starting), not from a worker that looked at the request: like a refused
@@ -109,16 +212,25 @@ def worker_error(status: int, body: bytes, stage: str, retry_after: float | None
         return WorkerUnreachable(
             status, f"the {stage} worker answered {status} without a body", stage=stage, code="no_answer", retry_after=retry_after
         )
-    message, code = error_message(body, status, stage)
-    if status == 400 and (code == "context_length_exceeded" or _MAX_CONTEXT.search(message)):
-        maximum = _MAX_CONTEXT.search(message)
-        prompt = _PROMPT_TOKENS.search(message)
+    raw_text = body.decode("utf-8", "replace")
+    logger.warning("the %s worker answered %d: %s", stage, status, redact.log_text(raw_text))
+    raw_message, code, parsed = _error_fields(body, status, stage)
+    message = redact.client_text(raw_message) or f"the {stage} worker rejected the request with status {status}"
+    # The engine's own message when the body had one (what an operator reads first), else the
+    # body itself (a proxy's HTML page, a plain-text error).
+    detail = redact.audit_text(raw_message if parsed or not raw_text.strip() else raw_text)
+    if code is not None:
+        code = redact.client_text(code, limit=64)
+    # Read the numbers from the raw text: scrubbing must not hide them.
+    if status == 400 and (code == "context_length_exceeded" or _MAX_CONTEXT.search(raw_message)):
+        maximum = _MAX_CONTEXT.search(raw_message)
+        prompt = _PROMPT_TOKENS.search(raw_message)
         if maximum and prompt:
             prompt_tokens = int(prompt.group(2) or prompt.group(1))
             return ContextLengthExceeded(
-                message, stage=stage, prompt_tokens=prompt_tokens, max_context_tokens=int(maximum.group(1))
+                message, stage=stage, prompt_tokens=prompt_tokens, max_context_tokens=int(maximum.group(1)), detail=detail
             )
-    return WorkerError(status, message, stage=stage, code=code, retry_after=retry_after)
+    return WorkerError(status, message, stage=stage, code=code, retry_after=retry_after, detail=detail)
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -129,95 +241,226 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-def _transport_error(exc: httpx.HTTPError, stage: str) -> WorkerError:
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-        return WorkerError(504, f"the {stage} worker timed out", stage=stage, code="timeout")
-    return WorkerUnreachable(503, f"the {stage} worker could not be reached", stage=stage, code="unreachable")
+# --- bodies ----------------------------------------------------------------------------------------
+
+
+async def _read_bounded(response: httpx.Response, limit: int, stage: str) -> bytes:
+    """The whole body, raising AnswerTooLarge as soon as it passes `limit` (never buffering more)."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise AnswerTooLarge(502, _too_large(stage, limit), stage=stage, code="answer_too_large")
+    parts: list[bytes] = []
+    size = 0
+    async for part in response.aiter_bytes():
+        size += len(part)
+        if size > limit:
+            raise AnswerTooLarge(502, _too_large(stage, limit), stage=stage, code="answer_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_large(stage: str, limit: int) -> str:
+    return f"the {stage} worker's answer is larger than {limit} bytes"
+
+
+async def _error_body(response: httpx.Response) -> bytes:
+    """The first ERROR_BODY_BYTES of an error answer (a message is short; the rest is dropped)."""
+    parts: list[bytes] = []
+    size = 0
+    async for part in response.aiter_bytes():
+        parts.append(part)
+        size += len(part)
+        if size >= ERROR_BODY_BYTES:
+            break
+    return b"".join(parts)[:ERROR_BODY_BYTES]
 
 
 # --- calls ---------------------------------------------------------------------------------------
 
 
 async def _fetch(
-    method: str, url: str, content: bytes | None, headers: dict[str, str], timeout: float | None, stage: str
-) -> httpx.Response:
-    """Send, read the whole answer, and raise WorkerError for a transport failure or a non-2xx."""
-    try:
-        response = await _send(method, url, content, headers, timeout)
-        try:
-            await response.aread()
-        finally:
-            await response.aclose()
-    except httpx.HTTPError as exc:
-        raise _transport_error(exc, stage) from None
-    if response.status_code >= 300:
-        raise worker_error(response.status_code, response.content, stage, _retry_after(response))
-    return response
+    method: str, url: str, content: bytes | None, headers: dict[str, str], deadline_s: float, stage: str
+) -> bytes:
+    """Send and read the whole answer within `deadline_s`; raise WorkerError for any failure
+    or a non-2xx answer."""
+    with boundary(stage):
+        async with asyncio.timeout(deadline_s):
+            response = await _send(method, url, content, headers, deadline_s)
+            try:
+                if response.status_code >= 300:
+                    error_body = await _error_body(response)
+                else:
+                    return await _read_bounded(response, settings.WORKER_MAX_JSON_BYTES, stage)
+            finally:
+                await response.aclose()
+    raise worker_error(response.status_code, error_body, stage, _retry_after(response))
 
 
 async def post_json(
     url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
-    """POST a JSON body and return the JSON object answered; anything else raises WorkerError."""
+    """POST a JSON body and return the JSON object answered, all within `timeout` (default
+    WORKER_REQUEST_TIMEOUT_S); anything else raises WorkerError. `headers` add to the JSON ones."""
     sent = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
-    response = await _fetch("POST", url, orjson.dumps(body), sent, timeout, stage)
-    try:
-        data = orjson.loads(response.content)
-    except orjson.JSONDecodeError:
-        data = None
-    if not isinstance(data, dict):
-        raise WorkerError(502, f"the {stage} worker returned a malformed answer", stage=stage)
+    content = await _fetch("POST", url, orjson.dumps(body), sent, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage)
+    with boundary(stage):
+        data = orjson.loads(content)
+        if not isinstance(data, dict):
+            raise ShapeError("the answer", "is not an object")
     return data
 
 
+async def post_completion(
+    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """POST a non-streamed chat request and return its chat completion, checked against the
+    documented shape (workers.shapes), all within `timeout` (default WORKER_CONTEXT_TIMEOUT_S)."""
+    completion = await post_json(url, body, stage=stage, timeout=timeout or settings.WORKER_CONTEXT_TIMEOUT_S, headers=headers)
+    with boundary(stage):
+        return check_completion(completion)
+
+
 async def get_json(url: str, *, timeout: float, stage: str = "health") -> Any:
-    response = await _fetch("GET", url, None, {"accept": "application/json"}, timeout, stage)
-    return orjson.loads(response.content) if response.content else None
+    content = await _fetch("GET", url, None, {"accept": "application/json"}, timeout, stage)
+    with boundary(stage):
+        return orjson.loads(content) if content else None
+
+
+class _StreamDeadline:
+    """`asyncio.timeout_at` for the reads of one stream, with one timer for the whole stream.
+
+    A stream's deadline moves with every event (the idle gap counts from the last one); entering
+    `asyncio.timeout_at` around each read cost about as much as decoding the event (measured,
+    ~8 µs on the test machine). Here moving the deadline is an assignment; the timer, when it
+    fires early, re-arms itself for the deadline's new value.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.when = float("inf")
+        self._handle: asyncio.TimerHandle | None = None
+        self._waiting: asyncio.Task[Any] | None = None
+        self._fired = False
+
+    def move(self, when: float) -> None:
+        self.when = when
+        if self._handle is None or self._handle.when() > when:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._handle = self.loop.call_at(when, self._fire)
+
+    def expired(self) -> bool:
+        return self.loop.time() >= self.when
+
+    def watch(self, task: asyncio.Task[Any] | None) -> None:
+        """Cancel `task` when the deadline passes while it waits (None: it no longer waits)."""
+        self._waiting = task
+        self._fired = False
+
+    def timed_out(self, task: asyncio.Task[Any]) -> bool:
+        """After a CancelledError in the watched wait: was it this deadline's, alone? (A
+        cancellation from elsewhere, the client leaving, is not ours to swallow.)"""
+        return self._fired and task.uncancel() == 0
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self.loop.time() < self.when:
+            self._handle = self.loop.call_at(self.when, self._fire)  # moved later meanwhile
+        elif self._waiting is not None and not self._fired:
+            self._fired = True
+            self._waiting.cancel()
 
 
 class ChunkStream:
-    """An open OpenAI chat stream: iterate parsed chunks until `[DONE]`; close it when done.
+    """An open OpenAI chat stream: iterate validated chunks until `[DONE]`; close it when done.
 
     The response headers (status 200) have arrived when this exists. Iteration raises
-    `StreamBroken` if the stream ends without `[DONE]`, and `WorkerError` for an error frame.
+    `StreamBroken` (or its subclasses `StreamTimedOut`, `MalformedChunk`) when the stream ends
+    without `[DONE]`, goes silent past its deadlines or sends a malformed chunk, and the worker's
+    `WorkerError` for an error frame (`event: error`, or a data frame `{"error": ...}`).
     """
 
-    def __init__(self, response: httpx.Response, stage: str) -> None:
+    def __init__(self, response: httpx.Response, stage: str, *, first_byte_by: float, ends_by: float) -> None:
         self._response = response
         self._stage = stage
-        self.finished = False
+        self._first_byte_by: float | None = first_byte_by  # loop time; None once a byte came
+        self._ends_by = ends_by  # loop time: the whole call's deadline
+        self._deadline: _StreamDeadline | None = None
+        self._idle_s: float = settings.WORKER_IDLE_TIMEOUT_S  # read once: this runs per token
 
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        buffer = b""
-        loads = orjson.loads
+        decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
         raw_chunks = self._response.aiter_raw()
-        try:
-            async for raw in raw_chunks:
-                buffer += raw
-                # SSE lines end in \n; splitting bytes there never cuts a UTF-8 character in two.
-                if b"\n" not in raw:
-                    continue
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators, comments, `event:` lines
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        self.finished = True
-                        await self._drain(raw_chunks)
-                        return
-                    try:
-                        chunk = loads(payload)
-                    except orjson.JSONDecodeError:
-                        raise StreamBroken(502, "the generation worker sent a malformed stream chunk", stage=self._stage) from None
-                    if isinstance(chunk, dict) and "error" in chunk and "choices" not in chunk:
-                        raise self._error_frame(chunk)
-                    yield chunk
-        except httpx.HTTPError:
-            raise StreamBroken(
-                502, "the generation worker closed the stream before it was complete", stage=self._stage
-            ) from None
-        raise StreamBroken(502, "the generation worker closed the stream before it was complete", stage=self._stage)
+        deadline = self._deadline = _StreamDeadline(asyncio.get_running_loop())
+        # One boundary around the whole loop: only GeneratorExit can reach a suspended `yield`,
+        # and it passes through.
+        with boundary(self._stage, streaming=True):
+            try:
+                while True:
+                    events, ended = await self._next_events(decoder, raw_chunks, deadline)
+                    for event in events:
+                        chunk = self._chunk(event)
+                        if chunk is None:
+                            deadline.close()
+                            await self._drain(raw_chunks)
+                            return
+                        yield chunk
+                    if ended:
+                        raise StreamBroken(
+                            502,
+                            f"the {self._stage} worker closed the stream before it was complete",
+                            stage=self._stage,
+                            code="stream_broken",
+                        )
+            finally:
+                deadline.close()
+
+    async def _next_events(
+        self, decoder: SSEDecoder, raw_chunks: AsyncIterator[bytes], deadline: _StreamDeadline
+    ) -> tuple[list[Event], bool]:
+        """Read until at least one whole event (or the end), within the deadlines: the first
+        byte's, then the idle gap counted from now; bytes that complete no event do not reset it."""
+        loop = deadline.loop
+        deadline.move(min(self._first_byte_by or loop.time() + self._idle_s, self._ends_by))
+        task = asyncio.current_task()
+        assert task is not None
+        while True:
+            if deadline.expired():
+                raise TimeoutError
+            deadline.watch(task)
+            try:
+                data = await anext(raw_chunks, b"")
+            except asyncio.CancelledError:
+                if deadline.timed_out(task):
+                    raise TimeoutError from None
+                raise
+            finally:
+                deadline.watch(None)
+            if not data:
+                return decoder.end(), True
+            if self._first_byte_by is not None:
+                self._first_byte_by = None
+                deadline.move(min(loop.time() + self._idle_s, self._ends_by))
+            events = decoder.feed(data)
+            if events:
+                return events, False
+
+    def _chunk(self, event: Event) -> dict[str, Any] | None:
+        """The checked chunk an event carries; None for `[DONE]`."""
+        data = event.data
+        if event.event == "error":
+            raise self._error_frame(data.encode())
+        if data[:1] != "{" and data.strip() == "[DONE]":
+            return None
+        chunk = orjson.loads(data)
+        if isinstance(chunk, dict) and "error" in chunk and "choices" not in chunk:
+            raise self._error_frame(data.encode())
+        return check_chunk(chunk)
 
     async def _drain(self, raw_chunks: AsyncIterator[bytes]) -> None:
         """Read the body's end after `[DONE]` (the chunked terminator follows at once) so the
@@ -229,32 +472,50 @@ class ChunkStream:
         except (TimeoutError, httpx.HTTPError):
             pass  # the connection is closed instead of reused; the answer is complete anyway
 
-    def _error_frame(self, chunk: dict[str, Any]) -> WorkerError:
-        err = chunk["error"]
+    def _error_frame(self, body: bytes) -> WorkerError:
         status = 500
-        if isinstance(err, dict) and isinstance(err.get("code"), int):
+        try:
+            err = orjson.loads(body).get("error")
+        except (orjson.JSONDecodeError, AttributeError):
+            err = None
+        if isinstance(err, dict) and type(err.get("code")) is int and 400 <= err["code"] < 600:
             status = err["code"]
-        return worker_error(status, orjson.dumps(chunk), self._stage)
+        return worker_error(status, body, self._stage)
 
     async def aclose(self) -> None:
+        if self._deadline is not None:
+            self._deadline.close()
         await self._response.aclose()
 
 
 async def open_stream(
-    url: str, body: dict[str, Any], *, stage: str, headers: Mapping[str, str] | None = None
+    url: str,
+    body: dict[str, Any],
+    *,
+    stage: str,
+    headers: Mapping[str, str] | None = None,
+    waits_for_context: bool = False,
 ) -> ChunkStream:
-    """POST a streamed chat request and wait for the response headers."""
+    """POST a streamed chat request and wait for the response headers.
+
+    The first body byte is due WORKER_FIRST_BYTE_TIMEOUT_S after sending, plus
+    WORKER_CONTEXT_TIMEOUT_S when `waits_for_context` (generation first: the worker cannot answer
+    before the context phase, which has that deadline, ends); the whole stream is due by
+    WORKER_REQUEST_TIMEOUT_S. `headers` add to the SSE ones.
+    """
     sent = {**SSE_HEADERS, **headers} if headers else SSE_HEADERS
-    try:
-        response = await _send("POST", url, orjson.dumps(body), sent, None)
-    except httpx.HTTPError as exc:
-        raise _transport_error(exc, stage) from None
-    if response.status_code >= 300:
-        try:
-            content = await response.aread()
-        except httpx.HTTPError:
-            content = b""
-        finally:
-            await response.aclose()
-        raise worker_error(response.status_code, content, stage, _retry_after(response))
-    return ChunkStream(response, stage)
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    ends_by = sent_at + settings.WORKER_REQUEST_TIMEOUT_S
+    first_byte_s = settings.WORKER_FIRST_BYTE_TIMEOUT_S + (settings.WORKER_CONTEXT_TIMEOUT_S if waits_for_context else 0.0)
+    first_byte_by = min(sent_at + first_byte_s, ends_by)
+    with boundary(stage):
+        async with asyncio.timeout_at(first_byte_by):
+            response = await _send("POST", url, orjson.dumps(body), sent, first_byte_by - sent_at)
+            if response.status_code >= 300:
+                try:
+                    error_body = await _error_body(response)
+                finally:
+                    await response.aclose()
+                raise worker_error(response.status_code, error_body, stage, _retry_after(response))
+    return ChunkStream(response, stage, first_byte_by=first_byte_by, ends_by=ends_by)

@@ -1,7 +1,23 @@
 """What can go wrong in the cluster, as values the front door maps to its own protocol.
 
-`workers` knows nothing of Anthropic: a `WorkerError` carries the worker's HTTP status, the
-worker's message (never its address), the stage it happened in, and a machine-readable code.
+`workers` knows nothing of Anthropic: a `WorkerError` carries the worker's HTTP status, a message
+a client may read (the engine's own words, scrubbed of addresses, paths, tracebacks and
+secrets: `workers.redact`), the stage it happened in, a machine-readable code, and `detail`, the
+fuller text an operator reads in the audit row (secrets masked).
+
+    WorkerError
+    ├── WorkerUnreachable        503  no answer: refused, reset, bare 502/503 from a proxy
+    ├── WorkerTimeout            504  a deadline passed (context phase, first byte, idle, total)
+    ├── MalformedAnswer          502  the answer is not what the engines document
+    │   └── AnswerTooLarge       502  ... or is larger than the gateway reads
+    ├── StreamBroken             502  the generation stream failed after it opened
+    │   ├── StreamTimedOut       504  ... went silent (also a WorkerTimeout)
+    │   └── MalformedChunk       502  ... sent a malformed or oversized chunk (also a MalformedAnswer)
+    ├── NoEndpointAvailable           no enabled, healthy endpoint of a needed role
+    └── ContextLengthExceeded    400  the prompt does not fit the worker's context window
+
+`workers.client` raises all but `NoEndpointAvailable` (the router's), from one place
+(`client.boundary`).
 """
 
 from __future__ import annotations
@@ -18,6 +34,7 @@ class WorkerError(Exception):
         stage: str,
         code: str | None = None,
         retry_after: float | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -25,6 +42,8 @@ class WorkerError(Exception):
         self.stage = stage
         self.code = code
         self.retry_after = retry_after
+        # For the audit row: what the worker said, secrets masked, addresses and paths kept.
+        self.detail = detail if detail is not None else message
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.status}, {self.message!r}, stage={self.stage!r}, code={self.code!r})"
@@ -34,8 +53,28 @@ class WorkerUnreachable(WorkerError):
     """The connection failed before the worker answered (refused, reset, timed out connecting)."""
 
 
+class WorkerTimeout(WorkerError):
+    """A worker call passed one of its deadlines (`WORKER_*_TIMEOUT_S`); status 504, code "timeout"."""
+
+
+class MalformedAnswer(WorkerError):
+    """The worker answered something other than the documented OpenAI chat shape; status 502."""
+
+
+class AnswerTooLarge(MalformedAnswer):
+    """The answer, or one line of its stream, is larger than the gateway will read."""
+
+
 class StreamBroken(WorkerError):
-    """The generation stream ended before `[DONE]` (connection dropped or garbage)."""
+    """The generation stream failed after it opened (ended before `[DONE]`, or see subclasses)."""
+
+
+class StreamTimedOut(StreamBroken, WorkerTimeout):
+    """The generation stream was silent longer than its idle deadline, or outlived its total one."""
+
+
+class MalformedChunk(StreamBroken, MalformedAnswer):
+    """A chunk of the generation stream is malformed or too large."""
 
 
 class NoEndpointAvailable(WorkerError):
@@ -45,7 +84,9 @@ class NoEndpointAvailable(WorkerError):
 class ContextLengthExceeded(WorkerError):
     """The prompt is longer than the worker's context window."""
 
-    def __init__(self, message: str, *, stage: str, prompt_tokens: int, max_context_tokens: int) -> None:
-        super().__init__(400, message, stage=stage, code="context_length_exceeded")
+    def __init__(
+        self, message: str, *, stage: str, prompt_tokens: int, max_context_tokens: int, detail: str | None = None
+    ) -> None:
+        super().__init__(400, message, stage=stage, code="context_length_exceeded", detail=detail)
         self.prompt_tokens = prompt_tokens
         self.max_context_tokens = max_context_tokens

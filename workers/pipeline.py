@@ -200,7 +200,9 @@ class ChatRun:
             self.chat, pair_id=pair_id, context_url=context.endpoint.url, schedule_style=ScheduleStyle.GENERATION_FIRST
         )
         self._note(stage=Stage.CONTEXT)
-        generation_open = self._generation_open = asyncio.create_task(self._stream_from_generation(body))
+        generation_open = self._generation_open = asyncio.create_task(
+            self._stream_from_generation(body, waits_for_context=True)
+        )
         context_phase = asyncio.create_task(self._context_phase(pair_id, reservation=context))
         try:
             await asyncio.wait({context_phase, generation_open}, return_when=asyncio.FIRST_COMPLETED)
@@ -236,7 +238,7 @@ class ChatRun:
             url = reservation.endpoint.url
             self._note(context_endpoint=url)
             try:
-                response = await client.post_json(
+                response = await client.post_completion(
                     url + protocol.chat_path, body, stage=Stage.CONTEXT, headers=self._headers(body)
                 )
             except WorkerError as exc:
@@ -265,9 +267,11 @@ class ChatRun:
         self._generation_open = asyncio.create_task(self._stream_from_generation(body))
         await self._await_generation()
 
-    async def _stream_from_generation(self, body: dict[str, Any]) -> ChunkStream:
+    async def _stream_from_generation(self, body: dict[str, Any], *, waits_for_context: bool = False) -> ChunkStream:
         url = self._generation_url + self._protocol.chat_path
-        return await client.open_stream(url, body, stage=Stage.GENERATION, headers=self._headers(body))
+        return await client.open_stream(
+            url, body, stage=Stage.GENERATION, headers=self._headers(body), waits_for_context=waits_for_context
+        )
 
     async def _await_generation(self) -> None:
         assert self._generation_open is not None

@@ -1,0 +1,367 @@
+"""workers.client against a worker scripted byte by byte on a real socket: phase deadlines that a
+trickling worker cannot stretch, size limits, malformed answers, error frames and scrubbed
+error text, each ending as its WorkerError in time.
+
+The fake worker here is deliberately small and local: it answers one scripted way per test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import pytest
+
+from workers import client
+from workers.errors import (
+    AnswerTooLarge,
+    ContextLengthExceeded,
+    MalformedAnswer,
+    MalformedChunk,
+    StreamBroken,
+    StreamTimedOut,
+    WorkerError,
+    WorkerTimeout,
+)
+
+Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+CHUNK = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+COMPLETION = {"id": "c", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+
+
+class FakeWorker:
+    """Answers every request with `script(writer)` after reading the request; records when the
+    gateway hung up."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.hung_up = asyncio.Event()
+        self.url = ""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            script = asyncio.create_task(self.script(writer))
+            await reader.read()  # EOF: the gateway closed the connection
+            self.hung_up.set()
+            script.cancel()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.hung_up.set()
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def fake_worker(script: Script) -> AsyncIterator[FakeWorker]:
+    worker = FakeWorker(script)
+    server = await asyncio.start_server(worker._serve, "127.0.0.1", 0)
+    worker.url = "http://127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+    try:
+        yield worker
+    finally:
+        server.close()
+
+
+def reply(*parts: bytes, every: float = 0.0, then_wait: bool = True) -> Script:
+    """Write `parts` (each after `every` seconds), then stay silent with the connection open."""
+
+    async def script(writer: asyncio.StreamWriter) -> None:
+        for part in parts:
+            if every:
+                await asyncio.sleep(every)
+            writer.write(part)
+            await writer.drain()
+        if then_wait:
+            await asyncio.Event().wait()
+        writer.close()
+
+    return script
+
+
+def trickle(data: bytes, every: float) -> Script:
+    """One byte every `every` seconds: each read succeeds, so only an overall deadline ends it."""
+    return reply(*(data[i : i + 1] for i in range(len(data))), every=every)
+
+
+def sse(*events: Any) -> bytes:
+    return b"".join(b"data: " + (event if isinstance(event, bytes) else orjson.dumps(event)) + b"\n\n" for event in events)
+
+
+def json_answer(body: bytes, status: str = "200 OK") -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (status.encode(), len(body), body)
+
+
+async def read_all(stream: client.ChunkStream) -> list[dict[str, Any]]:
+    try:
+        return [chunk async for chunk in stream]
+    finally:
+        await stream.aclose()
+
+
+@pytest.fixture
+def deadlines(settings: Any) -> Any:
+    settings.WORKER_CONTEXT_TIMEOUT_S = 1.0
+    settings.WORKER_FIRST_BYTE_TIMEOUT_S = 1.0
+    settings.WORKER_IDLE_TIMEOUT_S = 0.6
+    settings.WORKER_REQUEST_TIMEOUT_S = 30.0
+    return settings
+
+
+# --- deadlines -----------------------------------------------------------------------------------
+
+
+async def elapsed(awaitable: Awaitable[Any]) -> tuple[BaseException, float]:
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        await awaitable
+    return info.value, time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(trickle(json_answer(orjson.dumps(COMPLETION)), 0.2), id="headers and body trickled"),
+        pytest.param(reply(json_answer(orjson.dumps(COMPLETION))[:-5]), id="body stops"),
+        pytest.param(reply(), id="no answer"),
+    ],
+)
+async def test_the_context_call_ends_at_its_deadline_however_the_worker_trickles(deadlines: Any, script: Script) -> None:
+    async with fake_worker(script) as worker:
+        error, took = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
+        await asyncio.wait_for(worker.hung_up.wait(), 5)  # and the connection is closed
+    assert type(error) is WorkerTimeout
+    assert (error.status, error.code, error.message) == (504, "timeout", "the context worker timed out")
+    assert 0.9 < took < 3.0
+
+
+async def test_headers_trickled_to_a_generation_request_end_at_the_first_byte_deadline(deadlines: Any) -> None:
+    async with fake_worker(trickle(SSE_HEAD + sse(CHUNK), 0.2)) as worker:
+        error, took = await elapsed(client.open_stream(worker.url, CHAT, stage="generation"))
+    assert type(error) is WorkerTimeout and error.code == "timeout"
+    assert 0.9 < took < 3.0
+
+
+async def test_headers_without_a_body_end_at_the_first_byte_deadline(deadlines: Any) -> None:
+    async with fake_worker(reply(SSE_HEAD)) as worker:
+        started = time.monotonic()
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        error, _ = await elapsed(read_all(stream))
+        took = time.monotonic() - started
+        await asyncio.wait_for(worker.hung_up.wait(), 5)
+    assert isinstance(error, StreamTimedOut) and isinstance(error, StreamBroken)
+    assert (error.status, error.code) == (504, "timeout")
+    assert 0.9 < took < 3.0
+
+
+async def test_generation_first_waits_for_the_context_phase_before_its_first_byte(deadlines: Any) -> None:
+    # The worker answers after 1.5 s: past the first-byte deadline alone, within it plus the
+    # context phase's, which a generation-first request must allow.
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK, b"[DONE]"), every=1.5)) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation", waits_for_context=True)
+        assert await read_all(stream) == [CHUNK]
+        error, _ = await elapsed(client.open_stream(worker.url, CHAT, stage="generation"))
+    assert type(error) is WorkerTimeout
+
+
+async def test_a_stream_trickling_bytes_that_complete_no_event_ends_at_the_idle_deadline(deadlines: Any) -> None:
+    script = reply(SSE_HEAD + sse(CHUNK), *(b"data: {" for _ in range(100)), every=0.1)
+    async with fake_worker(script) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        chunks: list[dict[str, Any]] = []
+        started = time.monotonic()
+        with pytest.raises(StreamTimedOut):
+            async for chunk in stream:
+                chunks.append(chunk)
+                started = time.monotonic()
+        took = time.monotonic() - started
+        await stream.aclose()
+    assert chunks == [CHUNK]
+    assert 0.5 < took < 2.0
+
+
+async def test_a_stream_sending_events_for_ever_ends_at_the_request_deadline(deadlines: Any) -> None:
+    deadlines.WORKER_REQUEST_TIMEOUT_S = 1.5
+    script = reply(SSE_HEAD, *(sse(CHUNK) for _ in range(1000)), every=0.05)
+    async with fake_worker(script) as worker:
+        started = time.monotonic()
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        error, _ = await elapsed(read_all(stream))
+    assert type(error) is StreamTimedOut
+    assert 1.4 < time.monotonic() - started < 3.5
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+
+async def test_a_declared_oversized_answer_is_refused_before_its_body(settings: Any) -> None:
+    settings.WORKER_MAX_JSON_BYTES = 1024
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100000000\r\n\r\n"
+    async with fake_worker(reply(head)) as worker:
+        error, took = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
+    assert type(error) is AnswerTooLarge and error.status == 502 and error.code == "answer_too_large"
+    assert took < 1.0
+
+
+async def test_an_answer_growing_past_the_limit_is_cut_there(settings: Any) -> None:
+    settings.WORKER_MAX_JSON_BYTES = 256 * 1024
+    sent = 0
+
+    async def endless(writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n{\"a\": \"")
+        while True:
+            writer.write(b"x" * 65536)
+            sent += 65536
+            await writer.drain()
+
+    async with fake_worker(endless) as worker:
+        error, _ = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
+        await asyncio.wait_for(worker.hung_up.wait(), 5)
+    assert type(error) is AnswerTooLarge
+    assert sent < 16 * 1024 * 1024  # cut near the limit (plus socket buffers), not read to the end
+
+
+async def test_a_stream_line_longer_than_the_limit_is_refused(settings: Any) -> None:
+    settings.WORKER_MAX_SSE_LINE_BYTES = 64 * 1024
+    async with fake_worker(reply(SSE_HEAD + b"data: " + b"x" * 1024 * 1024)) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        error, took = await elapsed(read_all(stream))
+    assert type(error) is MalformedChunk and error.code == "answer_too_large"
+    assert error.message == "the generation worker sent a stream line longer than 65536 bytes"
+    assert took < 2.0
+
+
+# --- shapes --------------------------------------------------------------------------------------
+
+MALFORMED = [
+    (b'{"choices":[null]}', "choices[0] is not an object"),
+    (b"[1,2,3]", "the chunk is not an object"),
+    (b'{"choices":"abc"}', "choices is not a list"),
+    (b"5", "the chunk is not an object"),
+    (b'{"choices":[],"usage":5}', "usage is not an object"),
+    (b'{"choices":[],"usage":{"prompt_tokens":"many"}}', "usage.prompt_tokens is not a non-negative integer"),
+    (b'{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":{"a":1}}}]}}]}',
+     "choices[0].delta.tool_calls[0].function.arguments is not a string"),
+    (b'{"choices":[{"delta":null}]}', "choices[0].delta is missing or null"),
+    (b'{"choices":[{"index":0,"delta":{"content":5}}]}', "choices[0].delta.content is not a string"),
+    (b'{"choices":[{"index":0,"delta":{"content":{"a":1}}}]}', "choices[0].delta.content is not a string"),
+    (b"{not json", "it is not JSON"),
+]
+
+
+@pytest.mark.parametrize(("frame", "named"), MALFORMED)
+async def test_a_malformed_chunk_after_good_ones_ends_the_stream_with_its_field_named(frame: bytes, named: str) -> None:
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK, frame, CHUNK, b"[DONE]"))) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        seen: list[dict[str, Any]] = []
+        with pytest.raises(MalformedChunk) as info:
+            async for chunk in stream:
+                seen.append(chunk)
+        await stream.aclose()
+    assert seen == [CHUNK]
+    error = info.value
+    assert isinstance(error, StreamBroken) and (error.status, error.code) == (502, "malformed_answer")
+    assert error.message.startswith("the generation worker sent a malformed stream chunk: ") and error.message.endswith(named)
+
+
+async def test_a_context_answer_of_the_wrong_shape_is_a_502_naming_the_field() -> None:
+    answer = {"id": "c", "choices": [{"index": 0, "message": "oops", "finish_reason": "stop"}]}
+    async with fake_worker(reply(json_answer(orjson.dumps(answer)))) as worker:
+        error, _ = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
+    assert type(error) is MalformedAnswer and error.status == 502
+    assert error.message == "the context worker sent a malformed answer: choices[0].message is not an object"
+
+
+async def test_multi_line_data_and_bare_cr_line_ends_arrive_as_chunks() -> None:
+    body = b'data: {"id": "c",\rdata: "choices": []}\r\r: comment\r\ndata: [DONE]\r\n\r\n'
+    async with fake_worker(reply(SSE_HEAD + body)) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        assert await read_all(stream) == [{"id": "c", "choices": []}]
+
+
+# --- error frames and error text -----------------------------------------------------------------
+
+PROBE = (
+    "Traceback (most recent call last):\n  File \"/opt/tensorrt_llm/serve/openai_server.py\", line 412, in chat\n"
+    "    raise RuntimeError(msg)\nRuntimeError: KV transfer from 10.20.30.40:8001 failed (api_key=sk-internal-123)\n"
+)
+
+
+async def test_a_worker_error_answer_reaches_the_client_scrubbed_and_the_audit_redacted(caplog: pytest.LogCaptureFixture) -> None:
+    body = orjson.dumps({"error": {"message": PROBE, "type": "InternalServerError", "code": 500}})
+    with caplog.at_level(logging.WARNING, logger="workers.client"):
+        async with fake_worker(reply(json_answer(body, "500 Internal Server Error"))) as worker:
+            error, _ = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
+    assert error.status == 500
+    assert error.message == "KV transfer from <address> failed (api_key=<redacted>"
+    assert "10.20.30.40:8001" in error.detail and "/opt/tensorrt_llm" in error.detail
+    assert "sk-internal-123" not in error.detail
+    assert "sk-internal-123" in caplog.text  # the operator's log keeps the raw text
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"event: error\ndata: " + orjson.dumps({"error": {"message": PROBE, "code": 503}}) + b"\n\n",
+        sse({"error": {"message": PROBE, "code": 503}}),
+    ],
+    ids=["event: error", "error data frame"],
+)
+async def test_an_error_frame_mid_stream_is_the_worker_error_scrubbed(frame: bytes) -> None:
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK) + frame)) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        error, _ = await elapsed(read_all(stream))
+    assert type(error) is WorkerError and error.status == 503
+    assert error.message == "KV transfer from <address> failed (api_key=<redacted>"
+
+
+async def test_context_length_is_read_from_the_raw_message_before_scrubbing() -> None:
+    message = (
+        "worker 10.0.0.5:8000: This model's maximum context length is 4096 tokens. However, you requested "
+        "5000 tokens (4000 in the messages, 1000 in the completion)."
+    )
+    body = orjson.dumps({"error": {"message": message, "code": 400}})
+    async with fake_worker(reply(json_answer(body, "400 Bad Request"))) as worker:
+        error, _ = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
+    assert isinstance(error, ContextLengthExceeded)
+    assert (error.prompt_tokens, error.max_context_tokens) == (4000, 4096)
+    assert "10.0.0.5" not in error.message and "10.0.0.5:8000" in error.detail
+
+
+async def test_a_stream_ending_without_done_is_broken() -> None:
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK), then_wait=False)) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        error, _ = await elapsed(read_all(stream))
+    assert type(error) is StreamBroken and error.status == 502
+
+
+async def test_a_client_leaving_during_a_watched_read_is_a_cancellation_not_a_timeout(deadlines: Any) -> None:
+    # The stream's one deadline timer cancels the reading task when it passes; a cancellation
+    # from elsewhere (the client left) must stay a cancellation and close the worker connection.
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK))) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        got_one = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in stream:
+                got_one.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(got_one.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        await asyncio.wait_for(worker.hung_up.wait(), 5)
+    assert task.cancelled()
+    assert stream._deadline is not None and stream._deadline._handle is None  # its timer is gone

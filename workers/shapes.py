@@ -1,0 +1,148 @@
+"""What a worker's OpenAI chat answer must look like before the gateway reads it: pure checks.
+
+    chunk = check_chunk(orjson.loads(event.data))        # a streamed chat.completion.chunk
+    completion = check_completion(orjson.loads(body))    # a non-streamed chat.completion
+
+Each returns its argument, typed, or raises `ShapeError` naming the first field that is wrong
+("choices[0].delta.content is not a string"). They check the fields the gateway reads, as the
+engines document them (OpenAI's chat API; vLLM, SGLang and TensorRT-LLM follow it): `choices` a
+list of objects with an int `index`; `delta` / `message` an object; `content`,
+`reasoning_content`, `reasoning` a string or null; `tool_calls` a list of
+`{index, id, type, function: {name, arguments}}` with string-or-null leaves; `finish_reason` a
+string or null; `usage` an object whose counts are non-negative ints. Any other field, such as
+vLLM's `token_ids`, `prompt_token_ids` and `kv_transfer_params`, TensorRT-LLM's
+`disaggregated_params`, `stop_reason` or SGLang's `matched_stop`, is the engine's business and
+passes through untouched.
+
+A streamed choice without a `delta` object is wrong unless it carries the `finish_reason`:
+a chunk that says nothing would otherwise end an answer as if it had succeeded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Text fields of a delta or a message.
+_TEXT_FIELDS = frozenset(("content", "reasoning_content", "reasoning", "role", "refusal"))
+_USAGE_COUNTS = frozenset(("prompt_tokens", "completion_tokens", "total_tokens"))
+_DETAIL_COUNTS = {"prompt_tokens_details": ("cached_tokens",), "completion_tokens_details": ("reasoning_tokens",)}
+
+
+class ShapeError(ValueError):
+    """A worker answer does not have the documented shape; `where` names the field."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} {problem}" if where else problem)
+        self.where = where
+        self.problem = problem
+
+
+def check_chunk(chunk: Any) -> dict[str, Any]:
+    """A `chat.completion.chunk`: a usage-only chunk has `"choices": []` (or none)."""
+    if not isinstance(chunk, dict):
+        raise ShapeError("the chunk", "is not an object")
+    choices = chunk.get("choices")
+    if choices is not None:
+        if not isinstance(choices, list):
+            raise ShapeError("choices", "is not a list")
+        for i, choice in enumerate(choices):
+            _check_choice(choice, f"choices[{i}]", "delta", streamed=True)
+    _check_usage(chunk.get("usage"))
+    return chunk
+
+
+def check_completion(completion: Any) -> dict[str, Any]:
+    """A non-streamed `chat.completion`: at least one choice, each with a `message` object."""
+    if not isinstance(completion, dict):
+        raise ShapeError("the answer", "is not an object")
+    choices = completion.get("choices")
+    if not isinstance(choices, list):
+        raise ShapeError("choices", "is not a list")
+    if not choices:
+        raise ShapeError("choices", "is empty")
+    for i, choice in enumerate(choices):
+        _check_choice(choice, f"choices[{i}]", "message", streamed=False)
+    _check_usage(completion.get("usage"))
+    return completion
+
+
+def _check_choice(choice: Any, where: str, body_name: str, *, streamed: bool) -> None:
+    if not isinstance(choice, dict):
+        raise ShapeError(where, "is not an object")
+    index = choice.get("index")
+    if index is not None and not _is_count(index):
+        raise ShapeError(f"{where}.index", "is not a non-negative integer")
+    finish_reason = choice.get("finish_reason")
+    if finish_reason is not None and not isinstance(finish_reason, str):
+        raise ShapeError(f"{where}.finish_reason", "is not a string")
+    body = choice.get(body_name)
+    if body is None:
+        if streamed and finish_reason is not None:
+            return  # a last chunk may carry only the finish reason
+        raise ShapeError(f"{where}.{body_name}", "is missing or null")
+    if not isinstance(body, dict):
+        raise ShapeError(f"{where}.{body_name}", "is not an object")
+    # Over the fields present (a delta has one or two), not over every field checked: this runs
+    # once per relayed token.
+    for field, value in body.items():
+        if value is None:
+            continue
+        if field in _TEXT_FIELDS:
+            if type(value) is not str:
+                raise ShapeError(f"{where}.{body_name}.{field}", "is not a string")
+        elif field == "tool_calls":
+            _check_tool_calls(value, f"{where}.{body_name}.tool_calls", streamed=streamed)
+
+
+def _check_tool_calls(tool_calls: Any, where: str, *, streamed: bool) -> None:
+    if not isinstance(tool_calls, list):
+        raise ShapeError(where, "is not a list")
+    for i, call in enumerate(tool_calls):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict):
+            raise ShapeError(at, "is not an object")
+        index = call.get("index")
+        if index is None and streamed:
+            raise ShapeError(f"{at}.index", "is missing")
+        if index is not None and not _is_count(index):
+            raise ShapeError(f"{at}.index", "is not a non-negative integer")
+        for field in ("id", "type"):
+            value = call.get(field)
+            if value is not None and not isinstance(value, str):
+                raise ShapeError(f"{at}.{field}", "is not a string")
+        function = call.get("function")
+        if function is None:
+            continue  # a later delta of a call may carry nothing new
+        if not isinstance(function, dict):
+            raise ShapeError(f"{at}.function", "is not an object")
+        for field in ("name", "arguments"):
+            value = function.get(field)
+            if value is not None and not isinstance(value, str):
+                raise ShapeError(f"{at}.function.{field}", "is not a string")
+
+
+def _check_usage(usage: Any) -> None:
+    if usage is None:
+        return
+    if not isinstance(usage, dict):
+        raise ShapeError("usage", "is not an object")
+    for field, value in usage.items():
+        if value is None:
+            continue
+        if field in _USAGE_COUNTS:
+            if not _is_count(value):
+                raise ShapeError(f"usage.{field}", "is not a non-negative integer")
+        elif field in _DETAIL_COUNTS:
+            if not isinstance(value, dict):
+                raise ShapeError(f"usage.{field}", "is not an object")
+            for count in _DETAIL_COUNTS[field]:
+                detail = value.get(count)
+                if detail is not None and not _is_count(detail):
+                    raise ShapeError(f"usage.{field}.{count}", "is not a non-negative integer")
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0  # bool is an int subclass, and never a count
+
+
+__all__ = ["ShapeError", "check_chunk", "check_completion"]
