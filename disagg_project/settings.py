@@ -160,6 +160,12 @@ MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
 MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
 
 # Worker HTTP client.
+# Which httpx transport carries worker calls: "lean" (workers.transport, this project's own) or
+# "aiohttp" (the httpx-aiohttp package: aiohttp's pool and C parser). Both are configured from the
+# settings below; `bench/transport.py` compares them.
+WORKER_TRANSPORT = os.environ.get("WORKER_TRANSPORT", "lean").strip().lower() or "lean"
+if WORKER_TRANSPORT not in ("lean", "aiohttp"):
+    raise ImproperlyConfigured(f"WORKER_TRANSPORT must be 'lean' or 'aiohttp', not {WORKER_TRANSPORT!r}")
 WORKER_CONNECT_TIMEOUT_S = env_float("WORKER_CONNECT_TIMEOUT_S", 5.0)
 # Upper bound of one worker call (the context phase of a long prompt may take minutes).
 WORKER_REQUEST_TIMEOUT_S = env_float("WORKER_REQUEST_TIMEOUT_S", 900.0)
@@ -168,6 +174,11 @@ WORKER_MAX_CONNECTIONS = env_int("WORKER_MAX_CONNECTIONS", 4096)
 # An idle kept-alive connection is reused only this long: below the 5 s after which uvicorn (and
 # so trtllm-serve) closes one, so a reuse rarely races the server's close.
 WORKER_KEEPALIVE_EXPIRY_S = env_float("WORKER_KEEPALIVE_EXPIRY_S", 4.0)
+# A worker's response head is cut (an httpx.RemoteProtocolError, so a worker error) past this many
+# header fields or this many bytes (status line and header lines together, interim 1xx answers
+# included): a broken or hostile worker cannot make the gateway buffer an unbounded head.
+WORKER_MAX_RESPONSE_HEADERS = env_int("WORKER_MAX_RESPONSE_HEADERS", 100)
+WORKER_MAX_RESPONSE_HEADER_BYTES = env_int("WORKER_MAX_RESPONSE_HEADER_BYTES", 64 * 1024)
 # After a client leaves once the context phase is done, how long the gateway waits for the
 # generation worker to take the KV handoff (so the context worker frees it) before closing.
 WORKER_HANDOFF_RELEASE_TIMEOUT_S = env_float("WORKER_HANDOFF_RELEASE_TIMEOUT_S", 5.0)

@@ -24,9 +24,10 @@ from workers.errors import (
     WorkerError,
     WorkerUnreachable,
 )
+from workers.aiohttp_transport import AiohttpWorkerTransport
 from workers.transport import WorkerTransport
 
-_transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WorkerTransport] = weakref.WeakKeyDictionary()
+_transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncBaseTransport] = weakref.WeakKeyDictionary()
 
 # How long to wait for the end of a stream's body after `[DONE]`.
 DRAIN_TIMEOUT_S = 1.0
@@ -35,8 +36,9 @@ JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"
 SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
-def transport() -> WorkerTransport:
-    """The running loop's connection pools (daphne has no lifespan hook to create them at start).
+def transport() -> httpx.AsyncBaseTransport:
+    """The running loop's connection pools (daphne has no lifespan hook to create them at start),
+    on the transport `WORKER_TRANSPORT` names.
 
     Requests go to the transport directly, not through `httpx.AsyncClient`: the client's layers
     (URL merging, cookies, auth, redirects, event hooks) cost ~200 µs per call and do nothing
@@ -45,9 +47,12 @@ def transport() -> WorkerTransport:
     loop = asyncio.get_running_loop()
     worker_transport = _transports.get(loop)
     if worker_transport is None:
-        worker_transport = _transports[loop] = WorkerTransport(
+        kind = AiohttpWorkerTransport if settings.WORKER_TRANSPORT == "aiohttp" else WorkerTransport
+        worker_transport = _transports[loop] = kind(
             max_connections=settings.WORKER_MAX_CONNECTIONS,
             keepalive_expiry=settings.WORKER_KEEPALIVE_EXPIRY_S,
+            max_response_headers=settings.WORKER_MAX_RESPONSE_HEADERS,
+            max_response_header_bytes=settings.WORKER_MAX_RESPONSE_HEADER_BYTES,
         )
     return worker_transport
 

@@ -39,6 +39,10 @@ READ_HIGH_WATER = 256 * 1024
 SMALL_BODY = 64 * 1024
 
 
+class _HeadTooLarge(Exception):
+    """Raised inside a parser callback: httptools turns it into HttpParserCallbackError."""
+
+
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection: at most one request at a time, the response parsed as it
     arrives. The asyncio protocol and the httptools callbacks both live here."""
@@ -46,6 +50,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: _OriginPool) -> None:
         self._pool = pool
         self._loop = pool.loop
+        self._max_headers = pool.transport.max_response_headers
+        self._max_head_bytes = pool.transport.max_response_header_bytes
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
@@ -58,6 +64,10 @@ class _Connection(asyncio.Protocol):
     def _reset_response(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        # Over every head of this response, interim 1xx ones included:
+        self._header_count = 0
+        self._header_bytes = 0  # of the header fields parsed
+        self._unparsed_head_bytes = 0  # of the reads that left a head incomplete
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
@@ -78,9 +88,20 @@ class _Connection(asyncio.Protocol):
         self.received_any = True
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._fail(httpx.RemoteProtocolError, "the server sent a malformed HTTP response")
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _HeadTooLarge):
+                self._fail(httpx.RemoteProtocolError, str(exc.__context__))
+            else:
+                self._fail(httpx.RemoteProtocolError, "the server sent a malformed HTTP response")
             self.close()
+            return
+        if not self.headers_done:
+            # Every byte of this read belongs to a head still incomplete (httptools keeps a partial
+            # header line to itself, so `on_header` alone cannot bound one endless line).
+            self._unparsed_head_bytes += len(data)
+            if self._unparsed_head_bytes > self._max_head_bytes:
+                self._fail(httpx.RemoteProtocolError, f"the response head exceeds {self._max_head_bytes} bytes")
+                self.close()
 
     def eof_received(self) -> bool:
         return False  # let the transport close; connection_lost follows
@@ -100,6 +121,12 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        self._header_bytes += len(name) + len(value) + 4  # "name: value\r\n"
+        if self._header_count > self._max_headers:
+            raise _HeadTooLarge(f"the response has more than {self._max_headers} header fields")
+        if self._header_bytes > self._max_head_bytes:
+            raise _HeadTooLarge(f"the response head exceeds {self._max_head_bytes} bytes")
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -208,7 +235,7 @@ class _OriginPool:
     def __init__(self, origin: Origin, transport: WorkerTransport) -> None:
         self.origin = origin
         self.loop = asyncio.get_running_loop()
-        self._transport = transport
+        self.transport = transport
         self._idle: collections.deque[_Connection] = collections.deque()
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.open = 0
@@ -221,7 +248,7 @@ class _OriginPool:
                 connection = self._idle.pop()
                 if not connection.closed:
                     return connection, True
-            if self.open < self._transport.max_connections:
+            if self.open < self.transport.max_connections:
                 break
             await self._wait_for_slot(pool_timeout)
         self.open += 1
@@ -238,7 +265,7 @@ class _OriginPool:
 
     async def _connect(self, timeout: float | None) -> _Connection:
         scheme, host, port = self.origin
-        tls = self._transport.ssl_context if scheme == b"https" else None
+        tls = self.transport.ssl_context if scheme == b"https" else None
         try:
             async with asyncio.timeout(timeout):
                 _, connection = await self.loop.create_connection(
@@ -252,7 +279,7 @@ class _OriginPool:
 
     def release(self, connection: _Connection) -> None:
         """A connection whose response was read whole: keep it for the next request."""
-        if connection.closed or not connection.keep_alive or len(self._idle) >= self._transport.max_keepalive_connections:
+        if connection.closed or not connection.keep_alive or len(self._idle) >= self.transport.max_keepalive_connections:
             connection.close()
             return
         connection.idle_since = self.loop.time()
@@ -268,7 +295,7 @@ class _OriginPool:
             self._idle.pop().close()
 
     def _prune(self, now: float) -> None:
-        expiry = self._transport.keepalive_expiry
+        expiry = self.transport.keepalive_expiry
         idle = self._idle
         while idle and (idle[0].closed or now - idle[0].idle_since >= expiry):
             idle.popleft().close()
@@ -325,11 +352,15 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         max_connections: int = 4096,
         max_keepalive_connections: int = 512,
         keepalive_expiry: float = 4.0,
+        max_response_headers: int = 100,
+        max_response_header_bytes: int = 64 * 1024,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.max_connections = max_connections  # per origin
         self.max_keepalive_connections = max_keepalive_connections  # per origin
         self.keepalive_expiry = keepalive_expiry
+        self.max_response_headers = max_response_headers
+        self.max_response_header_bytes = max_response_header_bytes
         self._ssl_context = ssl_context
         self._pools: dict[Origin, _OriginPool] = {}
 

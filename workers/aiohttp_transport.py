@@ -1,0 +1,201 @@
+"""An httpx transport for calls to workers on aiohttp's connection pool and C response parser
+(the `httpx-aiohttp` package), configured and corrected for worker calls.
+
+    transport = AiohttpWorkerTransport(max_connections=4096, keepalive_expiry=4.0)
+    response = await transport.handle_async_request(httpx.Request("POST", url, content=body))
+    async for chunk in response.aiter_raw(): ...
+    await response.aclose()     # back to the pool if the answer was read whole, else closed
+
+What this adds to `httpx_aiohttp.AiohttpTransport`, and why:
+
+- **Exceptions mapped by what happened.** The package maps every `ClientConnectionError` to
+  `httpx.ConnectTimeout` (so a worker that hangs up mid-answer looks like one never reached),
+  a pool or connect timeout to the bare `TimeoutException` (which the client would call a 504),
+  and lets aiohttp's parser errors (a malformed or oversized head) escape as non-httpx exceptions.
+  Here: connect failures are `ConnectError`/`ConnectTimeout`, read timeouts `ReadTimeout`, a
+  hang-up `RemoteProtocolError`/`ReadError`, a malformed or oversized head `RemoteProtocolError`;
+  their text never names the worker's address.
+- **The stale keep-alive retry.** aiohttp resends a request whose reused connection the server
+  had closed only for idempotent methods; worker calls are POSTs. A request that went out on a
+  *reused* connection and got only a hang-up (`ServerDisconnectedError`, or a reset) is sent once
+  more on a fresh connection, as `workers.transport` does; a fresh connection's hang-up is not
+  retried (the worker may have seen the request).
+- **Bounded response heads.** aiohttp bounds the header count and each field's size while
+  parsing; the total size is checked when the head is complete (meanwhile at most
+  count × field size bytes are held).
+- **No read-ahead beyond a bounded buffer** (`read_bufsize`: aiohttp pauses the socket at twice
+  it), keep-alive expiry and a per-endpoint connection bound from the settings, no cookies, no
+  added `User-Agent`/`Accept-Encoding`, no proxy from the environment. aiohttp sets TCP_NODELAY
+  on every connection itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import ssl
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import httpx
+from httpx_aiohttp import AiohttpTransport
+
+# aiohttp pauses reading from a connection when twice this many body bytes are unread.
+READ_BUFSIZE = 128 * 1024
+# aiohttp's own default bound on one header field or the status line.
+MAX_FIELD_SIZE = 8190
+
+
+async def _note_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace, _params: Any) -> None:
+    context.trace_request_ctx.reused = True
+
+
+_REUSE_TRACE = aiohttp.TraceConfig()
+_REUSE_TRACE.on_connection_reuseconn.append(_note_reuse)
+_REUSE_TRACE.freeze()
+
+
+@functools.lru_cache(maxsize=64)
+def _client_timeout(connect: float | None, read: float | None, pool: float | None) -> aiohttp.ClientTimeout:
+    # `connect` in aiohttp is the wait for a pool slot and the connect together.
+    return aiohttp.ClientTimeout(total=None, connect=pool, sock_connect=connect, sock_read=read)
+
+
+def _mapped(exc: BaseException) -> httpx.TransportError | None:
+    """The httpx exception for an aiohttp one, None for anything else. Never aiohttp's text,
+    which names the worker's address."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout("timed out connecting to the server")
+    if isinstance(exc, (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError)):
+        return httpx.ReadTimeout("timed out reading the response")
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, unresolvable, TLS and certificate failures
+        return httpx.ConnectError(f"could not connect to the server ({type(exc).__name__})")
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return httpx.RemoteProtocolError("the server closed the connection")
+    if isinstance(exc, aiohttp.ClientResponseError):  # aiohttp's parser refused the head
+        return httpx.RemoteProtocolError(f"the server sent a malformed or oversized HTTP response ({exc.message})")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return httpx.RemoteProtocolError("the server sent an incomplete or malformed body")
+    if isinstance(exc, (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError)):
+        return httpx.UnsupportedProtocol("unsupported worker URL")
+    if isinstance(exc, (aiohttp.ClientError, OSError)):
+        return httpx.ReadError(f"the connection to the server failed ({type(exc).__name__})")
+    return None
+
+
+class _ResponseStream(httpx.AsyncByteStream):
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        readany = self._response.content.readany  # whatever arrived, joined: fewer, larger chunks
+        try:
+            while chunk := await readany():
+                yield chunk
+        except Exception as exc:
+            mapped = _mapped(exc)
+            if mapped is None:
+                raise
+            mapped.request = self._request
+            raise mapped from None
+
+    async def aclose(self) -> None:
+        # Back to the pool if the body was read to its end, closed otherwise (aiohttp's rule).
+        self._response.release()
+
+
+class AiohttpWorkerTransport(AiohttpTransport):
+    """HTTP/1.1 to workers over aiohttp; one instance per event loop (its session belongs to it)."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = 4096,
+        keepalive_expiry: float = 4.0,
+        max_response_headers: int = 100,
+        max_response_header_bytes: int = 64 * 1024,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(
+            verify=ssl_context if ssl_context is not None else True,
+            trust_env=False,  # never route worker calls through a proxy from the environment
+            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=keepalive_expiry),
+            client=self._new_session,
+        )
+        self.max_response_headers = max_response_headers
+        self.max_response_header_bytes = max_response_header_bytes
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # no bound across endpoints; the bound is per endpoint
+            limit_per_host=self.limits.max_connections or 0,
+            keepalive_timeout=self.limits.keepalive_expiry,
+            ssl=self.ssl_context,
+        )
+        field_size = min(MAX_FIELD_SIZE, self.max_response_header_bytes)
+        return aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            auto_decompress=False,
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None),
+            read_bufsize=READ_BUFSIZE,
+            max_headers=self.max_response_headers,
+            max_field_size=field_size,
+            max_line_size=field_size,
+            trace_configs=[_REUSE_TRACE],
+        )
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not isinstance(self.client, aiohttp.ClientSession):
+            self.client = self.get_client()
+        session = self.client
+        timeouts = request.extensions.get("timeout") or {}
+        timeout = _client_timeout(timeouts.get("connect"), timeouts.get("read"), timeouts.get("pool"))
+        url = str(request.url)
+        body = request.content or None  # in memory: worker calls never stream a request body
+        for attempt in (1, 2):
+            trace = SimpleNamespace(reused=False)
+            try:
+                response = await session.request(
+                    request.method,
+                    url,
+                    headers=request.headers,
+                    data=body,
+                    allow_redirects=False,
+                    timeout=timeout,
+                    trace_request_ctx=trace,
+                )
+                break
+            except Exception as exc:
+                stale = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and not isinstance(
+                    exc, aiohttp.ClientConnectorError
+                )
+                if stale and trace.reused and attempt == 1:
+                    # A kept-alive connection the server closed as we reused it: the request never
+                    # got an answer, so it goes out once more on a fresh connection.
+                    continue
+                mapped = _mapped(exc)
+                if mapped is None:
+                    raise
+                mapped.request = request
+                raise mapped from None
+        raw_headers = response.raw_headers
+        head_bytes = sum(len(name) + len(value) + 4 for name, value in raw_headers)
+        if head_bytes > self.max_response_header_bytes:
+            response.close()
+            raise httpx.RemoteProtocolError(
+                f"the response head exceeds {self.max_response_header_bytes} bytes", request=request
+            )
+        return httpx.Response(
+            response.status,
+            headers=raw_headers,
+            stream=_ResponseStream(response, request),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+
+__all__ = ["AiohttpWorkerTransport"]
