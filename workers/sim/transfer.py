@@ -15,8 +15,6 @@ from typing import Any
 import httpx
 import orjson
 
-from workers.transport import WorkerTransport
-
 from .errors import SimError
 from .schema import DisaggParams
 
@@ -43,9 +41,9 @@ def _context_timeout(handoff_id: int, detail: str) -> SimError:
 
 
 class KvPuller:
-    """Takes handoffs from context workers over one shared, pooled HTTP client (the gateway's
-    own worker transport: the sims share the benchmark machine with the gateway, so their CPU
-    per request matters too)."""
+    """Takes handoffs from context workers over one shared, pooled HTTP client: stock httpx on its
+    default transport, not the gateway's worker transport, so the test double shares no code with
+    what it tests. Kept open and reused (a client per pull would pay its set-up each time)."""
 
     def __init__(self) -> None:
         self._client: httpx.AsyncClient | None = None
@@ -53,7 +51,8 @@ class KvPuller:
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(
-                transport=WorkerTransport(max_connections=65536),
+                # Generation-first pulls wait for their context phase: one connection each.
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=4.0),
                 trust_env=False,  # never route worker-to-worker calls through a proxy
             )
         return self._client
