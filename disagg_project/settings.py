@@ -160,12 +160,6 @@ MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
 MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
 
 # Worker HTTP client.
-# Which httpx transport carries worker calls: "lean" (workers.transport, this project's own) or
-# "aiohttp" (the httpx-aiohttp package: aiohttp's pool and C parser). Both are configured from the
-# settings below; `bench/transport.py` compares them.
-WORKER_TRANSPORT = os.environ.get("WORKER_TRANSPORT", "lean").strip().lower() or "lean"
-if WORKER_TRANSPORT not in ("lean", "aiohttp"):
-    raise ImproperlyConfigured(f"WORKER_TRANSPORT must be 'lean' or 'aiohttp', not {WORKER_TRANSPORT!r}")
 WORKER_CONNECT_TIMEOUT_S = env_float("WORKER_CONNECT_TIMEOUT_S", 5.0)
 # Upper bound of one worker call (the context phase of a long prompt may take minutes).
 WORKER_REQUEST_TIMEOUT_S = env_float("WORKER_REQUEST_TIMEOUT_S", 900.0)

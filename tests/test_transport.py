@@ -1,8 +1,8 @@
-"""The worker transports (`lean`: workers.transport; `aiohttp`: workers.aiohttp_transport) against
-real TCP servers whose answers each test scripts byte by byte: keep-alive reuse, framing, the retry
-of a stale kept-alive connection, timeouts, the pool bound, back-pressure, closing a half-read
-answer, bounded response heads, TLS. Every test runs against both: it states what worker calls
-need, not how one transport does it."""
+"""The worker transport (workers.transport, on aiohttp) against real TCP servers whose answers each
+test scripts byte by byte: keep-alive reuse, framing, the retry of a stale kept-alive connection,
+timeouts, the pool bound, back-pressure, closing a half-read answer, bounded response heads, TLS.
+Each test states what worker calls need, not how the transport does it (until issue 10 the same
+tests ran against a hand-written transport too)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from workers import client
-from workers.aiohttp_transport import AiohttpWorkerTransport
 from workers.errors import WorkerError
 from workers.transport import WorkerTransport
 
@@ -86,36 +85,16 @@ async def answer_every_request(reader: asyncio.StreamReader, writer: asyncio.Str
         await writer.drain()
 
 
-TransportFactory = Callable[..., contextlib.AbstractAsyncContextManager[httpx.AsyncBaseTransport]]
-KINDS: dict[str, type[WorkerTransport] | type[AiohttpWorkerTransport]] = {
-    "lean": WorkerTransport,
-    "aiohttp": AiohttpWorkerTransport,
-}
+@contextlib.asynccontextmanager
+async def worker_transport(**options: Any) -> AsyncIterator[WorkerTransport]:
+    transport = WorkerTransport(**options)
+    try:
+        yield transport
+    finally:
+        await transport.aclose()
 
 
-@pytest.fixture(params=sorted(KINDS))
-def transport_kind(request: pytest.FixtureRequest) -> str:
-    """Each value of the WORKER_TRANSPORT setting in turn."""
-    return str(request.param)
-
-
-@pytest.fixture
-def worker_transport(transport_kind: str) -> TransportFactory:
-    """`async with worker_transport(**options) as transport`, for each transport kind in turn."""
-    kind = KINDS[transport_kind]
-
-    @contextlib.asynccontextmanager
-    async def open_transport(**options: Any) -> AsyncIterator[httpx.AsyncBaseTransport]:
-        transport = kind(**options)
-        try:
-            yield transport
-        finally:
-            await transport.aclose()
-
-    return open_transport
-
-
-async def fetch(transport: httpx.AsyncBaseTransport, url: str, *, timeout: float = 5.0, body: bytes = b"{}") -> httpx.Response:
+async def fetch(transport: WorkerTransport, url: str, *, timeout: float = 5.0, body: bytes = b"{}") -> httpx.Response:
     request = httpx.Request("POST", url, content=body, extensions={"timeout": httpx.Timeout(timeout).as_dict()})
     response = await transport.handle_async_request(request)
     await response.aread()
@@ -128,7 +107,7 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
             await asyncio.sleep(0.005)
 
 
-async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact(worker_transport: TransportFactory) -> None:
+async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -> None:
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -146,7 +125,7 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact(wor
     assert b"content-length: 8" in head.lower() and body == b'{"a": 1}'
 
 
-async def test_a_chunked_stream_arrives_as_it_is_sent(worker_transport: TransportFactory) -> None:
+async def test_a_chunked_stream_arrives_as_it_is_sent() -> None:
     go_on = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -170,7 +149,7 @@ async def test_a_chunked_stream_arrives_as_it_is_sent(worker_transport: Transpor
     assert server.connections == 1  # read to its end: the connection went back to the pool
 
 
-async def test_a_body_ending_with_the_connection_is_complete_and_not_reused(worker_transport: TransportFactory) -> None:
+async def test_a_body_ending_with_the_connection_is_complete_and_not_reused() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end")
@@ -183,7 +162,7 @@ async def test_a_body_ending_with_the_connection_is_complete_and_not_reused(work
     assert server.connections == 2
 
 
-async def test_a_kept_alive_connection_the_server_dropped_is_retried_on_a_fresh_one(worker_transport: TransportFactory) -> None:
+async def test_a_kept_alive_connection_the_server_dropped_is_retried_on_a_fresh_one() -> None:
     # The keep-alive race: the server gives up on the idle connection just as the next request
     # goes out on it. The request never reached the server, so it is sent once more.
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
@@ -202,7 +181,7 @@ async def test_a_kept_alive_connection_the_server_dropped_is_retried_on_a_fresh_
     assert server.connections == 2
 
 
-async def test_a_fresh_connection_closed_without_an_answer_fails_without_a_retry(worker_transport: TransportFactory) -> None:
+async def test_a_fresh_connection_closed_without_an_answer_fails_without_a_retry() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
 
@@ -213,7 +192,7 @@ async def test_a_fresh_connection_closed_without_an_answer_fails_without_a_retry
     assert server.connections == 1
 
 
-async def test_an_idle_connection_closed_by_the_server_is_not_reused(worker_transport: TransportFactory) -> None:
+async def test_an_idle_connection_closed_by_the_server_is_not_reused() -> None:
     closed: list[int] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
@@ -231,7 +210,7 @@ async def test_an_idle_connection_closed_by_the_server_is_not_reused(worker_tran
     assert server.connections == 2
 
 
-async def test_an_expired_idle_connection_is_closed_instead_of_reused(worker_transport: TransportFactory) -> None:
+async def test_an_expired_idle_connection_is_closed_instead_of_reused() -> None:
     async with ScriptedServer(answer_every_request) as server, worker_transport(keepalive_expiry=0.05) as transport:
         await fetch(transport, server.url)
         await asyncio.sleep(0.1)  # the expiry itself is what is tested
@@ -239,7 +218,7 @@ async def test_an_expired_idle_connection_is_closed_instead_of_reused(worker_tra
     assert server.connections == 2
 
 
-async def test_a_worker_that_never_answers_times_out_and_sees_the_connection_close(worker_transport: TransportFactory) -> None:
+async def test_a_worker_that_never_answers_times_out_and_sees_the_connection_close() -> None:
     client_left = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -253,7 +232,7 @@ async def test_a_worker_that_never_answers_times_out_and_sees_the_connection_clo
         await asyncio.wait_for(client_left.wait(), 5)
 
 
-async def test_a_refused_connection_is_a_connect_error(worker_transport: TransportFactory) -> None:
+async def test_a_refused_connection_is_a_connect_error() -> None:
     async with ScriptedServer(answer_every_request) as server:
         url = server.url
     async with worker_transport(max_connections=1) as transport:
@@ -262,7 +241,7 @@ async def test_a_refused_connection_is_a_connect_error(worker_transport: Transpo
                 await fetch(transport, url, timeout=1.0)
 
 
-async def test_the_pool_bound_makes_a_request_wait_for_a_connection_or_time_out(worker_transport: TransportFactory) -> None:
+async def test_the_pool_bound_makes_a_request_wait_for_a_connection_or_time_out() -> None:
     release = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -286,7 +265,7 @@ async def test_the_pool_bound_makes_a_request_wait_for_a_connection_or_time_out(
     assert server.connections == 1
 
 
-async def test_closing_a_half_read_answer_closes_the_connection(worker_transport: TransportFactory) -> None:
+async def test_closing_a_half_read_answer_closes_the_connection() -> None:
     client_left = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
@@ -309,7 +288,7 @@ async def test_closing_a_half_read_answer_closes_the_connection(worker_transport
     assert server.connections == 2
 
 
-async def test_a_connection_lost_mid_body_is_an_error(worker_transport: TransportFactory) -> None:
+async def test_a_connection_lost_mid_body_is_an_error() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
@@ -320,7 +299,7 @@ async def test_a_connection_lost_mid_body_is_an_error(worker_transport: Transpor
             await fetch(transport, server.url)
 
 
-async def test_an_unread_answer_stops_reading_from_the_socket(worker_transport: TransportFactory) -> None:
+async def test_an_unread_answer_stops_reading_from_the_socket() -> None:
     # Back-pressure: the gateway does not buffer an answer its client is not taking.
     payload = b"x" * (16 * 1024 * 1024)  # more than the kernel buffers of both sides hold
 
@@ -339,7 +318,7 @@ async def test_an_unread_answer_stops_reading_from_the_socket(worker_transport: 
     assert body == payload
 
 
-async def test_malformed_answers_and_interim_answers(worker_transport: TransportFactory) -> None:
+async def test_malformed_answers_and_interim_answers() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"after continue"))
@@ -383,7 +362,7 @@ def self_signed_certificate(tmp_path: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-async def test_https_workers_are_verified_and_kept_alive(worker_transport: TransportFactory, tmp_path: Path) -> None:
+async def test_https_workers_are_verified_and_kept_alive(tmp_path: Path) -> None:
     cert_path, key_path = self_signed_certificate(tmp_path)
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert_path, key_path)
@@ -466,9 +445,7 @@ class HugeHeadServer(ScriptedServer):
 
 
 @pytest.mark.parametrize("lines", [many_headers, large_headers, one_endless_header], ids=["count", "size", "line"])
-async def test_a_huge_response_head_is_cut_at_the_limit_without_buffering_it(
-    worker_transport: TransportFactory, lines: Callable[[int], bytes]
-) -> None:
+async def test_a_huge_response_head_is_cut_at_the_limit_without_buffering_it(lines: Callable[[int], bytes]) -> None:
     async with HugeHeadServer(lines) as server, worker_transport() as transport:
         started = time.monotonic()
         with pytest.raises(httpx.RemoteProtocolError):
@@ -480,7 +457,7 @@ async def test_a_huge_response_head_is_cut_at_the_limit_without_buffering_it(
     assert server.sent < 16 * 1024 * 1024, server.sent
 
 
-async def test_a_head_within_the_limits_is_accepted_and_one_past_them_is_not(worker_transport: TransportFactory) -> None:
+async def test_a_head_within_the_limits_is_accepted_and_one_past_them_is_not() -> None:
     # Each with a content-length field too: 5 fields of 619 bytes, 6 fields, 5 fields of 1,059 bytes.
     heads = {
         "/five-fields": b"".join(header_line(i, 150) for i in range(4)),
@@ -503,8 +480,7 @@ async def test_a_head_within_the_limits_is_accepted_and_one_past_them_is_not(wor
                 await fetch(transport, server.url + path)
 
 
-async def test_the_client_maps_a_huge_head_to_a_worker_error(transport_kind: str, settings: Any) -> None:
-    settings.WORKER_TRANSPORT = transport_kind  # the client's transport for this test's event loop
+async def test_the_client_maps_a_huge_head_to_a_worker_error() -> None:
     async with HugeHeadServer(many_headers) as server:
         with pytest.raises(WorkerError) as caught:
             await client.post_json(server.url + "/v1/chat/completions", {}, stage="context", timeout=10.0)

@@ -1,5 +1,5 @@
-"""HTTP to workers: JSON calls and OpenAI SSE streams over httpx, on this project's lean transport
-(`workers.transport`), one per event loop.
+"""HTTP to workers: JSON calls and OpenAI SSE streams over httpx, on the worker transport
+(`workers.transport`: aiohttp's pool and parser), one per event loop.
 
 Errors leave this module as `WorkerError`s built from the worker's own message, never from an
 httpx exception's text (which names the worker's address).
@@ -24,10 +24,9 @@ from workers.errors import (
     WorkerError,
     WorkerUnreachable,
 )
-from workers.aiohttp_transport import AiohttpWorkerTransport
 from workers.transport import WorkerTransport
 
-_transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncBaseTransport] = weakref.WeakKeyDictionary()
+_transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WorkerTransport] = weakref.WeakKeyDictionary()
 
 # How long to wait for the end of a stream's body after `[DONE]`.
 DRAIN_TIMEOUT_S = 1.0
@@ -36,9 +35,8 @@ JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"
 SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
-def transport() -> httpx.AsyncBaseTransport:
-    """The running loop's connection pools (daphne has no lifespan hook to create them at start),
-    on the transport `WORKER_TRANSPORT` names.
+def transport() -> WorkerTransport:
+    """The running loop's connection pools (daphne has no lifespan hook to create them at start).
 
     Requests go to the transport directly, not through `httpx.AsyncClient`: the client's layers
     (URL merging, cookies, auth, redirects, event hooks) cost ~200 µs per call and do nothing
@@ -47,8 +45,7 @@ def transport() -> httpx.AsyncBaseTransport:
     loop = asyncio.get_running_loop()
     worker_transport = _transports.get(loop)
     if worker_transport is None:
-        kind = AiohttpWorkerTransport if settings.WORKER_TRANSPORT == "aiohttp" else WorkerTransport
-        worker_transport = _transports[loop] = kind(
+        worker_transport = _transports[loop] = WorkerTransport(
             max_connections=settings.WORKER_MAX_CONNECTIONS,
             keepalive_expiry=settings.WORKER_KEEPALIVE_EXPIRY_S,
             max_response_headers=settings.WORKER_MAX_RESPONSE_HEADERS,
