@@ -7,10 +7,11 @@ behind httpx's interface (the `httpx-aiohttp` package), configured and corrected
     await response.aclose()     # back to the pool if the answer was read whole, else closed
 
 Why a library and not our own: a hand-written HTTP/1.1 client (asyncio protocols + httptools) was
-compared with this one by `bench/transport.py` (issue 10; the numbers are in bench/README.md). It
-was cheaper by a median 14 % of the gateway's CPU per non-streamed request, 3 % per relayed event
-with tokens arriving unpaced and 9–11 % with tokens arriving one at a time: under the 20 % that
-would have paid for keeping 400 lines of pool, keep-alive races, TLS and framing code.
+compared with this one by `bench/transport.py` (issue 10, at commit 8d54448; the numbers are in
+bench/README.md). It was cheaper by a median 14 % of the gateway's CPU per non-streamed request,
+3–4 % per relayed event with tokens arriving unpaced and 8–11 % with tokens arriving one at a
+time: under the 20 % that would have paid for keeping 400 lines of pool, keep-alive races, TLS and
+framing code.
 
 What this adds to `httpx_aiohttp.AiohttpTransport`, and why:
 
