@@ -229,6 +229,11 @@ WORKER_MAX_CONNECTIONS = env_int("WORKER_MAX_CONNECTIONS", 4096)
 # An idle kept-alive connection is reused only this long: below the 5 s after which uvicorn (and
 # so trtllm-serve) closes one, so a reuse rarely races the server's close.
 WORKER_KEEPALIVE_EXPIRY_S = env_float("WORKER_KEEPALIVE_EXPIRY_S", 4.0)
+# A worker's answer is refused (an httpx.RemoteProtocolError, so a worker error) past this many
+# header fields or this many bytes of header fields: a broken or hostile worker cannot make the
+# gateway buffer an unbounded head (aiohttp's parser also refuses one field over 8,190 bytes).
+WORKER_MAX_RESPONSE_HEADERS = env_int("WORKER_MAX_RESPONSE_HEADERS", 100)
+WORKER_MAX_RESPONSE_HEADER_BYTES = env_int("WORKER_MAX_RESPONSE_HEADER_BYTES", 64 * 1024)
 # After a client leaves once the context phase is done, how long the gateway waits for the
 # generation worker to take the KV handoff (so the context worker frees it) before closing.
 WORKER_HANDOFF_RELEASE_TIMEOUT_S = env_float("WORKER_HANDOFF_RELEASE_TIMEOUT_S", 5.0)

@@ -1,5 +1,5 @@
-"""HTTP to workers: JSON calls and OpenAI SSE streams over httpx, on this project's lean transport
-(`workers.transport`), one per event loop.
+"""HTTP to workers: JSON calls and OpenAI SSE streams over httpx, on the worker transport
+(`workers.transport`: aiohttp's pool and parser), one per event loop.
 
     completion = await post_completion(url, body, stage="context")   # validated chat.completion
     stream = await open_stream(url, body, stage="generation")        # headers in
@@ -74,6 +74,8 @@ def transport() -> WorkerTransport:
         worker_transport = _transports[loop] = WorkerTransport(
             max_connections=settings.WORKER_MAX_CONNECTIONS,
             keepalive_expiry=settings.WORKER_KEEPALIVE_EXPIRY_S,
+            max_response_headers=settings.WORKER_MAX_RESPONSE_HEADERS,
+            max_response_header_bytes=settings.WORKER_MAX_RESPONSE_HEADER_BYTES,
         )
     return worker_transport
 
