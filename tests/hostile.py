@@ -253,6 +253,43 @@ def path_requests(draw: st.DrawFn, key: str, model: str) -> HostileRequest:
     return HostileRequest(method, path, api_headers(key), body, "path")
 
 
+def known_json_cases(key: str, model: str) -> list[HostileRequest]:
+    """The client inputs issue 9 found answered with 500, tried first on every run."""
+    def with_block(block: Json, inside_tool_result: bool = False) -> HostileRequest:
+        body = base_request(model, False)
+        if inside_tool_result:
+            body["messages"][2]["content"][0]["content"] = [block]
+        else:
+            body["messages"][0]["content"].append(block)
+        return HostileRequest("POST", "/v1/messages", api_headers(key), _dumps(body), "json:known")
+
+    deep_schema = base_request(model, False)
+    deep_schema["tools"][0]["input_schema"]["properties"]["q"] = deep(254, "dict")
+    deep_input = base_request(model, True)
+    deep_input["messages"][1]["content"][0]["input"] = deep(300, "list")
+    blocks = [
+        {"type": "document", "source": {"type": "content", "content": 5}},
+        {"type": "image"},
+        {"type": "text", "text": 7},
+        {"type": "image", "source": {"type": "url"}},
+    ]
+    cases = [with_block(b) for b in blocks] + [with_block(b, inside_tool_result=True) for b in blocks]
+    return cases + [
+        HostileRequest("POST", "/v1/messages", api_headers(key), _dumps(deep_schema), "json:known"),
+        HostileRequest("POST", "/v1/messages", api_headers(key), _dumps(deep_input), "json:known"),
+    ]
+
+
+def known_other_cases(key: str, model: str) -> list[HostileRequest]:
+    """Issue 9's answers outside the envelope: an unknown /v1/ path, a bad header, a 17 KiB header."""
+    body = _dumps({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    return [
+        HostileRequest("GET", "/v1/unknown", api_headers(key), b"", "path:known"),
+        HostileRequest("POST", "/v1/messages", [*api_headers(key), (b"bad header", b"v")], body, "headers:known"),
+        HostileRequest("POST", "/v1/messages", [*api_headers(key), (b"x-big", b"b" * 17_000)], body, "headers:known"),
+    ]
+
+
 def any_request(key: str, model: str) -> st.SearchStrategy[HostileRequest]:
     return st.one_of(
         json_requests(key, model), json_requests(key, model), byte_requests(key, model), header_requests(key, model), path_requests(key, model)

@@ -15,7 +15,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+import hypothesis
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from tests import hostile
@@ -62,24 +63,35 @@ def check(gateway: Gateway, request: hostile.HostileRequest) -> None:
     assert not category, f"{category}: {detail}\nrequest: {request.describe()}"
 
 
-def fuzz(strategy: Callable[[str, str], st.SearchStrategy[hostile.HostileRequest]]) -> Callable[[Gateway, Cluster], None]:
-    """A test that checks `strategy`'s requests against the gateway."""
+Known = Callable[[str, str], list[hostile.HostileRequest]]
+
+
+def fuzz(strategy: Callable[[str, str], st.SearchStrategy[hostile.HostileRequest]], known: Known | None = None) -> Callable[[Gateway, Cluster], None]:
+    """A test that checks `strategy`'s requests against the gateway, the `known` ones first."""
 
     def run(fuzz_gateway: Gateway, fuzz_cluster: Cluster) -> None:
-        @FUZZ_SETTINGS
-        @given(strategy(fuzz_cluster.key, fuzz_cluster.model))
         def example(request: hostile.HostileRequest) -> None:
             check(fuzz_gateway, request)
 
-        example()
+        for case in known(fuzz_cluster.key, fuzz_cluster.model) if known else []:
+            example = hypothesis.example(case)(example)
+        hypothesis.given(strategy(fuzz_cluster.key, fuzz_cluster.model))(FUZZ_SETTINGS(example))()
 
     return run
 
 
-test_hostile_json_in_every_field = fuzz(hostile.json_requests)
+def _known_headers(key: str, model: str) -> list[hostile.HostileRequest]:
+    return [r for r in hostile.known_other_cases(key, model) if r.kind.startswith("headers")]
+
+
+def _known_paths(key: str, model: str) -> list[hostile.HostileRequest]:
+    return [r for r in hostile.known_other_cases(key, model) if r.kind.startswith("path")]
+
+
+test_hostile_json_in_every_field = fuzz(hostile.json_requests, hostile.known_json_cases)
 test_hostile_bytes_as_the_body = fuzz(hostile.byte_requests)
-test_hostile_headers = fuzz(hostile.header_requests)
-test_unknown_paths_and_wrong_methods = fuzz(hostile.path_requests)
+test_hostile_headers = fuzz(hostile.header_requests, _known_headers)
+test_unknown_paths_and_wrong_methods = fuzz(hostile.path_requests, _known_paths)
 
 
 def test_the_judge_rejects_what_the_gateway_must_not_send() -> None:
