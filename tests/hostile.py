@@ -162,7 +162,8 @@ class HostileRequest:
         return b"\r\n".join(head) + b"\r\n\r\n" + self.body
 
     def describe(self) -> str:
-        return f"{self.kind}: {self.method} {self.path} headers={[n for n, _ in self.headers]} body[:200]={self.body[:200]!r}"
+        headers = [(n, v[:60] + (b"..." if len(v) > 60 else b"")) for n, v in self.headers if n != b"x-api-key"]
+        return f"{self.kind}: {self.method} {self.path[:200]} headers={headers} body ({len(self.body)} bytes)[:300]={self.body[:300]!r}"
 
 
 def api_headers(key: str) -> list[tuple[bytes, bytes]]:
