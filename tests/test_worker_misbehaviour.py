@@ -287,7 +287,9 @@ def run_case(gateway: Gateway, worker: RunningBadWorker, case: Case, *, stream: 
 
     row = audit_row(request_id)
     assert row.status == "failed", f"audit row {row.status}/{row.http_status}, expected failed"
-    assert row.http_status is not None and row.http_status >= 500
+    # The row records what the client saw: the status line it got, and the error's type.
+    assert row.http_status == s.status, f"audit http_status {row.http_status}, the client got {s.status}"
+    assert row.error_type in case.error_types, f"audit error_type {row.error_type!r}"
     assert "sk-internal-123" not in (row.error_message or ""), f"a credential in the audit row: {row.error_message!r}"
     outcomes = {r.stage: r.outcome for r in reservations_closed(request_id)}
     faulty = "context" if case.mode in CONTEXT_MODES else "generation"
