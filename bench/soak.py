@@ -232,6 +232,9 @@ def _envelope(body: Any) -> bool:
     return isinstance(body, dict) and body.get("type") == "error" and isinstance(body.get("error"), dict) and isinstance(body["error"].get("type"), str) and isinstance(body["error"].get("message"), str)
 
 
+_DELTA_FIELD = {"text_delta": "text", "input_json_delta": "partial_json", "thinking_delta": "thinking", "signature_delta": "signature"}
+
+
 def _frame(raw: bytes, result: Result) -> str:
     """The frame's event name ("" for a comment); a malformed frame is recorded on `result`."""
     event, data_lines = "", []
@@ -249,6 +252,10 @@ def _frame(raw: bytes, result: Result) -> str:
         return "malformed"
     if not isinstance(data, dict) or data.get("type") != event:
         result.malformed_frames.append(raw[:200].decode("latin-1"))
+        return "malformed"
+    delta = data.get("delta") if event == "content_block_delta" else None
+    if isinstance(delta, dict) and not isinstance(delta.get(_DELTA_FIELD.get(str(delta.get("type")), "type")), str):
+        result.malformed_frames.append(raw[:200].decode("latin-1"))  # e.g. a text_delta whose text is a number
         return "malformed"
     if event == "error":
         if not _envelope(data):
