@@ -129,6 +129,10 @@ def marker(mode: str, tag: str = "") -> str:
 
 
 def _head(status: int, headers: list[tuple[str, str]]) -> bytes:
+    """A response head; always `connection: close`: one request per connection, so a gateway
+    never pools a connection this server will not read from again."""
+    if not any(name == "connection" for name, _ in headers):
+        headers = [*headers, ("connection", "close")]
     reason = {200: "OK", 500: "Internal Server Error"}.get(status, "Status")
     lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers)]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
@@ -389,8 +393,9 @@ async def _context_oops(body: dict[str, Any], writer: asyncio.StreamWriter, mode
 
 
 async def _context_huge_json(body: dict[str, Any], writer: asyncio.StreamWriter, mode: str) -> None:
-    filler = b"x" * (64 * 1024 * 1024)
-    answer = b'{"choices":[],"filler":"' + filler + b'"}'
+    # A valid handoff, 64 MiB long: only a size limit tells it from a good answer.
+    valid = json.dumps(context_answer(body)).encode()
+    answer = valid[:-1] + b', "x_filler": "' + b"x" * (64 * 1024 * 1024) + b'"}'
     writer.write(_head(200, [("content-type", "application/json"), ("content-length", str(len(answer)))]))
     for offset in range(0, len(answer), 1 << 20):
         writer.write(answer[offset : offset + (1 << 20)])
