@@ -277,15 +277,13 @@ async def _forever() -> None:
     await asyncio.Event().wait()
 
 
-async def _trickle(writer: asyncio.StreamWriter, data: bytes, *, repeat: bool = True) -> None:
-    """One byte every TRICKLE_INTERVAL_S, until the peer hangs up (forever when `repeat`)."""
+async def _trickle(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """`data`, one byte every TRICKLE_INTERVAL_S, over and over until the peer hangs up."""
     while True:
         for byte in data:
             writer.write(bytes([byte]))
             await writer.drain()
             await asyncio.sleep(TRICKLE_INTERVAL_S)
-        if not repeat:
-            await _forever()
 
 
 async def _many_headers(writer: asyncio.StreamWriter, count: int = 200_000) -> None:
