@@ -46,7 +46,7 @@ from workers.errors import (
 )
 from workers.shapes import ShapeError, check_chunk, check_completion
 from workers.sse import Event, SSEDecoder, SSELineTooLong
-from workers.transport import WorkerTransport
+from workers.transport import MalformedResponse, WorkerTransport
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,11 @@ def boundary(stage: str, *, streaming: bool = False) -> Iterator[None]:
         raise timeout_class(
             504, f"the {stage} worker timed out", stage=stage, code="timeout", detail=_describe(exc, stage, "timed out")
         ) from exc
+    except MalformedResponse as exc:
+        raise MalformedAnswer(
+            502, f"the {stage} worker sent a malformed HTTP response", stage=stage, code="malformed_answer",
+            detail=_describe(exc, stage, "malformed response"),
+        ) from exc
     except httpx.HTTPError as exc:
         if streaming:
             raise StreamBroken(
@@ -176,7 +181,12 @@ def _describe(exc: BaseException, stage: str, what: str) -> str:
 # --- error answers -------------------------------------------------------------------------------
 
 _MAX_CONTEXT = re.compile(r"maximum context length is (\d+) tokens", re.I)
-_PROMPT_TOKENS = re.compile(r"(?:resulted in|requested) (\d+) tokens(?: \((\d+) in the messages)?", re.I)
+# TensorRT-LLM/OpenAI: "... requested 5000 tokens (4000 in the messages, ...)"; vLLM: "... your
+# prompt contains at least 4097 input tokens, ..." (vLLM only counts up to the first token past
+# the window, so its figure is a lower bound: the best the gateway can report).
+_PROMPT_TOKENS = re.compile(
+    r"(?:resulted in|requested|contains at least) (\d+) (?:input )?tokens(?: \((\d+) in the messages)?", re.I
+)
 
 
 def _error_fields(body: bytes, status: int, stage: str) -> tuple[str, str | None, bool]:

@@ -72,6 +72,11 @@ def _client_timeout(connect: float | None, read: float | None, pool: float | Non
     return aiohttp.ClientTimeout(total=None, connect=pool, sock_connect=connect, sock_read=read)
 
 
+class MalformedResponse(httpx.RemoteProtocolError):
+    """The worker answered, but with a head no HTTP parser should accept (malformed, or past the
+    header limits): a broken answer, not a lost connection, so it is never retried elsewhere."""
+
+
 def _mapped(exc: BaseException) -> httpx.TransportError | None:
     """The httpx exception for an aiohttp one, None for anything else. Never aiohttp's text,
     which names the worker's address."""
@@ -84,7 +89,7 @@ def _mapped(exc: BaseException) -> httpx.TransportError | None:
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return httpx.RemoteProtocolError("the server closed the connection")
     if isinstance(exc, aiohttp.ClientResponseError):  # aiohttp's parser refused the head
-        return httpx.RemoteProtocolError(f"the server sent a malformed or oversized HTTP response ({exc.message})")
+        return MalformedResponse(f"the server sent a malformed or oversized HTTP response ({exc.message})")
     if isinstance(exc, aiohttp.ClientPayloadError):
         return httpx.RemoteProtocolError("the server sent an incomplete or malformed body")
     if isinstance(exc, (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError)):
@@ -197,7 +202,7 @@ class WorkerTransport(AiohttpTransport):
         head_bytes = sum(len(name) + len(value) + 4 for name, value in raw_headers)
         if head_bytes > self.max_response_header_bytes:
             response.close()
-            raise httpx.RemoteProtocolError(
+            raise MalformedResponse(
                 f"the response head exceeds {self.max_response_header_bytes} bytes", request=request
             )
         return httpx.Response(
