@@ -1,5 +1,6 @@
 """ASGI entry point: the API routes go to the Channels consumers, everything else to Django."""
 
+import asyncio
 import gc
 import os
 import socket
@@ -28,6 +29,17 @@ def _start_services_with_daphne() -> None:
     loop = reactor._asyncioEventloop  # the loop daphne runs
     loop.call_soon(lambda: loop.create_task(_start()))
     loop.call_soon(_no_delay_on_listening_sockets, reactor)
+    # Close the worker connection pools while the loop still runs (after daphne has stopped the
+    # applications), instead of leaving them to be collected.
+    reactor.addSystemEventTrigger("before", "shutdown", _close_worker_transport)
+
+
+def _close_worker_transport() -> object:
+    from twisted.internet.defer import Deferred
+
+    from workers.client import close_transport
+
+    return Deferred.fromFuture(asyncio.ensure_future(close_transport()))
 
 
 def _no_delay_on_listening_sockets(reactor: object) -> None:

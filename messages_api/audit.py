@@ -101,6 +101,8 @@ class AuditRecord:
         self.error_type = error_type
         self.error_message = error_message[:2000]
         self.finished_ms = self.since_received_ms()
+        if self.run is not None:
+            self._read_trace(self.run.trace)  # the metrics' labels need the run's final stage
         metrics.observe(self)
         if not persist:
             return True

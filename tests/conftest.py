@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,15 @@ def context_worker() -> Iterator[SimWorker]:
 @pytest.fixture(scope="session")
 def generation_worker() -> Iterator[SimWorker]:
     yield from sim_worker("generation")
+
+
+@pytest.fixture(autouse=True)
+async def close_worker_transport() -> AsyncIterator[None]:
+    """A test that calls workers in-process gets its loop's connection pools; close them with it."""
+    yield
+    from workers.client import close_transport
+
+    await close_transport()
 
 
 @pytest.fixture(scope="session", autouse=True)

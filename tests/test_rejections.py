@@ -1,6 +1,7 @@
 """Every refused request is answered in Anthropic's envelope and leaves exactly one audit row, the
 same way on every route — except requests without a valid key, which are all counted in a metric
-but only sampled into the audit. Real daphne, real database."""
+but only sampled into the audit, and those the HTTP intake guard refuses before any application
+runs (over-size bodies, slow uploads, malformed HTTP), which are counted in their own metric. Real daphne, real database."""
 
 from __future__ import annotations
 
@@ -61,13 +62,28 @@ def test_a_rejection_writes_one_row(gateway: Gateway, key: str, method: str, pat
     assert MessageRequest.objects.filter(request_id=request_id).count() == 1
 
 
-def test_a_body_over_the_limit_writes_one_attributed_row(gateways: Callable[..., Gateway], key: str) -> None:
+def test_a_body_over_the_limit_is_refused_before_the_application_and_counted(gateways: Callable[..., Gateway], key: str) -> None:
+    """The intake guard refuses it while daphne parses the headers (no body buffered, no key looked
+    up), so like any anonymous refusal it is counted in a metric, not written as a row."""
+    from messages_api.models import MessageRequest
+
     small = gateways(MESSAGES_MAX_BODY_BYTES="1000")
+
+    def refused() -> float:
+        text = httpx.get(small.url + "/metrics", timeout=5).text
+        try:
+            return metric_value(text, "gateway_http_refused_total", status="413")
+        except AssertionError:
+            return 0.0
+
+    before = refused()
     response = httpx.post(small.url + "/v1/messages", headers={**JSON, "x-api-key": key}, content=b"x" * 5000, timeout=10)
     assert response.status_code == 413
-    row = audit_row(response.headers["request-id"])
-    assert row.status == "rejected" and row.http_status == 413 and row.error_type == "request_too_large"
-    assert row.api_key_name.startswith("rejections-")
+    answer = response.json()
+    assert answer["error"]["type"] == "request_too_large"
+    assert answer["request_id"] == response.headers["request-id"]
+    assert refused() == before + 1
+    assert not MessageRequest.objects.filter(request_id=response.headers["request-id"]).exists()
 
 
 def unauthenticated_count(gateway: Gateway) -> float:

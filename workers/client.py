@@ -80,6 +80,14 @@ def transport() -> WorkerTransport:
     return worker_transport
 
 
+async def close_transport() -> None:
+    """Close the running loop's connection pools (at server shutdown, at the end of a test): an
+    aiohttp session left open warns when it is collected and leaves sockets to the OS."""
+    worker_transport = _transports.pop(asyncio.get_running_loop(), None)
+    if worker_transport is not None:
+        await worker_transport.aclose()
+
+
 @functools.cache
 def _timeouts(deadline_s: float) -> dict[str, float | None]:
     """The transport's own timeouts: connecting only (a connect timeout is "unreachable", which
