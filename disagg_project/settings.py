@@ -125,7 +125,7 @@ TEMPLATES = [
 # SQLite is the embedded default (WAL so readers never wait on the writer, IMMEDIATE so a write
 # transaction takes its lock up front instead of failing on the read->write upgrade).
 # PostgreSQL uses psycopg 3's pool; Django requires CONN_MAX_AGE=0 with it, and async code must
-# not hold persistent connections anyway (reference/channels_daphne.md §5).
+# not hold persistent connections anyway (the ORM runs on executor threads that outlive a request).
 DATABASE_URL = os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'gateway.sqlite3'}")
 _db = dj_database_url.parse(DATABASE_URL, conn_max_age=0)
 if _db["ENGINE"] == "django.db.backends.sqlite3":
@@ -168,7 +168,7 @@ WHITENOISE_AUTOREFRESH = DEBUG
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"request_id": {"()": "messages_api.logging.RequestIdFilter"}},
+    "filters": {"request_id": {"()": "messages_api.request_context.RequestIdFilter"}},
     "formatters": {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"},
     },

@@ -1,8 +1,8 @@
 """Fold one stream's Anthropic events into the non-streamed Message.
 
 The non-streaming path runs the same `StreamReframer` and folds its events here, so both
-answers come from one code path and cannot drift apart (the SDKs do the same fold on their side:
-reference/anthropic_api.md §3, "Accumulator constraints").
+answers come from one code path and cannot drift apart (the SDKs' stream
+accumulators do the same fold on their side).
 
 Empty content stays `[]`, as the real API returns it and as the SDKs' own accumulators produce
 from the same events; `anthropic.types.Message` accepts it. (TensorRT-LLM answers one empty

@@ -1,7 +1,7 @@
 """The Channels consumers of the API routes.
 
 Channels' stock `AsyncHttpConsumer` runs `handle()` inside its receive loop, so it never sees
-`http.disconnect` while a response is being produced (reference/channels_daphne.md §1). These
+`http.disconnect` while a response is being produced (`http_request` awaits `handle()` before it returns). These
 consumers spawn the work as a task once the body is complete and return to the loop; the
 `http.disconnect` that arrives when the client goes away cancels that task, and the cancellation
 reaches everything the task owns (the pipeline, its worker requests, the heartbeat).
@@ -42,7 +42,7 @@ from messages_api.errors import (
     operator_detail,
 )
 from messages_api.heartbeat import Heartbeat
-from messages_api.logging import current_request_id
+from messages_api.request_context import current_request_id
 from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer

@@ -28,7 +28,7 @@ header). A body over the limit is Anthropic's documented 413 `request_too_large`
 section too large has no Anthropic status; 431 (RFC 6585) is the one HTTP defines for it, and
 `request_too_large` is Anthropic's type for a request over a byte limit; the SDKs raise their
 generic status error for it and do not retry, as for 413. A request not received in time is
-HTTP's 408 with Anthropic's `timeout_error`; the SDKs retry 408 (reference/anthropic_api.md),
+HTTP's 408 with Anthropic's `timeout_error`; the SDKs retry 408 (with 409, 429 and 5xx),
 which is right for a slow link. Malformed HTTP is 400 `invalid_request_error`.
 
 How a refusal ends: the answer is written with `connection: close`, the write side is shut (a FIN

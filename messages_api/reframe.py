@@ -1,6 +1,6 @@
 """OpenAI `chat.completion.chunk`s → Anthropic stream events, one chunk at a time, no I/O.
 
-The Anthropic stream is strictly sequential (reference/anthropic_api.md §3): `message_start`,
+The Anthropic stream is strictly sequential: `message_start`,
 then blocks `0..n` each as start / deltas / stop, never two open at once, then
 `message_delta` and `message_stop`. The SDK accumulators index `content[index]` (TypeScript
 reads `content.at(-1)`), so indices must be contiguous and blocks must not interleave.

@@ -1,7 +1,7 @@
 """Anthropic's server-sent-event framing: `event: <type>` then `data: <json>` and a blank line.
 
 The SDKs dispatch on the `event:` name and TypeScript reads `type` from the JSON, so both are
-always present and always equal (reference/anthropic_api.md §3). orjson never emits a newline,
+always present and always equal. orjson never emits a newline,
 so the data is always a single line.
 """
 

@@ -9,7 +9,7 @@ expected tags: ...`.
 
 Unknown top-level fields are tolerated: Claude Code sends `context_management`,
 `output_config`, `diagnostics`, `service_tier`, `container`, `cache_control`, `betas`, and
-rejecting any of them is a known way to break it (reference/anthropic_api.md §6). A `null`
+rejecting any of them is a known way to break it (peer gateways have). A `null`
 optional field counts as absent, as the SDKs' own types allow for most of them.
 
 Every content block is checked to the field, directly or inside a `tool_result` or a document's

@@ -29,7 +29,7 @@ READ_SCHEMA = {"type": "object", "properties": {"file_path": {"type": "string"}}
 
 
 def claude_code_body() -> dict[str, Any]:
-    """A request shaped like Claude Code 2.1.x's (reference/anthropic_api.md §6), trimmed."""
+    """A request shaped like Claude Code 2.1.x's, trimmed."""
     return {
         "model": "claude-sonnet-4-6",
         "max_tokens": 32000,

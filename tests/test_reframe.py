@@ -1,7 +1,6 @@
 """The stream reframer, the accumulator and SSE framing: pure, no I/O.
 
-`assert_event_invariants` states the stream contract the SDKs rely on
-(reference/anthropic_api.md §3); every stream built here goes through it, and the complete ones
+`assert_event_invariants` states the stream contract the SDKs rely on; every stream built here goes through it, and the complete ones
 also go through the official SDK: its accumulator, its SSE decoder and its client.
 """
 
