@@ -10,7 +10,12 @@ import os
 from pathlib import Path
 
 import dj_database_url
+import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
+
+# The admin classes are generic over their model for the type checker (`ModelAdmin[ApiKey]`);
+# Django's own classes do not accept the subscript at runtime until django-stubs-ext adds it.
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 

@@ -99,13 +99,16 @@ def _block(start: dict[str, Any]) -> dict[str, Any]:
 
 def _delta_text(delta: dict[str, Any]) -> str:
     kind = delta["type"]
+    text: str
     if kind == "text_delta":
-        return delta["text"]
-    if kind == "thinking_delta":
-        return delta["thinking"]
-    if kind == "input_json_delta":
-        return delta["partial_json"]
-    return ""  # signature/citations deltas carry no text the reframer produces
+        text = delta["text"]
+    elif kind == "thinking_delta":
+        text = delta["thinking"]
+    elif kind == "input_json_delta":
+        text = delta["partial_json"]
+    else:
+        text = ""  # signature/citations deltas carry no text the reframer produces
+    return text
 
 
 def _finish_block(block: dict[str, Any], text: str, truncated: bool) -> None:

@@ -11,7 +11,7 @@ from workers.admin import ReadOnlyAdmin
 
 
 @admin.register(MessageRequest)
-class MessageRequestAdmin(ReadOnlyAdmin):
+class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
     list_display = ("request_id", "received_at", "model", "stream", "status", "stage", "http_status", "error", "first_token_ms", "finished_ms")
     list_filter = (
         "status", "stage", "stream", "error_type", "pool_name", "context_endpoint", "generation_endpoint", "received_at",
@@ -35,14 +35,14 @@ class MessageRequestAdmin(ReadOnlyAdmin):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     list_display = ("name", "prefix", "active", "created_at", "last_used_at")
     list_filter = ("active",)
     search_fields = ("name", "prefix")
     fields = ("name", "active", "prefix", "created_at", "last_used_at")
     readonly_fields = ("prefix", "created_at", "last_used_at")
 
-    def save_model(self, request: HttpRequest, obj: ApiKey, form: ModelForm, change: bool) -> None:
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: ModelForm[ApiKey], change: bool) -> None:
         if not change:
             key = generate_key()
             obj.key_hash = hash_key(key)

@@ -20,7 +20,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qs
 
 import orjson
@@ -56,6 +56,9 @@ from workers.pipeline import ChatRun
 from workers.prompt_tokens import count_prompt_tokens
 from workers.registry import PoolInfo, get_registry
 
+if TYPE_CHECKING:
+    from asgiref.typing import HTTPDisconnectEvent, HTTPRequestEvent
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,11 +78,13 @@ class ApiConsumer(AsyncHttpConsumer):
         self.response_finished = False
         self.sent_status: int | None = None  # the status line sent, once it was
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    # Channels' stubs type every consumer's scope as a websocket scope (`_ChannelScope`); this
+    # HTTP consumer reads HTTP keys from it and passes it on unchanged.
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:  # type: ignore[override]
         self.record.received_earlier(seconds_since_received(send))
         self.record.route = f"{scope.get('method', '')} {scope.get('path', '')}"
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send)  # type: ignore[arg-type]  # the same stubs' scope type
         finally:
             # The server cancelling the application (shutdown, application-close timeout) takes
             # the same path as a client disconnect: the request's task is cancelled and awaited.
@@ -94,12 +99,13 @@ class ApiConsumer(AsyncHttpConsumer):
     async def dispatch(self, message: dict[str, Any]) -> None:
         # The stock dispatch closes stale DB connections on the shared ORM thread before every
         # message (a thread hop per 8 KiB body chunk); these consumers never touch the ORM here.
+        # The stubs type `dispatch`'s message as any dict; its `type` says which event it is.
         if message["type"] == "http.request":
-            await self.http_request(message)
+            await self.http_request(cast("HTTPRequestEvent", message))
         elif message["type"] == "http.disconnect":
-            await self.http_disconnect(message)
+            await self.http_disconnect(cast("HTTPDisconnectEvent", message))
 
-    async def http_request(self, message: dict[str, Any]) -> None:
+    async def http_request(self, message: HTTPRequestEvent) -> None:
         if self._task is not None or self._refused:
             return
         if not self.request_headers:
@@ -116,7 +122,7 @@ class ApiConsumer(AsyncHttpConsumer):
             body, self.body = b"".join(self.body), []
             self._task = asyncio.create_task(self._serve(body))
 
-    async def http_disconnect(self, message: dict[str, Any]) -> None:
+    async def http_disconnect(self, message: HTTPDisconnectEvent) -> None:
         task = self._task
         if task is not None and not task.done():
             # Daphne also sends http.disconnect once a response is complete; the task is then
@@ -445,8 +451,9 @@ def session_key(headers: dict[bytes, bytes], request: dict[str, Any]) -> str | N
         decoded = orjson.loads(user_id)
     except orjson.JSONDecodeError:
         decoded = None
-    if isinstance(decoded, dict) and isinstance(decoded.get("session_id"), str) and decoded["session_id"]:
-        return decoded["session_id"]
+    session_id = decoded.get("session_id") if isinstance(decoded, dict) else None
+    if isinstance(session_id, str) and session_id:
+        return session_id
     match = _SESSION_IN_USER_ID.search(user_id)
     return match.group(1) if match else user_id
 
@@ -480,7 +487,8 @@ class ModelsConsumer(ApiConsumer):
         await self.authenticate()
         snapshot = await get_registry().snapshot()
         models = [model_info(pool) for pool in sorted(snapshot.pools, key=lambda p: p.model)]
-        model_id = self.scope["url_route"]["kwargs"].get("model_id")
+        # URLRouter sets `url_route` on HTTP scopes too; the stubs' HTTPScope does not declare it.
+        model_id = self.scope["url_route"]["kwargs"].get("model_id")  # type: ignore[typeddict-item]
         if model_id is not None:
             found = next((m for m in models if m["id"] == model_id), None)
             if found is None:

@@ -55,7 +55,9 @@ import orjson
 from daphne.http_protocol import HTTPFactory, WebRequest
 from django.conf import settings
 from prometheus_client import Counter
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.base import DelayedCall
+from twisted.internet.protocol import connectionDone
+from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 
 from messages_api.audit import new_request_id
@@ -113,9 +115,14 @@ class GuardedChannel(HTTPChannel):
     """Twisted's HTTP/1.1 channel with the limits above; everything after a request's body has
     arrived (daphne's processing, the response, disconnect detection) is Twisted's own."""
 
+    # HTTPChannel's methods carry no annotations, so each call to one is an untyped call to mypy.
+
     _refused: int | None = None  # the status of the refusal sent, once one is
-    _intake_deadline: IDelayedCall | None = None
-    _linger: IDelayedCall | None = None
+    # What `callLater` returns: every reactor's (and the test clock's) `callLater` makes a
+    # DelayedCall. Typed as the class, not the IDelayedCall interface: zope.interface declares
+    # methods without `self`, which mypy (without the zope plugin) cannot call on an instance.
+    _intake_deadline: DelayedCall | None = None
+    _linger: DelayedCall | None = None
 
     def dataReceived(self, data: bytes) -> None:
         if self._refused is not None:
@@ -123,8 +130,9 @@ class GuardedChannel(HTTPChannel):
         if self._intake_deadline is None and not self._handlingRequest:
             # The first byte of a request (the connection's first, or the next on a kept-alive
             # connection) starts its clock; Twisted's idle timer restarts on every byte.
-            self._intake_deadline = self.callLater(settings.MESSAGES_BODY_READ_TIMEOUT_S, self._intake_timed_out)
-        super().dataReceived(data)
+            timeout = settings.MESSAGES_BODY_READ_TIMEOUT_S
+            self._intake_deadline = self.callLater(timeout, self._intake_timed_out)  # type: ignore[no-untyped-call]  # untyped Twisted
+        super().dataReceived(data)  # type: ignore[no-untyped-call]  # untyped Twisted
 
     def allHeadersReceived(self) -> None:
         # `length` is the declared Content-Length (None when chunked), known before the body.
@@ -132,14 +140,14 @@ class GuardedChannel(HTTPChannel):
         if self.length is not None and self.length > limit:
             self.refuse(413, body_too_large_message(limit), TOO_LARGE)
             return  # not Twisted's: no `100 Continue`, no body file
-        super().allHeadersReceived()
+        super().allHeadersReceived()  # type: ignore[no-untyped-call]  # untyped Twisted
 
     def allContentReceived(self) -> None:
         if self._refused is not None:
             return  # a refused request never reaches daphne
         self._cancel(self._intake_deadline)
         self._intake_deadline = None
-        super().allContentReceived()
+        super().allContentReceived()  # type: ignore[no-untyped-call]  # untyped Twisted
 
     def lineLengthExceeded(self, line: bytes) -> None:
         self.refuse(431, f"A request line or header is longer than the limit of {self.MAX_LENGTH} bytes", TOO_LARGE)
@@ -155,10 +163,10 @@ class GuardedChannel(HTTPChannel):
         else:
             self.refuse(400, "The request line or headers are malformed")
 
-    def connectionLost(self, reason: Any) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._cancel(self._intake_deadline)
         self._cancel(self._linger)
-        super().connectionLost(reason)
+        super().connectionLost(reason)  # type: ignore[no-untyped-call]  # untyped Twisted
 
     # --- the refusal ----------------------------------------------------------------------------
 
@@ -170,18 +178,21 @@ class GuardedChannel(HTTPChannel):
         self._refused = status
         self._cancel(self._intake_deadline)
         self._intake_deadline = None
-        self.setTimeout(None)  # Twisted's idle timer: the linger decides from now on
+        # Twisted's idle timer: the linger decides from now on.
+        self.setTimeout(None)  # type: ignore[no-untyped-call]  # untyped Twisted
         self._buffer = b""  # input the line parser has not reached is never parsed now
         self.persistent = False
         refused.labels(status=str(status)).inc()
         logger.info("refused a request from %s with %s: %s", _peer(transport), status, message)
-        transport.write(refusal_bytes(status, message, error_type))
+        # ITransport.write is a zope.interface method, declared without `self`: mypy (without the
+        # zope plugin) counts one argument too many.
+        transport.write(refusal_bytes(status, message, error_type))  # type: ignore[call-arg,misc]
         lose_write = getattr(transport, "loseWriteConnection", None)
         if lose_write is None:
-            self.loseConnection()
+            self.loseConnection()  # type: ignore[no-untyped-call]  # untyped Twisted
             return
         lose_write()
-        self._linger = self.callLater(LINGER_S, self._end_linger)
+        self._linger = self.callLater(LINGER_S, self._end_linger)  # type: ignore[no-untyped-call]  # untyped Twisted
 
     def _intake_timed_out(self) -> None:
         self._intake_deadline = None
@@ -195,12 +206,12 @@ class GuardedChannel(HTTPChannel):
             self.transport.abortConnection()
 
     @staticmethod
-    def _cancel(call: IDelayedCall | None) -> None:
+    def _cancel(call: DelayedCall | None) -> None:
         if call is not None and call.active():
             call.cancel()
 
 
-class GuardedRequest(WebRequest):
+class GuardedRequest(WebRequest):  # type: ignore[misc]  # daphne is untyped: WebRequest is Any
     """Daphne's request, counting the body as it is decoded and answering in Anthropic's envelope."""
 
     def __init__(self, channel: HTTPChannel, *args: Any, **kwargs: Any) -> None:
@@ -237,15 +248,16 @@ class GuardedRequest(WebRequest):
         )
 
 
-class GuardedHTTPFactory(HTTPFactory):
+class GuardedHTTPFactory(HTTPFactory):  # type: ignore[misc]  # daphne is untyped: HTTPFactory is Any
     """Daphne's HTTP factory, building guarded channels and requests."""
 
-    def protocol(self) -> _GenericHTTPChannelProtocol:  # type: ignore[override]
+    def protocol(self) -> _GenericHTTPChannelProtocol:
         # Twisted's `_genericHTTPChannelProtocolFactory`, with our channel instead of HTTPChannel.
-        return _GenericHTTPChannelProtocol(GuardedChannel())
+        return _GenericHTTPChannelProtocol(GuardedChannel())  # type: ignore[no-untyped-call]  # untyped Twisted
 
     def buildProtocol(self, addr: Any) -> _GenericHTTPChannelProtocol | None:
-        protocol = super().buildProtocol(addr)  # daphne sets its WebRequest as request factory
+        # Daphne sets its WebRequest as request factory.
+        protocol: _GenericHTTPChannelProtocol | None = super().buildProtocol(addr)
         if protocol is not None:
             protocol.requestFactory = GuardedRequest
         return protocol

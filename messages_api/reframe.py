@@ -132,7 +132,8 @@ class StreamReframer:
         usage = self._usage
         if usage is None or usage.get("prompt_tokens") is None:
             return self._start_input_tokens
-        return max(usage["prompt_tokens"] - _cached_tokens(usage), 0)
+        prompt_tokens: int = usage["prompt_tokens"]
+        return max(prompt_tokens - _cached_tokens(usage), 0)
 
     @property
     def output_tokens(self) -> int:

@@ -6,7 +6,8 @@ envelope (`not_found_error`) rather than Django's HTML page, which an SDK cannot
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from channels.routing import URLRouter
@@ -16,18 +17,34 @@ from messages_api.audit import new_request_id
 from messages_api.consumers import CountTokensConsumer, MessagesConsumer, ModelsConsumer
 from messages_api.errors import error_body
 
+if TYPE_CHECKING:
+    from channels.routing import _ExtendedURLPattern
+
 
 def http_application(django_asgi_app: Any) -> Any:
     return URLRouter(
         [
-            path("v1/messages", MessagesConsumer.as_asgi()),
-            path("v1/messages/count_tokens", CountTokensConsumer.as_asgi()),
-            path("v1/models", ModelsConsumer.as_asgi()),
-            path("v1/models/<str:model_id>", ModelsConsumer.as_asgi()),
-            re_path(r"^v1(?:/|$)", api_not_found),
-            re_path(r"", django_asgi_app),
+            _asgi_path("v1/messages", MessagesConsumer.as_asgi()),
+            _asgi_path("v1/messages/count_tokens", CountTokensConsumer.as_asgi()),
+            _asgi_path("v1/models", ModelsConsumer.as_asgi()),
+            _asgi_path("v1/models/<str:model_id>", ModelsConsumer.as_asgi()),
+            _asgi_re_path(r"^v1(?:/|$)", api_not_found),
+            _asgi_re_path(r"", django_asgi_app),
         ]
     )
+
+
+# django-stubs types `path()`'s target as a Django view and its result as a plain URLPattern;
+# Channels' URLRouter takes patterns whose target is an ASGI application (the documented use), which
+# its stubs call `_ExtendedURLPattern`. These two say so once, for every route above.
+def _asgi_path(route: str, application: Callable[..., Awaitable[None]]) -> _ExtendedURLPattern:
+    """`django.urls.path()` to an ASGI application, for URLRouter."""
+    return path(route, application)  # type: ignore[arg-type,return-value]
+
+
+def _asgi_re_path(route: str, application: Callable[..., Awaitable[None]]) -> _ExtendedURLPattern:
+    """`django.urls.re_path()` to an ASGI application, for URLRouter."""
+    return re_path(route, application)  # type: ignore[arg-type,return-value]
 
 
 async def api_not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:

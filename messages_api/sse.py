@@ -19,4 +19,5 @@ PING_FRAME: bytes = b'event: ping\ndata: {"type": "ping"}\n\n'
 
 def encode_event(event: dict[str, Any]) -> bytes:
     """One SSE frame for one Anthropic stream event (a dict with a string `type`)."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    kind: str = event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"

@@ -146,10 +146,10 @@ class RowWriter:
 
     @staticmethod
     def _build_upsert_sql(model: type[Model], shape: tuple[str, ...], unique_field: str) -> tuple[str, list[Field[Any, Any]]]:
-        fields = [model._meta.get_field(name) for name in shape]
+        fields = [_column_field(model, name) for name in shape]
         quote = connection.ops.quote_name
         columns = [quote(field.column) for field in fields]
-        unique = quote(model._meta.get_field(unique_field).column)
+        unique = quote(_column_field(model, unique_field).column)
         updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c != unique)
         sql = (
             f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))}) "
@@ -161,6 +161,14 @@ class RowWriter:
         with self._lock:
             self._stopping = True
         self.flush()
+
+
+def _column_field(model: type[Model], name: str) -> Field[Any, Any]:
+    """The field `name` of `model`, one the writer stores in a column of the model's table."""
+    field = model._meta.get_field(name)
+    if not isinstance(field, Field):  # a reverse relation or a generic foreign key: no column
+        raise TypeError(f"{model.__name__}.{name} is not a column")
+    return field
 
 
 _writer: RowWriter | None = None

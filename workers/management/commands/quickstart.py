@@ -53,9 +53,9 @@ class Command(BaseCommand):
         CommandLineInterface().run(["-b", options["host"], "-p", str(options["port"]), "disagg_project.asgi:application"])
 
     def _workers(self, options: dict[str, Any]) -> str:
-        real = WorkerEndpoint.objects.exclude(pool__name=SIM_POOL)
-        if real.exists():
-            pool = real.first().pool
+        registered = WorkerEndpoint.objects.exclude(pool__name=SIM_POOL).first()
+        if registered is not None:
+            pool = registered.pool
             self.stdout.write(f"Using the registered workers (pool {pool.name}, model {pool.model}).")
             return pool.model
         context = self._start("context", options["context_port"])
