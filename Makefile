@@ -37,7 +37,8 @@ ifdef COVERAGE
 	$(PY) -m coverage erase
 	$(PY) -m coverage run -m pytest -q
 	$(PY) -m coverage combine -q
-	$(PY) -m coverage report --fail-under=$(COVERAGE_FLOOR) | tail -n 1
+	@printf "coverage (lines, %%): "
+	@$(PY) -m coverage report --fail-under=$(COVERAGE_FLOOR) --format=total
 else
 	$(PY) -m pytest -q
 endif
