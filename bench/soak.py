@@ -52,6 +52,7 @@ import _harness as h  # noqa: E402  (puts the project on the path)
 import h11  # noqa: E402
 
 from tests.badworker import start_badworker  # noqa: E402
+from tests.rawclient import parse_frame  # noqa: E402
 
 RSS_GROWTH_TARGET_PCT = 5.0
 
@@ -237,19 +238,14 @@ _DELTA_FIELD = {"text_delta": "text", "input_json_delta": "partial_json", "think
 
 def _frame(raw: bytes, result: Result) -> str:
     """The frame's event name ("" for a comment); a malformed frame is recorded on `result`."""
-    event, data_lines = "", []
     try:
-        for line in raw.decode().split("\n"):
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data_lines.append(line[5:].strip())
-        if not event and not data_lines:
-            return ""
-        data = json.loads("\n".join(data_lines))
+        parsed = parse_frame(raw)
     except ValueError:
         result.malformed_frames.append(raw[:200].decode("latin-1"))
         return "malformed"
+    if parsed is None:
+        return ""
+    event, data = parsed
     if not isinstance(data, dict) or data.get("type") != event:
         result.malformed_frames.append(raw[:200].decode("latin-1"))
         return "malformed"

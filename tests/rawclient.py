@@ -24,6 +24,21 @@ class Frame:
     at: float  # seconds since the request was sent
 
 
+def parse_frame(raw: bytes) -> tuple[str, Any] | None:
+    """One SSE frame (without its blank line) as (event name, parsed data); None for a comment
+    frame. Raises ValueError for bytes that are not UTF-8 or data that is not JSON. Deliberately
+    not the gateway's own decoder: the tests must not share the code they check."""
+    event, data_lines = "", []
+    for line in raw.decode().split("\n"):
+        if line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data_lines.append(line[5:].strip())
+    if not event and not data_lines:
+        return None
+    return event, (json.loads("\n".join(data_lines)) if data_lines else None)
+
+
 @dataclass
 class RawStream:
     url: str
@@ -93,16 +108,9 @@ class RawStream:
     def _parse_frames(self) -> None:
         while b"\n\n" in self._buffer:
             raw, self._buffer = self._buffer.split(b"\n\n", 1)
-            event, data_lines = "", []
-            for line in raw.decode().split("\n"):
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data_lines.append(line[5:].strip())
-            if not event and not data_lines:
-                continue  # a comment frame
-            data = json.loads("\n".join(data_lines)) if data_lines else None
-            self.frames.append(Frame(event, data, self.elapsed()))
+            parsed = parse_frame(raw)
+            if parsed is not None:
+                self.frames.append(Frame(*parsed, self.elapsed()))
 
     def read_head(self, timeout: float = 10.0) -> int:
         deadline = time.monotonic() + timeout

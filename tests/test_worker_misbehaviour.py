@@ -34,7 +34,7 @@ from tests.badworker import (
 )
 from tests.conftest import audit_row, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
-from tests.rawclient import Frame, RawStream
+from tests.rawclient import Frame, RawStream, parse_frame
 
 CONTEXT_TIMEOUT_S = 1.0
 FIRST_BYTE_TIMEOUT_S = 1.0
@@ -150,21 +150,13 @@ class RecordingStream(RawStream):
         self._kept = len(self._buffer)
 
     def _frame(self, raw: bytes) -> None:
-        event, data_lines = "", []
         try:
-            for line in raw.decode().split("\n"):
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data_lines.append(line[5:].strip())
-            if not event and not data_lines:
-                return
-            data = json.loads("\n".join(data_lines)) if data_lines else None
+            parsed = parse_frame(raw)
         except ValueError:
             self.malformed.append(raw)
             return
-
-        self.frames.append(Frame(event, data, self.elapsed()))
+        if parsed is not None:
+            self.frames.append(Frame(*parsed, self.elapsed()))
 
     def read_to_end(self, deadline_s: float) -> None:
         """Read until the server ends the response or `deadline_s` after sending."""
