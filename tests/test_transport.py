@@ -299,6 +299,31 @@ async def test_a_connection_lost_mid_body_is_an_error() -> None:
             await fetch(transport, server.url)
 
 
+async def test_bytes_that_arrived_before_the_connection_was_lost_come_before_the_error() -> None:
+    """A worker's last tokens before it died are part of the answer. aiohttp raises a lost
+    connection as soon as it has seen it, even while bytes that arrived before it are still
+    buffered; the transport hands those over first."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"9\r\nlast word\r\n")  # a chunk, then the connection dies mid-body
+        await writer.drain()
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        content = response.stream._response.content  # type: ignore[attr-defined]
+        # Nobody is reading while the chunk and the end of the connection arrive together.
+        await wait_for(lambda: content.exception() is not None)
+        received = b""
+        with pytest.raises(httpx.TransportError):
+            async for chunk in response.aiter_raw():
+                received += chunk
+        assert received == b"last word"
+
+
 async def test_an_unread_answer_stops_reading_from_the_socket() -> None:
     # Back-pressure: the gateway does not buffer an answer its client is not taking.
     payload = b"x" * (16 * 1024 * 1024)  # more than the kernel buffers of both sides hold

@@ -105,7 +105,8 @@ class _ResponseStream(httpx.AsyncByteStream):
         self._request = request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        readany = self._response.content.readany  # whatever arrived, joined: fewer, larger chunks
+        content = self._response.content
+        readany = content.readany  # whatever arrived, joined: fewer, larger chunks
         try:
             while chunk := await readany():
                 yield chunk
@@ -114,6 +115,13 @@ class _ResponseStream(httpx.AsyncByteStream):
             if mapped is None:
                 raise
             mapped.request = self._request
+            # aiohttp raises a lost connection as soon as it has seen it, even while bytes that
+            # arrived before it are still buffered: a dying worker's last tokens belong to the
+            # answer, so hand them over first. `_buffer`/`_read_nowait` are aiohttp internals
+            # (tests/test_transport.py fails if they change).
+            leftover = content._read_nowait(-1) if content._buffer else b""
+            if leftover:
+                yield leftover
             raise mapped from None
 
     async def aclose(self) -> None:
