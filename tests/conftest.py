@@ -164,6 +164,17 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: fl
         time.sleep(interval)
 
 
+def consumer_scope(cluster: Cluster) -> dict[str, Any]:
+    """The ASGI scope of an authenticated `POST /v1/messages`, for driving a consumer in-process."""
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/messages",
+        "query_string": b"",
+        "headers": [(k.encode(), v.encode()) for k, v in cluster.headers().items()],
+    }
+
+
 def audit_row(request_id: str, *, terminal: bool = True, timeout: float = 10.0) -> Any:
     """The request's audit row, once it exists (and, by default, has a terminal status)."""
     from messages_api.models import MessageRequest

@@ -14,22 +14,12 @@ from asgiref.sync import sync_to_async
 from channels.testing import ApplicationCommunicator
 
 from messages_api.consumers import MessagesConsumer
-from tests.conftest import Cluster, audit_row, reservations_closed
+from tests.conftest import Cluster, audit_row, consumer_scope, reservations_closed
 from workers import pipeline
 from workers.protocols import trtllm
 from workers.registry import get_registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def scope(cluster: Cluster) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/messages",
-        "query_string": b"",
-        "headers": [(k.encode(), v.encode()) for k, v in cluster.headers().items()],
-    }
 
 
 async def request_id_since(moment: datetime) -> str:
@@ -45,7 +35,7 @@ async def request_id_since(moment: datetime) -> str:
 async def test_cancelling_the_handler_during_its_wait(cluster: Cluster, stream: bool) -> None:
     await get_registry().refresh()
     started = datetime.now(timezone.utc)
-    communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), scope(cluster))
+    communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), consumer_scope(cluster))
     body = {"model": cluster.model, "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "x [sim context_delay=30]"}]}
     await communicator.send_input({"type": "http.request", "body": orjson.dumps(body)})
     await asyncio.to_thread(cluster.context.wait_for, lambda s: s["active"] == 1)

@@ -14,20 +14,10 @@ from channels.testing import ApplicationCommunicator
 
 from messages_api.consumers import MessagesConsumer
 from messages_api.reframe import StreamReframer
-from tests.conftest import Cluster, audit_row, reservations_closed
+from tests.conftest import Cluster, audit_row, consumer_scope, reservations_closed
 from workers.registry import get_registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def scope(cluster: Cluster) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/messages",
-        "query_string": b"",
-        "headers": [(k.encode(), v.encode()) for k, v in cluster.headers().items()],
-    }
 
 
 def break_reframer_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
@@ -67,7 +57,7 @@ async def test_a_bug_mid_stream_ends_the_stream(
     settings.MESSAGES_PING_INTERVAL_S = 0.1
     await get_registry().refresh()
     break_reframer_at(monkeypatch, 3)  # after message_start and a first delta went out
-    communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), scope(cluster))
+    communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), consumer_scope(cluster))
     body = {"model": cluster.model, "max_tokens": 64, "stream": stream, "messages": [{"role": "user", "content": "x [sim tokens=20]"}]}
     await communicator.send_input({"type": "http.request", "body": orjson.dumps(body)})
 
