@@ -35,6 +35,26 @@ def generation_worker() -> Iterator[SimWorker]:
     yield from sim_worker("generation")
 
 
+@pytest.fixture(scope="session")
+def sim_pair() -> Iterator[Callable[..., tuple[SimWorker, SimWorker]]]:
+    """`sim_pair("vllm")`: a context and a generation sim speaking that protocol's dialect,
+    started on first use and kept for the session (`**options` override SIM_OPTIONS; each
+    distinct set of options is its own pair)."""
+    started: dict[str, tuple[SimWorker, SimWorker]] = {}
+
+    def get(protocol: str, **options: Any) -> tuple[SimWorker, SimWorker]:
+        merged = {**SIM_OPTIONS, **options, "protocol": protocol}
+        key = repr(sorted(merged.items()))
+        if key not in started:
+            started[key] = (start_simworker("context", **merged), start_simworker("generation", **merged))
+        return started[key]
+
+    yield get
+    for pair in started.values():
+        for worker in pair:
+            worker.stop()
+
+
 @pytest.fixture(autouse=True)
 async def close_worker_transport() -> AsyncIterator[None]:
     """A test that calls workers in-process gets its loop's connection pools; close them with it."""
@@ -106,14 +126,22 @@ def register_cluster(
     schedule_style: str = "context_first",
     max_local_prefill_tokens: int = 0,
     model: str = MODEL,
+    protocol: str = "trtllm",
+    signing_key: str = "",
+    context_options: dict[str, Any] | None = None,
 ) -> Cluster:
     from messages_api.auth import create_api_key
     from workers.models import WorkerEndpoint, WorkerPool
 
     pool = WorkerPool.objects.create(
-        name=f"pool-{model}", model=model, schedule_style=schedule_style, max_local_prefill_tokens=max_local_prefill_tokens
+        name=f"pool-{model}",
+        model=model,
+        schedule_style=schedule_style,
+        max_local_prefill_tokens=max_local_prefill_tokens,
+        protocol=protocol,
+        handoff_signing_key=signing_key,
     )
-    WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url)
+    WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url, options=context_options or {})
     WorkerEndpoint.objects.create(pool=pool, role="generation", url=generation.url)
     _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
     context.reset()

@@ -24,7 +24,7 @@ from workers import protocols
 from workers.checks import check_pool_protocols
 from workers.errors import WorkerError
 from workers.pipeline import ChatRun
-from workers.protocols.base import AGGREGATED, WorkerProtocol
+from workers.protocols.base import AGGREGATED, Call, WorkerProtocol
 from workers.registry import PoolInfo, get_registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -41,11 +41,11 @@ class AggregatedOnly(WorkerProtocol):
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def headers(self, body: dict[str, Any], *, request_id: str) -> dict[str, str]:
+    def headers(self, body: dict[str, Any], call: Call) -> dict[str, str]:
         self.calls.append("headers")
-        return {"x-request-id": request_id}
+        return {"x-request-id": call.request_id}
 
-    def aggregated_request(self, chat: dict[str, Any]) -> dict[str, Any]:
+    def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
         self.calls.append("aggregated_request")
         messages = [*chat["messages"][:-1], {"role": "user", "content": chat["messages"][-1]["content"] + " [sim tokens=3]"}]
         return {**chat, "messages": messages, "stream": True, "stream_options": {"include_usage": True}}

@@ -29,7 +29,7 @@ class WorkerEndpointInline(admin.TabularInline[WorkerEndpoint, WorkerPool]):
     model = WorkerEndpoint
     extra = 0
     fields = (  # type: ignore[assignment]
-        "role", "url", "enabled", "draining", "healthy", open_reservations,
+        "role", "url", "options", "enabled", "draining", "healthy", open_reservations,
         "consecutive_failures", "last_checked_at", "last_error",
     )
     readonly_fields = ("healthy", open_reservations, "consecutive_failures", "last_checked_at", "last_error")  # type: ignore[assignment]

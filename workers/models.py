@@ -64,6 +64,13 @@ class WorkerPool(models.Model):
         default=protocols.DEFAULT,
         help_text="The protocol the pool's workers speak; it decides which schedule styles the pool can use.",
     )
+    handoff_signing_key = models.CharField(
+        max_length=256,
+        blank=True,
+        default="",
+        help_text="Shared secret the pool's workers verify signed handoffs with (TensorRT-LLM's "
+        "disaggregated auth key). Write-only: never shown after saving.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -94,6 +101,11 @@ class WorkerEndpoint(models.Model):
     last_checked_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
     consecutive_failures = models.PositiveIntegerField(default=0)
+    options = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='Protocol-specific options, e.g. {"bootstrap_port": 8998} for an SGLang prefill server.',
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -47,8 +47,8 @@ from workers.health import health
 from workers.metrics import worker_retries
 from workers.models import Outcome, Role, ScheduleStyle, Stage
 from workers.prompt_tokens import estimate_prompt_tokens
-from workers.protocols import Handoff, WorkerProtocol
-from workers.registry import PoolInfo
+from workers.protocols import Call, ContextPeer, Handoff, WorkerProtocol
+from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation
 from workers.trace import RunTrace
 
@@ -79,6 +79,7 @@ class ChatRun:
         self.request_id = request_id
         self.session = session
         self.tenant = tenant
+        self._call = Call(request_id=request_id, conversation_id=session, signing_key=pool.signing_key)
         self._trace = RunTrace(stage=Stage.RECEIVED)
         self._generation_url = ""
 
@@ -173,7 +174,7 @@ class ChatRun:
         self._generation_endpoint_id = generation.endpoint.id
         limit = pool.max_local_prefill_tokens
         if pool.schedule_style == ScheduleStyle.AGGREGATED or (limit and estimate_prompt_tokens(self.chat) <= limit):
-            await self._open_generation(protocol.aggregated_request(self.chat))
+            await self._open_generation(protocol.aggregated_request(self.chat, self._call))
             return
         # Pairs the two legs of the request on the workers (the protocol puts it where its
         # engine expects it): random, so that gateway processes need not coordinate.
@@ -190,20 +191,27 @@ class ChatRun:
             self._complete_response = complete
             self._release_stage(Role.GENERATION, Outcome.SUCCESS)
             return
-        body = self._protocol.generation_request_after_context(self.chat, handoff)
+        body = self._protocol.generation_request_after_context(self.chat, self._call, handoff)
         await self._open_generation(body)
 
     async def _generation_first(self, pair_id: int) -> None:
         context = self._reserve(Role.CONTEXT)
         self._note(context_endpoint=context.endpoint.url)
-        body = self._protocol.generation_request_first(
-            self.chat, pair_id=pair_id, context_url=context.endpoint.url, schedule_style=ScheduleStyle.GENERATION_FIRST
-        )
         self._note(stage=Stage.CONTEXT)
+        try:
+            peer = await self._protocol.describe_context_peer(_peer(context.endpoint))
+        except BaseException as exc:
+            if isinstance(exc, WorkerError):
+                self._report(context.endpoint.id, exc)
+            context.release(Outcome.CANCELLED if isinstance(exc, asyncio.CancelledError) else Outcome.FAILURE)
+            raise
+        body = self._protocol.generation_request_first(
+            self.chat, self._call, pair_id=pair_id, context=peer, schedule_style=ScheduleStyle.GENERATION_FIRST
+        )
         generation_open = self._generation_open = asyncio.create_task(
             self._stream_from_generation(body, waits_for_context=True)
         )
-        context_phase = asyncio.create_task(self._context_phase(pair_id, reservation=context))
+        context_phase = asyncio.create_task(self._context_phase(pair_id, reservation=context, peer=peer))
         try:
             await asyncio.wait({context_phase, generation_open}, return_when=asyncio.FIRST_COMPLETED)
             if not context_phase.done() and not generation_open.cancelled() and generation_open.exception():
@@ -223,12 +231,13 @@ class ChatRun:
         self._note(stage=Stage.GENERATION)
         await self._await_generation()
 
-    async def _context_phase(self, pair_id: int, reservation: Reservation | None = None) -> Handoff:
+    async def _context_phase(
+        self, pair_id: int, reservation: Reservation | None = None, peer: ContextPeer | None = None
+    ) -> Handoff:
         """Send the context request; a connection failure before any answer is retried once
         on another context endpoint."""
         self._note(stage=Stage.CONTEXT)
         protocol = self._protocol
-        body = protocol.context_request(self.chat, pair_id=pair_id, schedule_style=self.pool.schedule_style)
         tried: list[str] = []
         # Generation-first already told its generation worker where the KV comes from.
         may_retry = reservation is None
@@ -237,6 +246,13 @@ class ChatRun:
                 reservation = self._reserve(Role.CONTEXT, exclude=tried)
             url = reservation.endpoint.url
             self._note(context_endpoint=url)
+            body = protocol.context_request(
+                self.chat,
+                self._call,
+                pair_id=pair_id,
+                schedule_style=self.pool.schedule_style,
+                context=peer if peer is not None else _peer(reservation.endpoint),
+            )
             try:
                 response = await client.post_completion(
                     url + protocol.chat_path, body, stage=Stage.CONTEXT, headers=self._headers(body)
@@ -315,7 +331,7 @@ class ChatRun:
         health.report(endpoint_id, error, tenant=self.tenant)
 
     def _headers(self, body: dict[str, Any]) -> dict[str, str]:
-        return dict(self._protocol.headers(body, request_id=self.request_id))
+        return dict(self._protocol.headers(body, self._call))
 
     def _reserve(self, role: str, exclude: list[str] | tuple[str, ...] = ()) -> Reservation:
         reservation = router.reserve(
@@ -338,6 +354,10 @@ class ChatRun:
         )
         _detached.add(task)
         task.add_done_callback(_detached.discard)
+
+
+def _peer(endpoint: EndpointInfo) -> ContextPeer:
+    return ContextPeer(url=endpoint.url, options=endpoint.options)
 
 
 def _protocol_for(pool: PoolInfo) -> WorkerProtocol:

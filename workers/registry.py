@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import MappingProxyType
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
@@ -30,6 +33,8 @@ class EndpointInfo:
     enabled: bool
     draining: bool
     healthy: bool
+    # Operator-set, protocol-specific options (e.g. SGLang's `bootstrap_port`).
+    options: Mapping[str, Any] = field(default_factory=dict)
     # Open reservations other gateway processes held at the last refresh (for least_loaded).
     remote_open: int = 0
 
@@ -44,6 +49,9 @@ class PoolInfo:
     routing: str
     protocol: str
     created_at: datetime
+    # The shared secret signed handoffs use ("" when none): kept out of repr so it never reaches
+    # a log line or a traceback.
+    signing_key: str = field(default="", repr=False)
     endpoints: tuple[EndpointInfo, ...] = field(default_factory=tuple)
 
     def endpoints_for(self, role: str) -> tuple[EndpointInfo, ...]:
@@ -83,6 +91,7 @@ def load_snapshot() -> ClusterSnapshot:
                 enabled=e.enabled,
                 draining=e.draining,
                 healthy=e.healthy,
+                options=MappingProxyType(dict(e.options or {})),
                 remote_open=remote_open.get(e.id, 0),
             )
         )
@@ -97,6 +106,7 @@ def load_snapshot() -> ClusterSnapshot:
                 routing=p.routing,
                 protocol=p.protocol,
                 created_at=p.created_at,
+                signing_key=p.handoff_signing_key,
                 endpoints=tuple(endpoints_by_pool.get(p.id, ())),
             )
             for p in pools

@@ -10,7 +10,7 @@ module and adding it to `PROTOCOLS`; the pipeline, the admin's choices, `registe
 from __future__ import annotations
 
 from workers.protocols import trtllm
-from workers.protocols.base import AGGREGATED, Handoff, WorkerProtocol
+from workers.protocols.base import AGGREGATED, Call, ContextPeer, Handoff, WorkerProtocol
 
 DEFAULT = trtllm.PROTOCOL.name
 
@@ -50,4 +50,4 @@ def misconfiguration(protocol: str, schedule_style: str) -> str | None:
     return None
 
 
-__all__ = ["AGGREGATED", "DEFAULT", "PROTOCOLS", "Handoff", "WorkerProtocol", "choices", "lookup", "misconfiguration", "register"]
+__all__ = ["AGGREGATED", "DEFAULT", "PROTOCOLS", "Call", "ContextPeer", "Handoff", "WorkerProtocol", "choices", "lookup", "misconfiguration", "register"]

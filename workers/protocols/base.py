@@ -23,11 +23,38 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 AGGREGATED = "aggregated"
 CONTEXT_FIRST = "context_first"
 GENERATION_FIRST = "generation_first"
+
+
+@dataclass(frozen=True, slots=True)
+class ContextPeer:
+    """The context endpoint a request's context phase runs on, as the generation side needs it.
+
+    `options` are the endpoint's operator-set options (e.g. SGLang's `bootstrap_port`); `info` is
+    what the protocol discovered about the endpoint (`WorkerProtocol.describe_context_peer`, e.g.
+    TensorRT-LLM's `/server_info`).
+    """
+
+    url: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What a protocol may need to know about the request beyond its chat body."""
+
+    #: The gateway's request id (sent to workers as `X-Request-Id` where the engine reads it).
+    request_id: str
+    #: The client's conversation (session) id, when it sent one.
+    conversation_id: str | None = None
+    #: The pool's shared secret for signed handoffs ("" when none is set). Never log it.
+    signing_key: str = field(default="", repr=False)
 
 
 class Handoff(Protocol):
@@ -62,16 +89,25 @@ class WorkerProtocol(ABC):
     #: Path of the chat endpoint on a worker's base URL.
     chat_path: ClassVar[str] = "/v1/chat/completions"
 
-    def headers(self, body: dict[str, Any], *, request_id: str) -> Mapping[str, str]:
+    def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         """Extra HTTP headers a worker request with `body` needs (signatures, request ids)."""
         return {}
 
+    async def describe_context_peer(self, peer: ContextPeer) -> ContextPeer:
+        """What the generation side must know about a context endpoint before a generation-first
+        request names it (e.g. TensorRT-LLM reads the endpoint's `/server_info`). Runs once per
+        generation-first request, before `generation_request_first`; may cache; raises
+        `WorkerError` when the endpoint cannot say. The default needs nothing."""
+        return peer
+
     @abstractmethod
-    def aggregated_request(self, chat: dict[str, Any]) -> dict[str, Any]:
+    def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
         """The whole request for one generation worker, streamed (the context phase skipped)."""
 
-    def context_request(self, chat: dict[str, Any], *, pair_id: int, schedule_style: str) -> dict[str, Any]:
-        """The context (prefill) request, answered as one JSON object."""
+    def context_request(
+        self, chat: dict[str, Any], call: Call, *, pair_id: int, schedule_style: str, context: ContextPeer
+    ) -> dict[str, Any]:
+        """The context (prefill) request to the endpoint `context`, answered as one JSON object."""
         raise self._unsupported("a context phase")
 
     def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
@@ -81,15 +117,16 @@ class WorkerProtocol(ABC):
         """
         raise self._unsupported("a context phase")
 
-    def generation_request_after_context(self, chat: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
+    def generation_request_after_context(self, chat: dict[str, Any], call: Call, handoff: Handoff) -> dict[str, Any]:
         """Context first: the streamed generation request that takes over `handoff`."""
         raise self._unsupported(CONTEXT_FIRST)
 
     def generation_request_first(
-        self, chat: dict[str, Any], *, pair_id: int, context_url: str, schedule_style: str
+        self, chat: dict[str, Any], call: Call, *, pair_id: int, context: ContextPeer, schedule_style: str
     ) -> dict[str, Any]:
-        """Generation first: the streamed generation request, sent before the context request
-        with the same `pair_id`, that waits for the KV from the worker at `context_url`."""
+        """Generation first: the streamed generation request, sent before (or with) the context
+        request of the same `pair_id`, that waits for the KV from the endpoint `context` (as
+        `describe_context_peer` described it)."""
         raise self._unsupported(GENERATION_FIRST)
 
     def _unsupported(self, what: str) -> NotImplementedError:

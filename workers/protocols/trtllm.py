@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from workers.errors import WorkerError
-from workers.protocols.base import AGGREGATED, CONTEXT_FIRST, GENERATION_FIRST, Handoff, WorkerProtocol
+from workers.protocols.base import AGGREGATED, CONTEXT_FIRST, GENERATION_FIRST, Call, ContextPeer, Handoff, WorkerProtocol
 
 CHAT_PATH = "/v1/chat/completions"
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
@@ -116,24 +116,26 @@ class TrtllmProtocol(WorkerProtocol):
     schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, GENERATION_FIRST, AGGREGATED})
     chat_path: ClassVar[str] = CHAT_PATH
 
-    def aggregated_request(self, chat: dict[str, Any]) -> dict[str, Any]:
+    def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
         return streamed(chat)
 
-    def context_request(self, chat: dict[str, Any], *, pair_id: int, schedule_style: str) -> dict[str, Any]:
+    def context_request(
+        self, chat: dict[str, Any], call: Call, *, pair_id: int, schedule_style: str, context: ContextPeer
+    ) -> dict[str, Any]:
         return context_request(chat, pair_id, schedule_style)
 
     def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
         return read_context_response(answer)
 
-    def generation_request_after_context(self, chat: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
+    def generation_request_after_context(self, chat: dict[str, Any], call: Call, handoff: Handoff) -> dict[str, Any]:
         if not isinstance(handoff, ContextResult):
             raise TypeError(f"not a TensorRT-LLM handoff: {type(handoff).__name__}")
         return generation_request_after_context(chat, handoff)
 
     def generation_request_first(
-        self, chat: dict[str, Any], *, pair_id: int, context_url: str, schedule_style: str
+        self, chat: dict[str, Any], call: Call, *, pair_id: int, context: ContextPeer, schedule_style: str
     ) -> dict[str, Any]:
-        return generation_request_first(chat, pair_id, context_url, schedule_style)
+        return generation_request_first(chat, pair_id, context.url, schedule_style)
 
 
 PROTOCOL = TrtllmProtocol()

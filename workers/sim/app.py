@@ -3,6 +3,7 @@
 Routes:
     GET  /health               {"status": "ok"}
     GET  /v1/models            the one model, with max_model_len
+    GET  /server_info          what the dialect's engine reports there (404 where it has none)
     POST /v1/chat/completions  see chat.py
     POST /tokenize             vLLM's shape: {"count", "tokens", "max_model_len"}
     GET  /sim/stats            counters (stats.py) plus the handoff gauges
@@ -88,6 +89,7 @@ class SimApp:
             ("GET", "/v1/models"): self._list_models,
             ("POST", "/v1/chat/completions"): self._chat_completions,
             ("POST", "/tokenize"): self._tokenize,
+            ("GET", "/server_info"): self._server_info,
             ("GET", "/sim/stats"): self._stats,
             ("POST", "/sim/reset"): self._reset,
             ("GET", "/sim/requests"): self._requests,
@@ -131,7 +133,8 @@ class SimApp:
             except ClientDisconnected:
                 outcome = Outcome.ABORTED
                 return
-            result = await run_until_disconnect(receive, self.chat.handle(body, send))
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+            result = await run_until_disconnect(receive, self.chat.handle(body, send, headers))
             outcome = Outcome.ABORTED if isinstance(result, Disconnected) else result
         except SimulatedDrop:
             # Re-raised on purpose: uvicorn then closes the connection mid-body.
@@ -142,6 +145,12 @@ class SimApp:
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, {"status": "ok"})
+
+    async def _server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        info = self.chat.dialect.server_info(self.config, self.url)
+        if info is None:
+            raise SimError(404, "Not Found: /server_info")
+        await send_json(send, 200, info)
 
     async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, orjson.Fragment(self._models))

@@ -18,18 +18,8 @@ from .schema import ChatRequest, parse_chat_request
 from .stats import Outcome, RequestLog
 from .tokenizer import VOCAB_SIZE, tokenize_chat
 from .transfer import KvPuller
-from .wire import context_only_completion
-
-
-def _context_id_of(payload: Any) -> int | None:
-    """The handoff id of a context_only body, read leniently (for failure bookkeeping)."""
-    if not isinstance(payload, Mapping):
-        return None
-    params = payload.get("disaggregated_params")
-    if not isinstance(params, Mapping) or params.get("request_type") != "context_only":
-        return None
-    value = params.get("disagg_request_id", params.get("ctx_request_id"))
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+from . import dialects
+from .dialects import ContextIssue
 
 
 class ChatCompletions:
@@ -48,26 +38,29 @@ class ChatCompletions:
         self.log = log
         self.handoffs = handoffs
         self.puller = puller
+        self.dialect = dialects.get(config.protocol)
 
-    async def handle(self, body: bytes, send: Send) -> Outcome:
-        """Answers the request; returns FAILED when the answer was an error status."""
+    async def handle(self, body: bytes, send: Send, headers: Mapping[str, str] | None = None) -> Outcome:
+        """Answers the request; returns FAILED when the answer was an error status.
+
+        `headers` are the request's, lower-cased (a dialect may check a signature)."""
         try:
-            await self._dispatch(body, send)
+            await self._dispatch(body, send, headers or {})
         except SimError as error:
             await send_error(send, error)
             return Outcome.FAILED
         return Outcome.COMPLETED
 
-    async def _dispatch(self, body: bytes, send: Send) -> None:
+    async def _dispatch(self, body: bytes, send: Send, headers: Mapping[str, str]) -> None:
         try:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError:
             raise SimError(400, "request body is not valid JSON") from None
         self.log.append(payload)
         try:
-            request = parse_chat_request(payload)
+            request = parse_chat_request(payload, lambda body: self.dialect.parse(body, headers, self.config))
         except SimError as error:
-            if (context_id := _context_id_of(payload)) is not None:
+            if (context_id := self.dialect.context_id_of(payload)) is not None:
                 self.handoffs.fail(context_id, f"{error.message} (HTTP {error.status})")
             raise
         kind = request.request_type
@@ -116,17 +109,15 @@ class ChatCompletions:
                 raise SimError.simulated(request.directives.context_status)
             first_gen_tokens = [prompt_seed(prompt_ids) % VOCAB_SIZE]
             state = self.handoffs.issue(handoff_id, len(prompt_ids), first_gen_tokens)
-            body = context_only_completion(
-                self.config.model,
-                prompt_token_ids=prompt_ids,
-                disaggregated_params={
-                    "request_type": "context_only",
-                    "first_gen_tokens": first_gen_tokens,
-                    "ctx_request_id": handoff_id,
-                    "disagg_request_id": handoff_id,
-                    "encoded_opaque_state": state,
-                    "ctx_info_endpoint": self.public_url,
-                },
+            body = self.dialect.context_answer(
+                ContextIssue(
+                    config=self.config,
+                    public_url=self.public_url,
+                    handoff_id=handoff_id,
+                    encoded_opaque_state=state,
+                    first_gen_tokens=first_gen_tokens,
+                    prompt_token_ids=prompt_ids,
+                )
             )
             await send_bytes(send, 200, body)
         except SimError as error:

@@ -25,6 +25,8 @@ class SimConfig:
     # How long a context worker holds an untaken handoff, and how long a generation-first
     # take waits for its context phase.
     kv_timeout: float = 60.0
+    # The engine dialect of disaggregated requests (`workers.sim.dialects`).
+    protocol: str = "trtllm"
 
     @property
     def token_interval(self) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -14,14 +14,21 @@ RequestType = Literal["plain", "context_only", "generation_only"]
 
 @dataclass(frozen=True, slots=True)
 class DisaggParams:
-    """`disaggregated_params` as TensorRT-LLM sends them (only the fields the sim uses)."""
+    """A request's disaggregation, neutral of the engine dialect that carried it
+    (`workers.sim.dialects` reads each dialect's wire form into this)."""
 
     request_type: RequestType
     disagg_request_id: int | None
     ctx_request_id: int | None
+    #: The state a context-first take presents (None for a rendezvous).
     encoded_opaque_state: str | None
-    ctx_info_endpoint: str | None
+    #: Base HTTP URL of the context sim holding the KV (the dialect translates its engine's
+    #: address into it).
+    kv_source_url: str | None
     schedule_style: str | None
+    #: A generation-first (or concurrent) take: wait for the context phase of this id to finish,
+    #: instead of taking a handoff that must already be held.
+    rendezvous: bool = False
 
     @property
     def handoff_id(self) -> int | None:
@@ -51,7 +58,7 @@ def _bad(message: str, param: str | None = None) -> SimError:
     return SimError(400, message, param=param)
 
 
-def _optional_int(value: Any, name: str) -> int | None:
+def optional_int(value: Any, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -59,31 +66,8 @@ def _optional_int(value: Any, name: str) -> int | None:
     return value
 
 
-def _optional_str(value: Any) -> str | None:
+def optional_str(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
-
-
-def parse_disagg(raw: Any) -> DisaggParams | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise _bad("disaggregated_params must be an object", "disaggregated_params")
-    request_type = raw.get("request_type")
-    if request_type in (None, "context_and_generation"):
-        return None
-    if request_type not in ("context_only", "generation_only"):
-        raise _bad(f"unknown request_type {request_type!r}", "disaggregated_params")
-    endpoint = raw.get("ctx_info_endpoint")
-    if isinstance(endpoint, list):  # TensorRT-LLM sometimes carries a list; the first one counts
-        endpoint = endpoint[0] if endpoint else None
-    return DisaggParams(
-        request_type=request_type,
-        disagg_request_id=_optional_int(raw.get("disagg_request_id"), "disagg_request_id"),
-        ctx_request_id=_optional_int(raw.get("ctx_request_id"), "ctx_request_id"),
-        encoded_opaque_state=_optional_str(raw.get("encoded_opaque_state")),
-        ctx_info_endpoint=_optional_str(endpoint),
-        schedule_style=_optional_str(raw.get("schedule_style")),
-    )
 
 
 def _stop_strings(raw: Any) -> tuple[str, ...]:
@@ -96,8 +80,12 @@ def _stop_strings(raw: Any) -> tuple[str, ...]:
     raise _bad("stop must be a string or a list of strings", "stop")
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """Validate a /v1/chat/completions body; raises SimError(400) on a malformed one."""
+def parse_chat_request(
+    body: Any, disagg: Callable[[Mapping[str, Any]], DisaggParams | None] | None = None
+) -> ChatRequest:
+    """Validate a /v1/chat/completions body; raises SimError(400) on a malformed one.
+
+    `disagg` reads the body's disaggregation in the worker's dialect (None: read none)."""
     if not isinstance(body, Mapping):
         raise _bad("request body must be a JSON object")
     messages = body.get("messages")
@@ -106,9 +94,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _bad("tools must be a list", "tools")
-    max_tokens = _optional_int(body.get("max_completion_tokens"), "max_completion_tokens")
+    max_tokens = optional_int(body.get("max_completion_tokens"), "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _optional_int(body.get("max_tokens"), "max_tokens")
+        max_tokens = optional_int(body.get("max_tokens"), "max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise _bad("max_tokens must be at least 1", "max_tokens")
     prompt_token_ids = body.get("prompt_token_ids")
@@ -125,7 +113,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         include_usage=include_usage,
         continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
         stop=_stop_strings(body.get("stop")),
-        disagg=parse_disagg(body.get("disaggregated_params")),
+        disagg=disagg(body) if disagg is not None else None,
         prompt_token_ids=prompt_token_ids,
         directives=parse_messages(messages),
     )

@@ -84,8 +84,8 @@ class KvPuller:
                 param="disaggregated_params",
             )
         state = disagg.encoded_opaque_state
-        generation_first = state is None
-        endpoint = disagg.ctx_info_endpoint
+        generation_first = disagg.rendezvous
+        endpoint = disagg.kv_source_url
         if not endpoint or not endpoint.startswith(("http://", "https://")):
             raise _not_issued(handoff_id, "no usable ctx_info_endpoint")
         payload = {

@@ -1,4 +1,4 @@
-"""`manage.py simworker`: run one simulated TensorRT-LLM worker in this process."""
+"""`manage.py simworker`: run one simulated worker (TensorRT-LLM, vLLM, SGLang or plain OpenAI) in this process."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from workers.sim import ROLES, SimConfig, serve
+from workers.sim import ROLES, SimConfig, dialects, serve
 
 
 class Command(BaseCommand):
-    help = "Run a simulated TensorRT-LLM context or generation worker (a real HTTP server)."
+    help = "Run a simulated context or generation worker in one engine dialect (a real HTTP server)."
     # It touches neither the database nor the models; skip the checks to start fast.
     requires_system_checks: list[str] = []
 
@@ -28,6 +28,10 @@ class Command(BaseCommand):
             help="seconds a handoff is held untaken, and a generation-first take waits",
         )
         parser.add_argument("--model", default="sim-model")
+        parser.add_argument(
+            "--protocol", default=dialects.DEFAULT, choices=dialects.names(),
+            help="the engine dialect of disaggregated requests",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not 0 <= options["port"] <= 65535:
@@ -46,6 +50,7 @@ class Command(BaseCommand):
             tokens_per_second=options["tokens_per_second"],
             prefill_tokens_per_second=options["prefill_tokens_per_second"],
             kv_timeout=options["kv_timeout"],
+            protocol=options["protocol"],
         )
 
         def announce(line: str) -> None:
