@@ -242,6 +242,9 @@ WORKER_MAX_RESPONSE_HEADER_BYTES = env_int("WORKER_MAX_RESPONSE_HEADER_BYTES", 6
 # After a client leaves once the context phase is done, how long the gateway waits for the
 # generation worker to take the KV handoff (so the context worker frees it) before closing.
 WORKER_HANDOFF_RELEASE_TIMEOUT_S = env_float("WORKER_HANDOFF_RELEASE_TIMEOUT_S", 5.0)
+# On SIGTERM, stop accepting and let requests in flight finish for this long before cancelling
+# them (disagg_project/drain.py); 0 stops at once. Below the usual 30 s grace of an orchestrator.
+GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 25.0)
 
 # How often each process re-reads pools and endpoints from the database.
 REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)

@@ -28,6 +28,8 @@ DEFAULT_ENV = {
     "REGISTRY_REFRESH_INTERVAL_S": "0.1",
     "AUDIT_FLUSH_INTERVAL_S": "0.01",
     "WORKER_HANDOFF_RELEASE_TIMEOUT_S": "3",
+    # SIGTERM stops at once unless a test asks for a drain (tests/test_serve.py).
+    "GATEWAY_DRAIN_TIMEOUT_S": "0",
     # Every gateway probes every endpoint in the (shared) test database: probing is off unless a
     # test starts a gateway of its own for it.
     "HEALTH_CHECK_INTERVAL_S": "3600",
@@ -45,6 +47,18 @@ def test_database_url() -> str:
     return f"postgres://{auth}{settings.get('HOST') or '127.0.0.1'}:{settings.get('PORT') or 5432}/{settings['NAME']}"
 
 
+def gateway_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a gateway process under test: test settings, the test database, short
+    intervals, then `env`."""
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "disagg_project.test_settings",
+        "DATABASE_URL": test_database_url(),
+        **DEFAULT_ENV,
+        **(env or {}),
+    }
+
+
 class Gateway:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -53,13 +67,7 @@ class Gateway:
         self.sock.listen(1024)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "disagg_project.test_settings",
-            "DATABASE_URL": test_database_url(),
-            **DEFAULT_ENV,
-            **(env or {}),
-        }
+        self.env = gateway_env(env)
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = PROJECT_ROOT / ".gateway" / f"test-daphne-{os.getpid()}-{self.port}.log"
 

@@ -1,0 +1,109 @@
+"""Graceful shutdown under daphne: on SIGTERM, stop accepting connections, let the requests in
+flight finish for up to `GATEWAY_DRAIN_TIMEOUT_S`, then stop as before (daphne cancels what is
+left: the client-disconnect path, so every reservation is still released and every audit row
+closed).
+
+Without it, Twisted's own SIGTERM handler stops the reactor at once and every open stream, a
+Claude Code turn included, ends with an error. Under `manage.py serve`, several processes share
+one listening socket: a draining process closes only its own copy, so its siblings keep
+accepting while it finishes its streams.
+
+A second SIGTERM, or SIGINT, stops at once. `GATEWAY_DRAIN_TIMEOUT_S=0` keeps Twisted's
+behaviour.
+
+This reads daphne's server through the listening port's factory (`Port.factory.server
+.connections`); `RELIED_ON` names what it reads, and tests/test_serve.py checks that it exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+from daphne.http_protocol import HTTPFactory
+from daphne.server import Server
+from django.conf import settings
+
+logger = logging.getLogger(__name__)
+
+# The daphne names read here (tests/test_serve.py checks them).
+RELIED_ON: dict[type, tuple[str, ...]] = {HTTPFactory: ("server",), Server: ("connections",)}
+
+POLL_INTERVAL_S = 0.05
+
+
+def install(reactor: Any) -> None:
+    """Take SIGTERM over from Twisted once the reactor runs (it installs its handlers while
+    starting; `callWhenRunning` comes after that)."""
+    timeout = float(settings.GATEWAY_DRAIN_TIMEOUT_S)
+    if timeout > 0:
+        reactor.callWhenRunning(_take_over_sigterm, reactor, timeout)
+
+
+def _take_over_sigterm(reactor: Any, timeout: float) -> None:
+    drain = _Drain(reactor, timeout)
+
+    def on_sigterm(number: int, frame: FrameType | None) -> None:
+        # A signal handler runs between bytecodes: hand the work to the reactor's thread.
+        reactor.callFromThread(drain.signalled)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class _Drain:
+    def __init__(self, reactor: Any, timeout: float) -> None:
+        self.reactor = reactor
+        self.timeout = timeout
+        self.deadline: float | None = None
+        self.servers: list[Any] = []
+
+    def signalled(self) -> None:
+        if self.deadline is not None:
+            logger.warning("second SIGTERM while draining: stopping now")
+            self.reactor.stop()
+            return
+        self.deadline = time.monotonic() + self.timeout
+        ports = list(_listening_ports(self.reactor))
+        self.servers = [s for s in {id(p.factory.server): p.factory.server for p in ports}.values()]
+        for port in ports:
+            port.stopListening()
+        logger.warning(
+            "SIGTERM: no longer accepting connections; draining %d request(s) for up to %.0f s",
+            self.in_flight(), self.timeout,
+        )
+        self.check()
+
+    def in_flight(self) -> int:
+        return sum(_running(server.connections.values()) for server in self.servers)
+
+    def check(self) -> None:
+        assert self.deadline is not None
+        left = self.in_flight()
+        if left == 0 or time.monotonic() >= self.deadline:
+            if left:
+                logger.warning("drain timed out with %d request(s) in flight: cancelling them", left)
+            self.reactor.stop()
+            return
+        self.reactor.callLater(POLL_INTERVAL_S, self.check)
+
+
+def _listening_ports(reactor: Any) -> Iterable[Any]:
+    """daphne's listening TCP ports (the readers whose factory is daphne's HTTPFactory)."""
+    for reader in reactor.getReaders():
+        factory = getattr(reader, "factory", None)
+        if isinstance(factory, HTTPFactory) and hasattr(reader, "stopListening"):
+            yield reader
+
+
+def _running(connections: Iterable[dict[str, Any]]) -> int:
+    """Connections whose request is still being answered (idle keep-alive ones do not count)."""
+    count = 0
+    for details in connections:
+        instance = details.get("application_instance")
+        if instance is not None and not instance.done() and "disconnected" not in details:
+            count += 1
+    return count
