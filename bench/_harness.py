@@ -623,6 +623,8 @@ class Response:
     frames: list[tuple[float, bytes]] | None = None  # (arrival, event name) when asked for
     count: int = 0  # occurrences of the counted pattern in the body
     first_count_at: float | None = None  # arrival of the first occurrence
+    count_times: list[float] | None = None  # arrival of every read holding occurrences, when asked
+    max_count_gap: float = 0.0  # longest time between two reads holding occurrences
     error: str | None = None
 
 
@@ -649,6 +651,7 @@ class HttpConnection(asyncio.Protocol):
         self._sse = b""
         self._pattern = b""
         self._tail = b""
+        self._last_count_at = 0.0
         self.server_closes = False
 
     # asyncio.Protocol
@@ -776,6 +779,13 @@ class HttpConnection(asyncio.Protocol):
             if found:
                 if resp.first_count_at is None:
                     resp.first_count_at = now
+                else:
+                    gap = now - self._last_count_at
+                    if gap > resp.max_count_gap:
+                        resp.max_count_gap = gap
+                self._last_count_at = now
+                if resp.count_times is not None:
+                    resp.count_times.extend((now,) * found)
                 resp.count += found
             keep = len(self._pattern) - 1
             # Keep a tail so a pattern split across two reads is still seen (once).
@@ -815,14 +825,16 @@ class HttpConnection(asyncio.Protocol):
     # API
 
     def request(
-        self, wire: bytes, *, keep_body: bool = False, frames: bool = False, count: bytes = b""
+        self, wire: bytes, *, keep_body: bool = False, frames: bool = False, count: bytes = b"", count_times: bool = False
     ) -> asyncio.Future[Response]:
         """Send one request; the future resolves with its Response when the body is complete."""
         assert self._future is None, "one request at a time"
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self._future = loop.create_future()
-        resp = Response(body=bytearray() if keep_body else None, frames=[] if frames else None)
+        resp = Response(
+            body=bytearray() if keep_body else None, frames=[] if frames else None, count_times=[] if count_times else None
+        )
         self._resp = resp
         self._state = 0
         self._buf = b""

@@ -27,6 +27,18 @@ each of the K connections running R such streams back to back. Content events pe
 delivered to the clients and gateway CPU µs per relayed event; the same load sent straight to
 the generation worker is the baseline (what the sim and the client manage on this machine).
 Targets: ≥ 30,000 events/s, ≤ 30 µs gateway CPU per event.
+
+(c) paced (`--part paced`): production's shape. A real decode worker sends one token every
+~10–50 ms per stream, so every token is its own read from the worker and its own write to the
+client. Sim workers started with `--tokens-per-second 1000/ms_per_token` (default one token per
+20 ms); at each offered load L events/s (default 2,500 / 10,000 / 20,000 / 40,000), L × ms/1000
+connections each run closed-loop streams of `--paced-tokens` (256) tokens back to back for
+`--paced-seconds`, their starts spread over one stream's duration so they do not tick in step.
+Through the gateway (aggregated path: the context phase skipped) and straight to the worker, in
+turn: content events/s delivered in the steady window (after the ramp), gateway CPU µs per
+relayed event, status line and first content event p50/p99, the largest gap between two content
+reads of a stream (p50/p99 over streams). Targets (issue 12): at 10,000 ev/s ≤ 35 µs CPU per
+event and status/first content p99 ≤ 60 ms; at 2,500 ev/s ≤ 60 µs and first content p99 ≤ 50 ms.
 """
 
 from __future__ import annotations
@@ -47,13 +59,17 @@ ADDED_P99_TARGET_MS = 5.0
 EVENTS_TARGET = 30_000.0
 CPU_PER_EVENT_TARGET_US = 30.0
 AGG_MODEL = "sim-model-agg"
+PACED_MODEL = "sim-model-paced"
+# Offered events/s → (CPU µs per event, status line and first content p99 ms) targets.
+PACED_TARGETS: dict[int, tuple[float, float]] = {10_000: (35.0, 60.0), 2_500: (60.0, 50.0)}
 GATEWAY_CONTENT = b"event: content_block_delta"
 DIRECT_CONTENT = b'"delta":{"content"'
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("both", "latency", "throughput"), default="both")
+    parser.add_argument("--part", choices=("both", "latency", "throughput", "paced", "all"), default="both",
+                        help="both = latency + throughput (unpaced); all = both + paced")
     parser.add_argument("--samples", type=int, help="latency rounds, each one request of every kind (default 500; --quick 40)")
     parser.add_argument("--warmup", type=int, help="latency rounds not counted (default 30; --quick 5)")
     parser.add_argument("--latency-tokens", type=int, default=16, help="tokens per latency request (default 16)")
@@ -61,12 +77,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, help="M tokens per stream (default 4000; --quick 500)")
     parser.add_argument("--rounds", type=int, help="R streams per connection, back to back (default 3; --quick 1)")
     parser.add_argument("--no-direct-throughput", action="store_true", help="skip the direct throughput baseline")
+    parser.add_argument("--paced-loads", help="offered loads, events/s, comma-separated (default 2500,10000,20000,40000; --quick 2500)")
+    parser.add_argument("--ms-per-token", type=float, default=20.0, help="paced: ms between two tokens of a stream (default 20)")
+    parser.add_argument("--paced-tokens", type=int, help="paced: tokens per stream (default 256; --quick 64)")
+    parser.add_argument("--paced-seconds", type=float, help="paced: seconds per load level and target (default 25; --quick 5)")
     h.add_common_arguments(parser)
     args = parser.parse_args()
     h.resolve(
         args,
-        quick={"samples": 40, "warmup": 5, "streams": 8, "tokens": 500, "rounds": 1},
-        full={"samples": 500, "warmup": 30, "streams": 32, "tokens": 4000, "rounds": 3},
+        quick={"samples": 40, "warmup": 5, "streams": 8, "tokens": 500, "rounds": 1,
+               "paced_loads": "2500", "paced_tokens": 64, "paced_seconds": 5.0},
+        full={"samples": 500, "warmup": 30, "streams": 32, "tokens": 4000, "rounds": 3,
+              "paced_loads": "2500,10000,20000,40000", "paced_tokens": 256, "paced_seconds": 25.0},
     )
     return args
 
@@ -302,13 +324,128 @@ async def throughput(args: argparse.Namespace, gateway: h.GatewayProc, key: str,
     return {"streams": args.streams, "tokens": args.tokens, "rounds": args.rounds, "runs": results, "checks": checks}
 
 
-async def run(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc]) -> dict[str, Any]:
+# --- (c) paced ------------------------------------------------------------------------------------
+
+
+async def _drive_paced(port: int, wire: bytes, pattern: bytes, streams: int, seconds: float, ramp: float) -> dict[str, Any]:
+    """`streams` connections, each running streams back to back until `seconds` have passed,
+    the first of each starting at an even offset within `ramp`."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    stop_at = start + seconds
+    responses: list[h.Response] = []
+
+    async def one_connection(index: int) -> None:
+        await asyncio.sleep(ramp * index / streams)
+        conn = h.KeepAlive(port)
+        try:
+            while loop.time() < stop_at:
+                responses.append(await conn.request(wire, count=pattern, count_times=True))
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(one_connection(i) for i in range(streams)))
+    return {"responses": responses, "start": start}
+
+
+def _paced_summary(responses: list[h.Response], window: tuple[float, float]) -> dict[str, Any]:
+    lo, hi = window
+    in_window = sum(1 for r in responses for t in (r.count_times or ()) if lo <= t < hi)
+    ok = [r for r in responses if r.status == 200 and not r.error and r.first_count_at is not None]
+    return {
+        "streams_run": len(responses),
+        "failures": len(responses) - len(ok),
+        "events": sum(r.count for r in responses),
+        "window_events_per_s": in_window / (hi - lo) if hi > lo else float("nan"),
+        "status_line_s": h.distribution(r.status_at - r.sent_at for r in ok if r.status_at is not None),
+        "first_content_s": h.distribution(r.first_count_at - r.sent_at for r in ok if r.first_count_at is not None),
+        "max_gap_s": h.distribution(r.max_count_gap for r in ok),
+    }
+
+
+async def paced(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, pids: dict[str, int]) -> dict[str, Any]:
+    gport = gateway.port
+    dport = h.port_of(gen.url)
+    directive = f"[sim tokens={args.paced_tokens}]"
+    gw_wire = h.gateway_request(gport, key, h.messages_body(directive, stream=True, model=PACED_MODEL))
+    direct_wire = h.worker_request(dport, {**direct_payload(directive), "model": h.MODEL})
+    stream_s = args.paced_tokens * args.ms_per_token / 1000
+    ramp = min(stream_s, args.paced_seconds / 3)
+    loads = [int(x) for x in str(args.paced_loads).split(",") if x.strip()]
+    # Warm the gateway's pools and code paths.
+    await _drive(gport, h.gateway_request(gport, key, h.messages_body("[sim tokens=4]", stream=True, model=PACED_MODEL)), GATEWAY_CONTENT, 8, 1)
+    levels: list[dict[str, Any]] = []
+    rows = []
+    for load in loads:
+        streams = max(1, round(load * args.ms_per_token / 1000))
+        level: dict[str, Any] = {"offered_events_per_s": load, "streams": streams}
+        for label, port, wire, pattern in (("gateway", gport, gw_wire, GATEWAY_CONTENT), ("direct", dport, direct_wire, DIRECT_CONTENT)):
+            meter = h.CpuMeter(pids).start()
+            run = await _drive_paced(port, wire, pattern, streams, args.paced_seconds, ramp)
+            cpu = meter.stop()
+            window = (run["start"] + ramp + 1.0, run["start"] + args.paced_seconds)
+            summary = _paced_summary(run["responses"], window)
+            summary["cpu_s"] = cpu
+            summary["cpu_util"] = {k: v / meter.wall for k, v in cpu.items()}
+            summary["gateway_cpu_us_per_event"] = cpu["gateway"] / summary["events"] * 1e6 if summary["events"] else float("nan")
+            summary["machine"] = meter.machine_note()
+            level[label] = summary
+            rows.append([
+                f"{load:,} ev/s, {label}",
+                summary["window_events_per_s"],
+                summary["gateway_cpu_us_per_event"] if label == "gateway" else float("nan"),
+                summary["cpu_util"]["gateway"] * 100,
+                summary["status_line_s"].get("p50", float("nan")) * 1000,
+                summary["status_line_s"].get("p99", float("nan")) * 1000,
+                summary["first_content_s"].get("p50", float("nan")) * 1000,
+                summary["first_content_s"].get("p99", float("nan")) * 1000,
+                summary["max_gap_s"].get("p99", float("nan")) * 1000,
+                summary["failures"],
+            ])
+        target = PACED_TARGETS.get(load)
+        if target is not None:
+            g = level["gateway"]
+            cpu_target, p99_target = target
+            p99 = max(g["status_line_s"].get("p99", float("inf")), g["first_content_s"].get("p99", float("inf"))) * 1000
+            level["checks"] = {
+                "gateway_cpu_us_per_event": {"value": g["gateway_cpu_us_per_event"], "target": cpu_target,
+                                             "ok": g["gateway_cpu_us_per_event"] <= cpu_target},
+                "status_and_first_content_p99_ms": {"value": p99, "target": p99_target, "ok": p99 <= p99_target},
+                "delivered_vs_direct": {"value": g["window_events_per_s"], "target": level["direct"]["window_events_per_s"],
+                                        "ok": g["failures"] == 0 and g["window_events_per_s"] >= 0.97 * level["direct"]["window_events_per_s"]},
+            }
+        levels.append(level)
+    h.print_table(
+        f"(c) paced: one token every {args.ms_per_token:g} ms per stream, {args.paced_tokens}-token streams, "
+        f"{args.paced_seconds:g} s per run (steady window after a {ramp:.1f} s ramp)",
+        ("", "events/s delivered", "gw CPU µs/event", "gw CPU %", "status p50 ms", "status p99 ms",
+         "first content p50 ms", "first content p99 ms", "max gap p99 ms", "failures"),
+        rows,
+        digits=1,
+    )
+    check_rows = []
+    for level in levels:
+        for name, check in level.get("checks", {}).items():
+            check_rows.append([f"{level['offered_events_per_s']:,} ev/s: {name}", check["value"], check["target"], h.verdict(check["ok"])])
+    if check_rows:
+        h.print_table("(c) targets", ("", "measured", "target", ""), check_rows, digits=1)
+    for level in levels:
+        print(f"({level['offered_events_per_s']:,} ev/s, gateway: {level['gateway']['machine']})")
+    return {"ms_per_token": args.ms_per_token, "tokens": args.paced_tokens, "seconds": args.paced_seconds, "levels": levels}
+
+
+async def run(
+    args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc], paced_gen: h.SimProc | None
+) -> dict[str, Any]:
     out: dict[str, Any] = {"config": { "gateway_nodelay": args.gateway_nodelay}}
     out["quiet"] = h.wait_for_quiet(args.quiet_wait)
-    if args.part in ("both", "latency"):
+    if args.part in ("both", "all", "latency"):
         out["latency"] = await latency(args, gateway, key, gen, sims)
-    if args.part in ("both", "throughput"):
+    if args.part in ("both", "all", "throughput"):
         out["throughput"] = await throughput(args, gateway, key, gen, sims)
+    if paced_gen is not None:
+        pids = {"gateway": gateway.pid, "sim-generation": paced_gen.pid}
+        out["paced"] = await paced(args, gateway, key, paced_gen, pids)
     out["gateway_peak_rss_mib"] = h.hwm_mib(gateway.pid)
     print(f"\ngateway peak RSS (VmHWM): {out['gateway_peak_rss_mib']:.1f} MiB")
     return out
@@ -335,10 +472,18 @@ def main() -> None:
         print("pools:", pools)
         if pools.get("bench-agg", {}).get("max_local_prefill_tokens") != 1_000_000:
             raise RuntimeError(f"pool bench-agg was not configured for the aggregated path: {pools}")
+        pools_expected = ["bench", "bench-agg"]
+        paced_gen = None
+        if args.part in ("paced", "all"):
+            # A generation worker of its own, pacing every stream; the pool skips the context phase.
+            paced_gen = stack.start_simworker("generation", tokens_per_second=1000 / args.ms_per_token, prefill_tokens_per_second=0)
+            stack.register_worker("bench-paced", PACED_MODEL, "context", ctx.url, **agg)
+            stack.register_worker("bench-paced", PACED_MODEL, "generation", paced_gen.url, **agg)
+            pools_expected.append("bench-paced")
         key = stack.create_api_key("bench")
-        gateway = stack.start_gateway({}, expect_pools=["bench", "bench-agg"])
+        gateway = stack.start_gateway({}, expect_pools=pools_expected)
         with h.profiled([gateway.pid], h.result_name(args, "relay") + "-gateway", args.profile):
-            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen]))
+            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen], paced_gen))
     h.write_result(h.result_name(args, "relay"), result)
 
 
