@@ -85,6 +85,12 @@ def _guard_http_intake() -> None:
     from messages_api import http_guard
 
     http_guard.install(daphne_server)
+    from django.conf import settings
+
+    if settings.GATEWAY_DIRECT_WRITES:
+        from messages_api import direct_write
+
+        direct_write.install()
 
 
 _guard_http_intake()

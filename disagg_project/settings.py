@@ -245,6 +245,9 @@ WORKER_HANDOFF_RELEASE_TIMEOUT_S = env_float("WORKER_HANDOFF_RELEASE_TIMEOUT_S",
 # On SIGTERM, stop accepting and let requests in flight finish for this long before cancelling
 # them (disagg_project/drain.py); 0 stops at once. Below the usual 30 s grace of an orchestrator.
 GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 25.0)
+# Write response bytes straight to the client's socket when nothing is queued before them, instead
+# of on the next loop iteration (messages_api/direct_write.py); off only to compare.
+GATEWAY_DIRECT_WRITES = env_bool("GATEWAY_DIRECT_WRITES", True)
 
 # How often each process re-reads pools and endpoints from the database.
 REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
