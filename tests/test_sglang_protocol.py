@@ -3,14 +3,19 @@ through daphne and a prefill + decode pair of sims speaking SGLang's dialect."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from collections.abc import Callable
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
+from tests.conftest import MODEL, Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker
@@ -22,6 +27,7 @@ from workers.sim.config import SimConfig
 from workers.sim.dialects import get as dialect
 from workers.sim.dialects.sglang import NO_ROOM
 from workers.sim.errors import SimError
+from workers.sim.process import stop_process
 
 CHAT: dict[str, Any] = {"model": "sim-model", "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}]}
 CALL = Call(request_id="req_unit")
@@ -243,7 +249,11 @@ def test_a_client_leaving_mid_prefill_aborts_both_legs(gateway: Gateway, sglang_
     request_id = raw.response_headers["request-id"]
     raw.close()
     cluster.context.wait_for(lambda s: s["aborted"] == 1 and s["active"] == 0 and s["kv_waiting"] == 0)
-    cluster.generation.wait_for(lambda s: s["aborted"] == 1 and s["active"] == 0)
+    # The gateway closes the decode leg as it closes the prefill leg; the decode sim sees either
+    # that (aborted) or, a moment earlier, its prefill's abort through the room (failed). Either
+    # way it ends now, long before its 30 s wait for the KV, and never answers.
+    decode = cluster.generation.wait_for(lambda s: s["active"] == 0, timeout=5.0)
+    assert (decode["received"], decode["completed"], decode["aborted"] + decode["failed"]) == (1, 0, 1)
     assert_paired(cluster)
     row = audit_row(request_id)
     assert (row.status, row.stage) == ("cancelled", "context")
@@ -263,3 +273,107 @@ def test_without_a_bootstrap_port_the_decode_leg_is_refused(gateway: Gateway, tr
     _, decode_body = legs(cluster)
     assert decode_body["bootstrap_port"] is None
     wait_until(lambda: reservations_closed(response.headers["request-id"]))
+
+
+# --- against sglang-router -------------------------------------------------------------------------
+
+# Each sim is registered with the router by URL; the router then reads /server_info and
+# /model_info and would fetch a tokenizer for any model path found there. The sims report none,
+# the router says so, and anything that reads like a fetch fails the test. Outbound HTTP from the
+# router process also goes to a dead proxy, and Hugging Face Hub clients are told to stay offline.
+NO_TOKENIZER = "No tokenizer_path or model_path found"
+FETCH = re.compile(r"download|hugging|hf\.co|loading tokenizer|tokenizer (loaded|registered)|from_pretrained", re.IGNORECASE)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture
+def sglang_router(sim_pair: pair_of, tmp_path: Any) -> Iterator[tuple[str, SimWorker, SimWorker, Callable[[], str]]]:
+    prefill, decode = sim_pair("sglang")
+    prefill.reset()
+    decode.reset()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # the router binds it itself; a race with another binder only fails this test
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "ALL_PROXY": "http://127.0.0.1:9",
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+    log_path = tmp_path / "router.log"
+    command = [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", prefill.url, str(prefill.port), "--decode", decode.url,
+        "--host", "127.0.0.1", "--port", str(port), "--policy", "random", "--disable-retries",
+    ]
+    with open(log_path, "w") as log:
+        router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def read_log() -> str:
+        return ANSI.sub("", log_path.read_text(errors="replace"))
+
+    try:
+        # Both workers registered (each logs that it found no tokenizer to load).
+        wait_until(lambda: read_log().count(NO_TOKENIZER) == 2, timeout=30, message="sglang-router never registered the sims")
+        wait_until(lambda: router_healthy(url), timeout=30, message="sglang-router never became healthy")
+        yield url, prefill, decode, read_log
+    finally:
+        stop_process(router)
+
+
+def router_healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def bootstrap_of(body: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_gateway_pairs_the_legs_as_sglang_router_does(
+    gateway: Gateway, transactional_db: Any, sglang_router: tuple[str, SimWorker, SimWorker, Callable[[], str]], stream: bool
+) -> None:
+    router_url, prefill, decode, router_log = sglang_router
+    text = "compare [sim tokens=6]"
+    chat = {"model": MODEL, "max_tokens": 32, "stream": stream, "messages": [{"role": "user", "content": text}]}
+    answer = httpx.post(router_url + "/v1/chat/completions", json=chat, timeout=30)
+    assert answer.status_code == 200, answer.text
+    [router_prefill] = prefill.requests()
+    [router_decode] = decode.requests()
+
+    cluster = register_cluster(prefill, decode, schedule_style=GENERATION_FIRST, protocol="sglang", context_options={"bootstrap_port": prefill.port})
+    wait_registered(gateway, cluster)
+    response = httpx.post(gateway.url + "/v1/messages", json=payload(cluster, text, stream=False), headers=cluster.headers(), timeout=30)
+    assert response.status_code == 200, response.text
+    ours_prefill, ours_decode = legs(cluster)
+
+    # The same pairing: both legs name the prefill's host and configured bootstrap port, and one
+    # room, a fresh one per request, inside 0..2^63-1.
+    for first, second in ((router_prefill, router_decode), (ours_prefill, ours_decode)):
+        assert bootstrap_of(first) == bootstrap_of(second)
+        assert bootstrap_of(first)[:2] == ("127.0.0.1", prefill.port)
+        assert 0 <= first["bootstrap_room"] < 2**63
+    assert router_prefill["bootstrap_room"] != ours_prefill["bootstrap_room"]
+    # The decode leg streams for both (the router streams it when the client streams); the
+    # prefill leg is the router's client's choice and ours is always one JSON object.
+    assert router_decode["stream"] is stream and ours_decode["stream"] is True
+    assert router_prefill["stream"] is stream and ours_prefill["stream"] is False
+    # The router's answer is the decode's, the prefill's dropped: the same text as ours.
+    if stream:
+        frames = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+        router_text = "".join((c["choices"][0]["delta"].get("content") or "") for c in map(json.loads, frames) if c["choices"])
+    else:
+        router_text = answer.json()["choices"][0]["message"]["content"]
+    assert router_text and router_text == response.json()["content"][0]["text"]
+
+    log = router_log()
+    assert log.count(NO_TOKENIZER) == 2
+    assert not FETCH.search(log), [line for line in log.splitlines() if FETCH.search(line)]
