@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -92,9 +93,9 @@ DECODE_SIM = SimConfig(role="generation", port=8200, protocol="sglang")
 BOOTSTRAP = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8100, "bootstrap_room": 42}
 
 
-def refusal(payload: dict[str, Any], config: SimConfig) -> SimError:
+def refusal(body: dict[str, Any], config: SimConfig) -> SimError:
     with pytest.raises(SimError) as refused:
-        dialect("sglang").parse(payload, {}, config)
+        dialect("sglang").parse(body, {}, config)
     assert refused.value.status == 400
     return refused.value
 
@@ -142,8 +143,8 @@ def sglang_cluster(transactional_db: Any, gateway: Gateway, sim_pair: pair_of) -
     return cluster
 
 
-def payload(cluster: Cluster, text: str, *, stream: bool) -> dict[str, Any]:
-    return {"model": cluster.model, "max_tokens": 64, "stream": stream, "messages": [{"role": "user", "content": text}]}
+def payload(model: str, text: str, *, stream: bool) -> dict[str, Any]:
+    return {"model": model, "max_tokens": 64, "stream": stream, "messages": [{"role": "user", "content": text}]}
 
 
 def duplicate_releases(gateway: Gateway) -> float:
@@ -182,7 +183,7 @@ def assert_served_by_both(cluster: Cluster, request_id: str) -> None:
 
 def test_non_streamed_answer(gateway: Gateway, sglang_cluster: Cluster) -> None:
     cluster = sglang_cluster
-    response = httpx.post(gateway.url + "/v1/messages", json=payload(cluster, "hi [sim tokens=5]", stream=False), headers=cluster.headers(), timeout=30)
+    response = httpx.post(gateway.url + "/v1/messages", json=payload(cluster.model, "hi [sim tokens=5]", stream=False), headers=cluster.headers(), timeout=30)
     assert response.status_code == 200, response.text
     message = response.json()
     # The decode's answer: the prefill answered one empty token, which is nowhere in it.
@@ -194,7 +195,7 @@ def test_non_streamed_answer(gateway: Gateway, sglang_cluster: Cluster) -> None:
 
 def test_streamed_answer(gateway: Gateway, sglang_cluster: Cluster) -> None:
     cluster = sglang_cluster
-    stream = RawStream.post_json(gateway.url + "/v1/messages", payload(cluster, "hi [sim tokens=5]", stream=True), cluster.headers())
+    stream = RawStream.post_json(gateway.url + "/v1/messages", payload(cluster.model, "hi [sim tokens=5]", stream=True), cluster.headers())
     frames = stream.read_all()
     assert stream.status == 200
     events = [f.event for f in frames if f.event != "ping"]
@@ -213,7 +214,7 @@ def test_streamed_answer(gateway: Gateway, sglang_cluster: Cluster) -> None:
 def test_a_prefill_failure_fails_the_request_cleanly(gateway: Gateway, sglang_cluster: Cluster, stream: bool) -> None:
     cluster = sglang_cluster
     duplicates = duplicate_releases(gateway)
-    raw = RawStream.post_json(gateway.url + "/v1/messages", payload(cluster, "hi [sim context_status=500]", stream=stream), cluster.headers())
+    raw = RawStream.post_json(gateway.url + "/v1/messages", payload(cluster.model, "hi [sim context_status=500]", stream=stream), cluster.headers())
     if stream and raw.read_head() == 200:
         error = raw.read_until("error").data
         raw.read_all()
@@ -241,7 +242,7 @@ def test_a_prefill_failure_fails_the_request_cleanly(gateway: Gateway, sglang_cl
 
 def test_a_client_leaving_mid_prefill_aborts_both_legs(gateway: Gateway, sglang_cluster: Cluster) -> None:
     cluster = sglang_cluster
-    raw = RawStream.post_json(gateway.url + "/v1/messages", payload(cluster, "hi [sim context_delay=30]", stream=True), cluster.headers())
+    raw = RawStream.post_json(gateway.url + "/v1/messages", payload(cluster.model, "hi [sim context_delay=30]", stream=True), cluster.headers())
     cluster.context.wait_for(lambda s: s["active"] == 1)
     cluster.generation.wait_for(lambda s: s["active"] == 1 and s["kv_waiting"] == 0)
     cluster.context.wait_for(lambda s: s["kv_waiting"] == 1)  # the decode waits on the prefill's room
@@ -267,12 +268,37 @@ def test_without_a_bootstrap_port_the_decode_leg_is_refused(gateway: Gateway, tr
     prefill, decode = sim_pair("sglang")
     cluster = register_cluster(prefill, decode, schedule_style=GENERATION_FIRST, protocol="sglang")
     wait_registered(gateway, cluster)
-    response = httpx.post(gateway.url + "/v1/messages", json=payload(cluster, "hi", stream=False), headers=cluster.headers(), timeout=30)
+    response = httpx.post(gateway.url + "/v1/messages", json=payload(cluster.model, "hi", stream=False), headers=cluster.headers(), timeout=30)
     assert response.status_code >= 400
     assert "127.0.0.1" not in response.text
     _, decode_body = legs(cluster)
     assert decode_body["bootstrap_port"] is None
     wait_until(lambda: reservations_closed(response.headers["request-id"]))
+
+
+def test_an_aggregated_pool_of_plain_sglang_servers(gateway: Gateway, transactional_db: Any, sim_pair: pair_of) -> None:
+    """`aggregated`: SGLang servers run without disaggregation (a plain sim), generation
+    endpoints only; the request goes whole, with usage on every chunk and no bootstrap fields."""
+    from messages_api.auth import create_api_key
+    from workers.models import WorkerEndpoint, WorkerPool
+
+    _, server = sim_pair("openai")
+    pool = WorkerPool.objects.create(name="plain-sglang", model=MODEL, schedule_style=AGGREGATED, protocol="sglang")
+    WorkerEndpoint.objects.create(pool=pool, role="generation", url=server.url)
+    _, key = create_api_key(f"plain-sglang-{time.monotonic_ns()}")
+    server.reset()
+    wait_until(lambda: httpx.get(gateway.url + "/ready", timeout=5).json()["pools"].get("plain-sglang", {}).get("id") == pool.id)
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01", "content-type": "application/json"}
+    stream = RawStream.post_json(gateway.url + "/v1/messages", payload(MODEL, "hi [sim tokens=5]", stream=True), headers)
+    frames = stream.read_all()
+    assert stream.status == 200
+    start = [f.data for f in frames if f.event == "message_start"][0]["message"]["usage"]
+    assert start["input_tokens"] > 0
+    [body] = server.requests()
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert not {"bootstrap_host", "bootstrap_port", "bootstrap_room"} & body.keys()
+    server.wait_for(lambda s: s["completed"] == 1 and s["active"] == 0)
+    assert [(r.stage, r.outcome) for r in reservations_closed(stream.response_headers["request-id"])] == [("generation", "success")]
 
 
 # --- against sglang-router -------------------------------------------------------------------------
@@ -351,7 +377,7 @@ def test_the_gateway_pairs_the_legs_as_sglang_router_does(
 
     cluster = register_cluster(prefill, decode, schedule_style=GENERATION_FIRST, protocol="sglang", context_options={"bootstrap_port": prefill.port})
     wait_registered(gateway, cluster)
-    response = httpx.post(gateway.url + "/v1/messages", json=payload(cluster, text, stream=False), headers=cluster.headers(), timeout=30)
+    response = httpx.post(gateway.url + "/v1/messages", json=payload(cluster.model, text, stream=False), headers=cluster.headers(), timeout=30)
     assert response.status_code == 200, response.text
     ours_prefill, ours_decode = legs(cluster)
 
