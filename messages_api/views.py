@@ -11,7 +11,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_safe
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from workers.registry import get_registry
+from workers.protocols import AGGREGATED
+from workers.registry import PoolInfo, get_registry
 from workers.router import candidates
 
 
@@ -39,7 +40,8 @@ def _database_reachable() -> bool:
 
 @require_safe
 async def ready(request: HttpRequest) -> JsonResponse:
-    """Readiness: the database answers and every pool has a routable endpoint of each role.
+    """Readiness: the database answers and every pool has a routable endpoint of each role its
+    schedule uses (an aggregated pool has no context phase, so it needs generation endpoints only).
 
     Pools are listed by name and id with counts only: worker addresses are not for anonymous eyes.
     """
@@ -53,13 +55,20 @@ async def ready(request: HttpRequest) -> JsonResponse:
             for role in ("context", "generation"):
                 endpoints = pool.endpoints_for(role)
                 counts[role] = {"registered": len(endpoints), "routable": len(candidates(pool, role))}
-                ready = ready and counts[role]["routable"] > 0
+                if role in _roles_needed(pool):
+                    ready = ready and counts[role]["routable"] > 0
             pools[pool.name] = {"id": pool.id, "model": pool.model, **counts}
         ready = ready and bool(snapshot.pools)
     return JsonResponse(
         {"status": "ready" if ready else "not ready", "database": "ok" if database else "unreachable", "pools": pools},
         status=200 if ready else 503,
     )
+
+
+def _roles_needed(pool: PoolInfo) -> tuple[str, ...]:
+    if pool.schedule_style == AGGREGATED:
+        return ("generation",)
+    return ("context", "generation")
 
 
 @require_safe

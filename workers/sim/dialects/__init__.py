@@ -11,11 +11,13 @@ Adding a dialect is a module with a `Dialect` subclass and a line in `DIALECTS`.
 from __future__ import annotations
 
 from .base import ContextIssue, Dialect
+from .openai import OpenAIDialect
+from .sglang import SglangDialect
 from .trtllm import TrtllmDialect
 
 DEFAULT = "trtllm"
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (TrtllmDialect(),)}
+DIALECTS: dict[str, Dialect] = {d.name: d for d in (TrtllmDialect(), SglangDialect(), OpenAIDialect())}
 
 
 def names() -> tuple[str, ...]:

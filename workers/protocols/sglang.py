@@ -1,0 +1,152 @@
+"""SGLang's prefill/decode disaggregation: one body to both workers, paired by a bootstrap room.
+
+What `sglang-router --pd-disaggregation` does (sgl-project/sglang
+`sgl-model-gateway/src/routers/http/pd_router.rs`, `execute_dual_dispatch`,
+`inject_bootstrap_into_value`; `pd_types.rs`, `generate_room_id`): it adds
+
+    bootstrap_host   the prefill endpoint's host (parsed from its URL)
+    bootstrap_port   the prefill server's `--disaggregation-bootstrap-port`, configured per
+                     prefill endpoint (null when none is)
+    bootstrap_room   a random integer in 0..2^63-1, new for every attempt
+
+to the chat request and sends it to the prefill and the decode server at once. The decode
+server connects to the prefill server's bootstrap port, waits there for the room's KV, and
+streams the answer; the prefill server's answer is read to its end and dropped.
+
+Here that is the `generation_first` schedule: the decode request goes out first, the prefill
+request right after, and the pipeline awaits both. The room is the pipeline's pairing id (62
+random bits, inside the router's range). `bootstrap_port` comes from the context endpoint's
+`options["bootstrap_port"]`.
+
+The prefill leg is sent with `stream: false` (and no `stream_options`), where the router sends
+it streamed when the client streams: the pipeline reads a context answer as one JSON object, and
+the answer is dropped either way. A prefill server's OpenAI route serves a non-streamed request
+like any other (stream only chooses how the answer is written; the KV transfer is started by the
+bootstrap fields), and it is what the router itself sends for a non-streamed request.
+
+`aggregated` sends the request, with no bootstrap fields, to a generation endpoint: it is for a
+pool of SGLang servers run without disaggregation. A decode-mode server refuses a request with
+no bootstrap room (HTTP 400), so conditional disaggregation (`max_local_prefill_tokens`) cannot
+serve its short prompts from a pool of decode servers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+from workers.errors import WorkerError
+from workers.protocols.base import AGGREGATED, GENERATION_FIRST, Call, ContextPeer, Handoff, WorkerProtocol
+
+logger = logging.getLogger(__name__)
+
+# SGLang's OpenAI server honours both (its `StreamOptions`): usage on every chunk gives
+# message_start the prompt's token count.
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+# The router draws rooms in 0..2^63-1 (`generate_room_id`); workers read them as signed 64-bit.
+MAX_ROOM = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    """The prefill answered (a `Handoff`): the decode server, already waiting, takes over."""
+
+    prompt_tokens: int | None
+
+    @property
+    def generation_pending(self) -> bool:
+        return True
+
+    @property
+    def complete_answer(self) -> dict[str, Any] | None:
+        return None
+
+
+def bootstrap_fields(context: ContextPeer, room: int) -> dict[str, Any]:
+    """The three fields both legs carry: where the decode server finds the prefill's KV."""
+    if not 0 <= room <= MAX_ROOM:
+        raise ValueError(f"bootstrap_room {room} is outside 0..2^63-1")
+    host = urlsplit(context.url).hostname
+    if not host:
+        raise _misconfigured(f"context endpoint URL has no host: {context.url!r}")
+    return {"bootstrap_host": host, "bootstrap_port": bootstrap_port(context.options), "bootstrap_room": room}
+
+
+def bootstrap_port(options: Mapping[str, Any]) -> int | None:
+    """The endpoint's configured bootstrap port; None when it has none (the router sends null)."""
+    port = options.get("bootstrap_port")
+    if port is None:
+        return None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise _misconfigured(f"bootstrap_port must be a TCP port number, not {port!r}")
+    return port
+
+
+def _misconfigured(detail: str) -> WorkerError:
+    # An operator's setting, not the client's request or the worker's answer: logged for the
+    # operator, a generic message for the client.
+    logger.error("SGLang context endpoint misconfigured: %s", detail)
+    return WorkerError(500, "the worker pool for this model is misconfigured", stage="context", code="misconfigured", detail=detail)
+
+
+def _without_bootstrap(chat: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in chat.items() if k not in BOOTSTRAP_FIELDS}
+
+
+def streamed(chat: dict[str, Any]) -> dict[str, Any]:
+    body = _without_bootstrap(chat)
+    body["stream"] = True
+    body["stream_options"] = dict(STREAM_OPTIONS)
+    return body
+
+
+def prefill_request(chat: dict[str, Any], context: ContextPeer, room: int) -> dict[str, Any]:
+    body = _without_bootstrap(chat)
+    body["stream"] = False
+    body.pop("stream_options", None)  # only meaningful (and, on some servers, only valid) streamed
+    body.update(bootstrap_fields(context, room))
+    return body
+
+
+def decode_request(chat: dict[str, Any], context: ContextPeer, room: int) -> dict[str, Any]:
+    body = streamed(chat)
+    body.update(bootstrap_fields(context, room))
+    return body
+
+
+def read_prefill_answer(answer: dict[str, Any]) -> PrefillDone:
+    """The prefill's answer is dropped; only its prompt token count is kept, if it is sound."""
+    usage = answer.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+        prompt_tokens = None
+    return PrefillDone(prompt_tokens)
+
+
+class SglangProtocol(WorkerProtocol):
+    name: ClassVar[str] = "sglang"
+    label: ClassVar[str] = "SGLang (bootstrap room, prefill and decode at once)"
+    schedules: ClassVar[frozenset[str]] = frozenset({GENERATION_FIRST, AGGREGATED})
+
+    def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
+        return streamed(chat)
+
+    def context_request(
+        self, chat: dict[str, Any], call: Call, *, pair_id: int, schedule_style: str, context: ContextPeer
+    ) -> dict[str, Any]:
+        return prefill_request(chat, context, pair_id)
+
+    def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
+        return read_prefill_answer(answer)
+
+    def generation_request_first(
+        self, chat: dict[str, Any], call: Call, *, pair_id: int, context: ContextPeer, schedule_style: str
+    ) -> dict[str, Any]:
+        return decode_request(chat, context, pair_id)
+
+
+PROTOCOL = SglangProtocol()
