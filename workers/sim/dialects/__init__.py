@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from .base import ContextIssue, Dialect
 from .trtllm import TrtllmDialect
+from .vllm import VllmDialect
 
 DEFAULT = "trtllm"
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (TrtllmDialect(),)}
+DIALECTS: dict[str, Dialect] = {d.name: d for d in (TrtllmDialect(), VllmDialect())}
 
 
 def names() -> tuple[str, ...]:
