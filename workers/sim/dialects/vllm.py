@@ -2,9 +2,9 @@
 `workers.protocols.vllm` for the gateway's side).
 
 - Prefill: a request with `kv_transfer_params.do_remote_decode` on a context sim is prefilled,
-  its handoff held, and answered the way vLLM 0.32 answers it (a real server's answer is in the
-  project's reference notes): one token, `finish_reason: "length"`, and a top-level
-  `kv_transfer_params` naming the engine, host, port, request and blocks to pull from.
+  its handoff held, and answered the way a real vLLM 0.32 server with NixlConnector answered one:
+  one token, `finish_reason: "length"`, and a top-level `kv_transfer_params` naming the engine,
+  host, port, request and blocks to pull from (with the same keys as that server's).
 - Decode: a request with `do_remote_prefill` on a generation sim pulls the KV from
   `remote_host:remote_port`, which here is the context sim's own HTTP address (a real engine
   names its NIXL side channel there), and streams. NixlConnector computes the prompt itself,
