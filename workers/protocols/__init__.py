@@ -9,7 +9,7 @@ module and adding it to `PROTOCOLS`; the pipeline, the admin's choices, `registe
 
 from __future__ import annotations
 
-from workers.protocols import openai, sglang, trtllm
+from workers.protocols import openai, sglang, trtllm, vllm
 from workers.protocols.base import AGGREGATED, Call, ContextPeer, Handoff, WorkerProtocol
 
 DEFAULT = trtllm.PROTOCOL.name
@@ -27,6 +27,7 @@ def register(protocol: WorkerProtocol) -> WorkerProtocol:
 
 
 register(trtllm.PROTOCOL)
+register(vllm.PROTOCOL)
 register(sglang.PROTOCOL)
 register(openai.PROTOCOL)
 

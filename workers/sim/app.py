@@ -8,7 +8,8 @@ Routes:
     POST /tokenize             vLLM's shape: {"count", "tokens", "max_model_len"}
     GET  /sim/stats            counters (stats.py) plus the handoff gauges
     POST /sim/reset            zeroes counters and the request log; held handoffs stay
-    GET  /sim/requests         the last 200 chat request bodies, newest last
+    GET  /sim/requests         the last 200 chat request bodies, newest last (`?headers=1`:
+                               {"body", "headers"} each, with the recorded headers)
     POST /sim/kv/take          context workers only: hand a KV handoff to a generation worker
 """
 
@@ -191,7 +192,9 @@ class SimApp:
         await send_json(send, 200, {"status": "ok"})
 
     async def _requests(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, self.log.bodies())
+        # `?headers=1`: each request as {"body", "headers"} (the recorded ones).
+        with_headers = b"headers=1" in scope.get("query_string", b"").split(b"&")
+        await send_json(send, 200, self.log.entries() if with_headers else self.log.bodies())
 
     async def _take(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _json_body(receive)

@@ -56,7 +56,7 @@ class ChatCompletions:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError:
             raise SimError(400, "request body is not valid JSON") from None
-        self.log.append(payload)
+        self.log.append(payload, headers)
         try:
             request = parse_chat_request(payload, lambda body: self.dialect.parse(body, headers, self.config))
         except SimError as error:
@@ -133,7 +133,10 @@ class ChatCompletions:
         assert request.disagg is not None
         prompt_ids = self._prompt_ids(request)
         self._check_length(len(prompt_ids))
-        taken = await self.puller.pull(request.disagg, wait_s=self.config.kv_timeout)
+        try:
+            taken = await self.puller.pull(request.disagg, wait_s=self.config.kv_timeout)
+        except SimError as error:
+            raise self.dialect.transfer_failed(error) from None
         # The KV that arrived is the context worker's prompt: ids that disagree with it
         # would decode garbage on a real worker, so refuse them.
         kv_tokens = taken.get("prompt_tokens")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -54,16 +55,26 @@ class Stats:
 
 
 class RequestLog:
-    """The last `size` chat request bodies, oldest first, so tests can see what was sent."""
+    """The last `size` chat requests, oldest first, so tests can see what was sent: each body and
+    the few headers in `RECORDED_HEADERS` (an allow-list: a request's other headers may carry
+    credentials, which a test double must not keep either)."""
+
+    RECORDED_HEADERS = ("x-request-id",)
 
     def __init__(self, size: int = 200) -> None:
-        self._bodies: deque[Any] = deque(maxlen=size)
+        self._entries: deque[tuple[Any, dict[str, str]]] = deque(maxlen=size)
 
-    def append(self, body: Any) -> None:
-        self._bodies.append(body)
+    def append(self, body: Any, headers: Mapping[str, str] | None = None) -> None:
+        """`headers` lower-cased, as the app reads them."""
+        headers = headers or {}
+        self._entries.append((body, {name: headers[name] for name in self.RECORDED_HEADERS if name in headers}))
 
     def bodies(self) -> list[Any]:
-        return list(self._bodies)
+        return [body for body, _ in self._entries]
+
+    def entries(self) -> list[dict[str, Any]]:
+        """`{"body": ..., "headers": {...}}` per request."""
+        return [{"body": body, "headers": headers} for body, headers in self._entries]
 
     def clear(self) -> None:
-        self._bodies.clear()
+        self._entries.clear()

@@ -14,10 +14,11 @@ from .base import ContextIssue, Dialect
 from .openai import OpenAIDialect
 from .sglang import SglangDialect
 from .trtllm import TrtllmDialect
+from .vllm import VllmDialect
 
 DEFAULT = "trtllm"
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (TrtllmDialect(), SglangDialect(), OpenAIDialect())}
+DIALECTS: dict[str, Dialect] = {d.name: d for d in (TrtllmDialect(), VllmDialect(), SglangDialect(), OpenAIDialect())}
 
 
 def names() -> tuple[str, ...]:

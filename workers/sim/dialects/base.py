@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import SimConfig
+from ..errors import SimError
 from ..schema import DisaggParams
 
 
@@ -43,6 +44,11 @@ class Dialect:
         """The handoff id of a context request, read leniently from a body that failed
         validation (so a generation-first taker waiting on it fails at once)."""
         return None
+
+    def transfer_failed(self, error: SimError) -> SimError:
+        """The answer to a generation request whose KV pull failed with `error` (engines word
+        that differently)."""
+        return error
 
     def context_answer(self, issue: ContextIssue) -> bytes:
         """The context worker's answer to a context request (its body, JSON)."""

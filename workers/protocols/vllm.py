@@ -1,0 +1,151 @@
+"""vLLM's prefill/decode protocol (`kv_transfer_params`, as vLLM's KV connectors read it).
+
+What `vllm-router --vllm-pd-disaggregation` (vllm-project/router,
+`src/routers/http/vllm_pd_router.rs`) and vLLM's own toy proxy
+(`tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`) send, sequentially:
+
+1. Prefill: the chat request with `max_tokens=1` (`max_completion_tokens=1` when present),
+   `min_tokens=1`, `stream=false`, no `stream_options`, and `kv_transfer_params` asking the
+   prefill worker to keep the KV for a remote decode.
+2. The prefill worker answers with a top-level `kv_transfer_params` (NixlConnector: where and
+   which blocks to pull them from) that is copied verbatim into
+3. Decode: the original request, streamed, carrying those params.
+
+Both legs carry the same `X-Request-Id`. The prefill answer is never the answer: the proxies
+always decode. vLLM's connectors hand off only a length-capped prefill; one that stopped anyway
+(a stop string on its one token) answers `kv_transfer_params: null`, and the routers then send
+the decode without params, so the decode worker prefills itself; so does this protocol. A
+length-capped prefill without params means its worker has no KV connector: a 502.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from workers.errors import MalformedAnswer
+from workers.protocols.base import AGGREGATED, CONTEXT_FIRST, Call, ContextPeer, Handoff, WorkerProtocol
+
+CHAT_PATH = "/v1/chat/completions"
+# vLLM's StreamOptions: usage on every chunk (`continuous_usage_stats`, a vLLM extension) gives
+# the prompt's token count with the first chunk, for message_start.
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def prefill_kv_transfer_params() -> dict[str, Any]:
+    """What the routers put on a prefill request: keep the KV for a remote decode."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What the prefill phase handed over (a `Handoff`)."""
+
+    #: The prefill answer's `kv_transfer_params`, relayed to the decode worker as they came;
+    #: None when the prefill holds no KV (it stopped on its first token).
+    kv_transfer_params: dict[str, Any] | None
+    prompt_tokens: int | None
+
+    @property
+    def generation_pending(self) -> bool:
+        return self.kv_transfer_params is not None
+
+    @property
+    def complete_answer(self) -> dict[str, Any] | None:
+        return None  # vLLM's proxies always decode
+
+
+def prefill_request(chat: dict[str, Any]) -> dict[str, Any]:
+    body = dict(chat)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    # As vllm-router 0.1.17 sends it (seen on the wire; its source only clamps a larger value,
+    # which vLLM refuses above max_tokens): min_tokens=1 keeps the one token from being a stop
+    # token, so the prefill ends length-capped, the only way vLLM's connectors hand KV off.
+    body["min_tokens"] = 1
+    body["stream"] = False
+    body.pop("stream_options", None)  # vLLM refuses stream_options without stream
+    body["kv_transfer_params"] = prefill_kv_transfer_params()
+    return body
+
+
+def read_prefill_answer(answer: dict[str, Any]) -> PrefillResult:
+    usage = answer.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):
+        prompt_tokens = None
+    params = answer.get("kv_transfer_params")
+    if isinstance(params, dict) and params:
+        return PrefillResult(params, prompt_tokens)
+    if params is None and _finish_reason(answer) == "stop":
+        return PrefillResult(None, prompt_tokens)
+    raise MalformedAnswer(
+        502,
+        "the context worker returned no kv_transfer_params (is it running with a KV connector?)",
+        stage="context",
+        code="malformed_answer",
+    )
+
+
+def _finish_reason(answer: dict[str, Any]) -> Any:
+    choices = answer.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0].get("finish_reason")
+    return None
+
+
+def decode_request(chat: dict[str, Any], prefill: PrefillResult) -> dict[str, Any]:
+    body = streamed(chat)
+    if prefill.kv_transfer_params is not None:
+        body["kv_transfer_params"] = prefill.kv_transfer_params
+    return body
+
+
+def streamed(chat: dict[str, Any]) -> dict[str, Any]:
+    """The request as a decode (or aggregated) worker streams it."""
+    body = dict(chat)
+    body.pop("kv_transfer_params", None)
+    body["stream"] = True
+    body["stream_options"] = STREAM_OPTIONS
+    return body
+
+
+class VllmProtocol(WorkerProtocol):
+    """The functions above behind the `WorkerProtocol` interface."""
+
+    name: ClassVar[str] = "vllm"
+    label: ClassVar[str] = "vLLM (kv_transfer_params, prefill then decode)"
+    schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, AGGREGATED})
+    chat_path: ClassVar[str] = CHAT_PATH
+
+    def headers(self, body: dict[str, Any], call: Call) -> dict[str, str]:
+        # vLLM names the request after it (and both legs after the same one, as the routers do).
+        return {REQUEST_ID_HEADER: call.request_id}
+
+    def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
+        return streamed(chat)
+
+    def context_request(
+        self, chat: dict[str, Any], call: Call, *, pair_id: int, schedule_style: str, context: ContextPeer
+    ) -> dict[str, Any]:
+        return prefill_request(chat)
+
+    def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
+        return read_prefill_answer(answer)
+
+    def generation_request_after_context(self, chat: dict[str, Any], call: Call, handoff: Handoff) -> dict[str, Any]:
+        if not isinstance(handoff, PrefillResult):
+            raise TypeError(f"not a vLLM handoff: {type(handoff).__name__}")
+        return decode_request(chat, handoff)
+
+
+PROTOCOL = VllmProtocol()
