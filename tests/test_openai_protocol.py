@@ -122,8 +122,10 @@ def test_streamed_answer(gateway: Gateway, plain_pool: dict[str, str], plain_wor
     events = [f.event for f in frames if f.event != "ping"]
     assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
     [delta] = [f.data for f in frames if f.event == "message_delta"]
-    # Usage arrives on the last chunk only: message_start cannot know the prompt's size, the
-    # final message_delta carries it.
+    [start] = [f.data for f in frames if f.event == "message_start"]
+    # Usage arrives on the last chunk only: message_start carries the gateway's estimate of the
+    # prompt (never 0), the final message_delta the worker's count.
+    assert start["message"]["usage"]["input_tokens"] > 0
     assert delta["usage"]["output_tokens"] == 5 and delta["usage"]["input_tokens"] > 0
     assert "".join(f.data["delta"].get("text", "") for f in frames if f.event == "content_block_delta")
     assert_served(plain_worker, stream.response_headers["request-id"])
