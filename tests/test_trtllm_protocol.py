@@ -423,3 +423,55 @@ def test_admin_never_shows_the_key_keeps_it_when_blank_and_clears_it_on_request(
     assert both.status_code == 200 and WorkerPool.objects.get(pk=pool.pk).handoff_signing_key == "new-key"
     assert browser.post(url, {**form, "clear_handoff_signing_key": "on"}).status_code == 302
     assert WorkerPool.objects.get(pk=pool.pk).handoff_signing_key == ""
+
+
+def test_quickstart_sims_and_pool_share_a_generated_key(transactional_db: Any) -> None:
+    """`make run`'s quickstart: its simulated workers check signed handoffs, and the pool it
+    registers signs with the same key, made for the run and shown nowhere."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.gateway import DEFAULT_ENV, PROJECT_ROOT, test_database_url
+    from workers.models import WorkerPool
+    from workers.sim.process import stop_process
+
+    port = free_port()
+    env = {**os.environ, **DEFAULT_ENV, "DJANGO_SETTINGS_MODULE": "disagg_project.test_settings",
+           "DATABASE_URL": test_database_url(), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "quickstart", "--port", str(port), "--context-port", "0", "--generation-port", "0"],
+        cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        printed = ""
+        while "API key (shown once): " not in printed or "\n\nTry it" not in printed:
+            line = process.stdout.readline()
+            assert line, f"quickstart exited: {printed}"
+            printed += line
+        api_key = re.search(r"API key \(shown once\): (\S+)", printed).group(1)  # type: ignore[union-attr]
+        generation_url = re.search(r"generation (http://\S+) \(pool", printed).group(1)  # type: ignore[union-attr]
+        pool = WorkerPool.objects.get(name="local-sim")
+        assert len(pool.handoff_signing_key) >= 32 and pool.handoff_signing_key not in printed
+        gateway = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(gateway), timeout=20, message="quickstart's gateway never answered")
+        headers = {"x-api-key": api_key, "anthropic-version": "2023-06-01"}
+        payload = {"model": "sim-model", "max_tokens": 16, "messages": [{"role": "user", "content": "hi [sim tokens=3]"}]}
+        response = httpx.post(gateway + "/v1/messages", json=payload, headers=headers, timeout=30, trust_env=False)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["output_tokens"] == 3
+        # The sims do check: an unsigned handoff is refused.
+        params = {"request_type": "generation_only", "ctx_request_id": 1, "disagg_request_id": 1, "ctx_info_endpoint": "tcp://127.0.0.1:1"}
+        unsigned = httpx.post(generation_url + "/v1/chat/completions", json={**CHAT, "disaggregated_params": params}, timeout=10, trust_env=False)
+        assert unsigned.status_code == 400 and "authentication" in unsigned.text
+    finally:
+        stop_process(process)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code < 500
+    except httpx.HTTPError:
+        return False
