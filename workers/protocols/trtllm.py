@@ -18,8 +18,10 @@ cache-transceiver addresses of which the first counts, and `ctx_dp_rank`): never
 
 Signed handoffs: a request whose `disaggregated_params` carries `ctx_info_endpoint` or
 `encoded_opaque_state` gets `x-trtllm-disagg-auth: sha256=<hex HMAC-SHA256>` over the canonical
-JSON of those two fields, keyed with the pool's `handoff_signing_key` (the workers' and proxy's
-`internal_request_auth_key`). Without a key the request goes unsigned, as upstream's proxy sends
+JSON of those two fields, keyed with the pool's `handoff_signing_key`. Upstream has no environment
+variable for it: the workers read `internal_request_auth_key` from their LLM-API config YAML
+(`trtllm-serve --config`), the proxy from its disaggregated-server config (`DisaggServerConfig.
+internal_request_auth_key`); the pool's key must equal the workers'. Without a key the request goes unsigned, as upstream's proxy sends
 it: a worker without a key accepts it (upstream warns that this will be enforced), one with a key
 answers 400 "Invalid internal disaggregated request authentication", which `explain_error` turns
 into the gateway's own failure (the client's request was not at fault).
