@@ -175,7 +175,9 @@ def context_answer(body: dict[str, Any]) -> dict[str, Any]:
                 "index": 0,
                 "message": {"role": "assistant", "content": ""},
                 "finish_reason": "length",
-                "disaggregated_params": {"request_type": "context_only", "ctx_request_id": request_id, "first_gen_tokens": [1]},
+                "disaggregated_params": {
+                    "request_type": "context_only", "ctx_request_id": request_id, "disagg_request_id": request_id, "first_gen_tokens": [1],
+                },
             }
         ],
         "prompt_token_ids": [1, 2, 3],
@@ -221,6 +223,9 @@ class BadWorker:
             writer.write(_json_response(200, {"ok": True}))
         elif path == "/health":
             writer.write(_json_response(200, {"status": "ok"}))
+        elif path == "/server_info":
+            # What a TensorRT-LLM context server reports for generation-first requests.
+            writer.write(_json_response(200, {"server_info": {"disaggregated_params": {"ctx_info_endpoint": ["tcp://127.0.0.1:1"]}}}))
         elif path == "/v1/chat/completions" and method == "POST":
             request = json.loads(body or b"{}")
             _, tag = marker_of(request)

@@ -16,11 +16,15 @@ from tests.simworkers import SimWorker, start_simworker
 MODEL = "sim-model"
 # Fast sim workers: tests wait for conditions, so only the fault directives add time.
 SIM_OPTIONS = {"tokens_per_second": 2000, "prefill_tokens_per_second": 200000, "max_context_tokens": 4096, "kv_timeout": 30}
+# The sims check signed handoffs (TensorRT-LLM's internal_request_auth_key) and the pools
+# register_cluster makes share the key, so the whole suite runs signed.
+SIGNING_KEY = "test-handoff-signing-key"
+SIM_ENV = {"INTERNAL_REQUEST_AUTH_KEY": SIGNING_KEY}
 
 
 def sim_worker(role: str) -> Iterator[SimWorker]:
     """The body of a fixture that runs one sim worker for its scope."""
-    worker = start_simworker(role, **SIM_OPTIONS)
+    worker = start_simworker(role, env=SIM_ENV, **SIM_OPTIONS)
     yield worker
     worker.stop()
 
@@ -46,7 +50,10 @@ def sim_pair() -> Iterator[Callable[..., tuple[SimWorker, SimWorker]]]:
         merged = {**SIM_OPTIONS, **options, "protocol": protocol}
         key = repr(sorted(merged.items()))
         if key not in started:
-            started[key] = (start_simworker("context", **merged), start_simworker("generation", **merged))
+            started[key] = (
+                start_simworker("context", env=SIM_ENV, **merged),
+                start_simworker("generation", env=SIM_ENV, **merged),
+            )
         return started[key]
 
     yield get
@@ -127,7 +134,7 @@ def register_cluster(
     max_local_prefill_tokens: int = 0,
     model: str = MODEL,
     protocol: str = "trtllm",
-    signing_key: str = "",
+    signing_key: str = SIGNING_KEY,
     context_options: dict[str, Any] | None = None,
 ) -> Cluster:
     from messages_api.auth import create_api_key

@@ -15,5 +15,5 @@ from workers.sim.process import start_simworker as _start
 __all__ = ["SimWorker", "start_simworker"]
 
 
-def start_simworker(role: str, *, host: str = "127.0.0.1", **options: Any) -> SimWorker:
-    return _start(role, host=host, env={"DJANGO_SETTINGS_MODULE": "disagg_project.test_settings"}, **options)
+def start_simworker(role: str, *, host: str = "127.0.0.1", env: dict[str, str] | None = None, **options: Any) -> SimWorker:
+    return _start(role, host=host, env={"DJANGO_SETTINGS_MODULE": "disagg_project.test_settings", **(env or {})}, **options)

@@ -155,9 +155,14 @@ def generation_request(text: str, params: dict[str, Any], prompt_token_ids: list
     return body
 
 
+def transceiver(ctx: SimWorker) -> str:
+    """The context sim's KV endpoint as TensorRT-LLM reports it: not its HTTP URL."""
+    return "tcp://" + ctx.url.removeprefix("http://")
+
+
 def gen_first_params(ctx: SimWorker, request_id: int) -> dict[str, Any]:
     return {"ctx_request_id": request_id, "disagg_request_id": request_id,
-            "ctx_info_endpoint": ctx.url, "schedule_style": "generation_first"}
+            "ctx_info_endpoint": transceiver(ctx), "schedule_style": "generation_first"}
 
 
 # -- basics -----------------------------------------------------------------------------------
@@ -211,7 +216,7 @@ async def test_context_only_issues_a_held_handoff(client: httpx.AsyncClient, ctx
     params = choice["disaggregated_params"]
     assert params["request_type"] == "context_only"
     assert params["ctx_request_id"] == params["disagg_request_id"] == request_id
-    assert params["ctx_info_endpoint"] == ctx.url
+    assert params["ctx_info_endpoint"] == transceiver(ctx)
     assert isinstance(params["encoded_opaque_state"], str) and params["encoded_opaque_state"]
     assert len(params["first_gen_tokens"]) == 1
     prompt_tokens = answer["usage"]["prompt_tokens"]

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 from typing import TypeVar, cast
 
+from typing import Any
+
+from django import forms
 from django.contrib import admin
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
@@ -35,13 +38,70 @@ class WorkerEndpointInline(admin.TabularInline[WorkerEndpoint, WorkerPool]):
     readonly_fields = ("healthy", open_reservations, "consecutive_failures", "last_checked_at", "last_error")  # type: ignore[assignment]
 
 
+class WorkerPoolForm(forms.ModelForm[WorkerPool]):
+    """The pool, with its handoff signing key write-only: the form never renders the stored key
+    (not even masked in the page source), a blank field keeps it, and only the explicit "clear"
+    box removes it."""
+
+    handoff_signing_key = forms.CharField(
+        required=False,
+        strip=True,
+        max_length=256,
+        label="Handoff signing key",
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        help_text="The shared secret the pool's workers verify signed handoffs with (TensorRT-LLM's "
+        "internal_request_auth_key). Write-only: leave blank to keep the current key.",
+    )
+    clear_handoff_signing_key = forms.BooleanField(
+        required=False, label="Clear the handoff signing key", help_text="Remove the key (the handoffs go unsigned)."
+    )
+
+    class Meta:
+        model = WorkerPool
+        fields = ("name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens", "handoff_signing_key")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Whatever the model holds, the field starts empty: the key never reaches the page.
+        self.initial["handoff_signing_key"] = ""
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if cleaned.get("clear_handoff_signing_key") and cleaned.get("handoff_signing_key"):
+            self.add_error("clear_handoff_signing_key", "Either set a new key or clear it, not both.")
+        return cleaned
+
+    def save(self, commit: bool = True) -> WorkerPool:
+        pool = super().save(commit=False)
+        stored = "" if pool.pk is None else WorkerPool.objects.filter(pk=pool.pk).values_list("handoff_signing_key", flat=True).first() or ""
+        if self.cleaned_data.get("clear_handoff_signing_key"):
+            pool.handoff_signing_key = ""
+        elif not self.cleaned_data.get("handoff_signing_key"):
+            pool.handoff_signing_key = stored
+        if commit:
+            pool.save()
+            self.save_m2m()
+        return pool
+
+
 @admin.register(WorkerPool)
 class WorkerPoolAdmin(admin.ModelAdmin[WorkerPool]):
-    list_display = ("name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens", "endpoint_summary")
+    form = WorkerPoolForm
+    list_display = (
+        "name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens", "signing_key_set", "endpoint_summary",
+    )
     list_filter = ("protocol", "schedule_style", "routing")
     search_fields = ("name", "model")
-    fields = ("name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens")
+    fields = (
+        "name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens",
+        "signing_key_set", "handoff_signing_key", "clear_handoff_signing_key",
+    )
+    readonly_fields = ("signing_key_set",)
     inlines = [WorkerEndpointInline]
+
+    @admin.display(description="signing key set", boolean=True)
+    def signing_key_set(self, pool: WorkerPool) -> bool:
+        return bool(pool.handoff_signing_key)
 
     @admin.display(description="endpoints")
     def endpoint_summary(self, pool: WorkerPool) -> str:

@@ -285,9 +285,15 @@ class ChatRun:
 
     async def _stream_from_generation(self, body: dict[str, Any], *, waits_for_context: bool = False) -> ChunkStream:
         url = self._generation_url + self._protocol.chat_path
-        return await client.open_stream(
-            url, body, stage=Stage.GENERATION, headers=self._headers(body), waits_for_context=waits_for_context
-        )
+        try:
+            return await client.open_stream(
+                url, body, stage=Stage.GENERATION, headers=self._headers(body), waits_for_context=waits_for_context
+            )
+        except WorkerError as exc:
+            explained = self._protocol.explain_error(exc, self._call)
+            if explained is exc:
+                raise
+            raise explained from exc
 
     async def _await_generation(self) -> None:
         assert self._generation_open is not None

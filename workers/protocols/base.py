@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from workers.errors import WorkerError
+
 AGGREGATED = "aggregated"
 CONTEXT_FIRST = "context_first"
 GENERATION_FIRST = "generation_first"
@@ -92,6 +94,12 @@ class WorkerProtocol(ABC):
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         """Extra HTTP headers a worker request with `body` needs (signatures, request ids)."""
         return {}
+
+    def explain_error(self, error: WorkerError, call: Call) -> WorkerError:
+        """The gateway's reading of a worker's error answer to a request this protocol built: an
+        engine's refusal of what the gateway sent (e.g. a handoff signature) is the gateway's
+        failure, not the client's. The default reads every error as it is."""
+        return error
 
     async def describe_context_peer(self, peer: ContextPeer) -> ContextPeer:
         """What the generation side must know about a context endpoint before a generation-first

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Role = Literal["context", "generation"]
@@ -27,6 +27,9 @@ class SimConfig:
     kv_timeout: float = 60.0
     # The engine dialect of disaggregated requests (`workers.sim.dialects`).
     protocol: str = "trtllm"
+    # The shared secret signed handoffs are checked with (TensorRT-LLM's
+    # `internal_request_auth_key`); "" checks none. Never shown: it is a secret.
+    internal_request_auth_key: str = field(default="", repr=False)
 
     @property
     def token_interval(self) -> float:

@@ -1,7 +1,8 @@
 """`manage.py quickstart`: what `make run` runs after migrating.
 
 When no real worker is registered it starts a simulated context and generation worker and
-registers them (pool `local-sim`, model `sim-model`); it rotates the `make-run` API key and prints
+registers them (pool `local-sim`, model `sim-model`, sharing a handoff signing key made for the
+run); it rotates the `make-run` API key and prints
 it with a ready-to-paste curl line; then it serves the gateway with daphne in this process. The
 simulated workers stop when the gateway does.
 
@@ -12,6 +13,7 @@ which `workers` never imports, so the key is made by that app's `create_api_key`
 from __future__ import annotations
 
 import io
+import secrets
 import shlex
 from typing import Any
 
@@ -19,6 +21,7 @@ from daphne.cli import CommandLineInterface
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from workers.management.commands.simworker import AUTH_KEY_ENV
 from workers.models import Role, WorkerEndpoint, WorkerPool
 from workers.sim.process import SimWorker, start_simworker
 
@@ -58,9 +61,14 @@ class Command(BaseCommand):
             pool = registered.pool
             self.stdout.write(f"Using the registered workers (pool {pool.name}, model {pool.model}).")
             return pool.model
-        context = self._start("context", options["context_port"])
-        generation = self._start("generation", options["generation_port"])
+        # The simulated workers check signed handoffs as TensorRT-LLM's do: they and the pool share
+        # a key made for this run (passed in their environment, not on their command line).
+        signing_key = secrets.token_urlsafe(32)
+        context = self._start("context", options["context_port"], signing_key)
+        generation = self._start("generation", options["generation_port"], signing_key)
         pool, _ = WorkerPool.objects.get_or_create(name=SIM_POOL, defaults={"model": SIM_MODEL})
+        pool.handoff_signing_key = signing_key
+        pool.save(update_fields=["handoff_signing_key", "updated_at"])
         # The simulated workers may land on other ports than last time: register what runs now.
         pool.endpoints.all().delete()
         WorkerEndpoint.objects.create(pool=pool, role=Role.CONTEXT, url=context.url)
@@ -68,11 +76,12 @@ class Command(BaseCommand):
         self.stdout.write(f"Started simulated workers: context {context.url}, generation {generation.url} (pool {SIM_POOL}).")
         return pool.model
 
-    def _start(self, role: str, port: int) -> SimWorker:
+    def _start(self, role: str, port: int, signing_key: str) -> SimWorker:
+        env = {AUTH_KEY_ENV: signing_key}
         try:
-            return start_simworker(role, port=port)
+            return start_simworker(role, port=port, env=env)
         except RuntimeError:
-            return start_simworker(role, port=0)  # the port is taken: any free one will do
+            return start_simworker(role, port=0, env=env)  # the port is taken: any free one will do
 
     def _rotate_key(self) -> str:
         out = io.StringIO()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -25,6 +27,8 @@ class Command(BaseCommand):
     # operator fixes a pool it flags, so it must not refuse to run because of one. It validates
     # the pool it writes itself.
     requires_system_checks: list[str] = []
+    # `call_command(..., stdin=...)` feeds `--signing-key-file -`.
+    stealth_options = ("stdin",)
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--pool", required=True, help="Pool name (created if missing).")
@@ -39,6 +43,16 @@ class Command(BaseCommand):
         parser.add_argument(
             "--max-local-prefill-tokens", type=int, help="Set the pool's conditional disaggregation threshold."
         )
+        # A file, not a value: an argument shows in the process list and the shell's history.
+        key = parser.add_mutually_exclusive_group()
+        key.add_argument(
+            "--signing-key-file",
+            type=Path,
+            metavar="PATH",
+            help="Set the pool's handoff signing key (TensorRT-LLM's internal_request_auth_key, shared "
+            "with its workers) to the first line of this file ('-': standard input).",
+        )
+        key.add_argument("--clear-signing-key", action="store_true", help="Remove the pool's handoff signing key.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         url = options["url"].rstrip("/")
@@ -64,6 +78,10 @@ class Command(BaseCommand):
             if options.get(option) is not None and getattr(pool, field) != options[option]:
                 setattr(pool, field, options[option])
                 changed = True
+        signing_key = self._signing_key(options)
+        if signing_key is not None and pool.handoff_signing_key != signing_key:
+            pool.handoff_signing_key = signing_key
+            changed = True
         problem = protocols.misconfiguration(pool.protocol, pool.schedule_style)
         if problem is not None:
             raise CommandError(f"pool {pool.name!r}: {problem}")
@@ -72,3 +90,25 @@ class Command(BaseCommand):
         endpoint, endpoint_created = WorkerEndpoint.objects.get_or_create(pool=pool, role=options["role"], url=url)
         verb = "registered" if endpoint_created else "already registered"
         self.stdout.write(f"{verb}: pool {pool.name} ({pool.model}) {endpoint.role} {endpoint.url}")
+
+    def _signing_key(self, options: dict[str, Any]) -> str | None:
+        """The key to set ("" clears it), or None to leave the pool's as it is."""
+        if options.get("clear_signing_key"):
+            return ""
+        path: Path | None = options.get("signing_key_file")
+        if path is None:
+            return None
+        try:
+            stdin = options.get("stdin") or sys.stdin
+            text = stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            # The error names the file, never its content.
+            raise CommandError(f"--signing-key-file {path}: cannot read it ({type(exc).__name__})") from None
+        lines = text.splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise CommandError(f"--signing-key-file {path}: the first line is empty (use --clear-signing-key to remove the key)")
+        max_length = WorkerPool._meta.get_field("handoff_signing_key").max_length or 256
+        if len(key) > max_length:
+            raise CommandError(f"--signing-key-file {path}: the key is longer than {max_length} characters")
+        return key

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workers.sim import ROLES, SimConfig, dialects, serve
+
+
+# Named after TensorRT-LLM's `internal_request_auth_key` (its workers read it from their config).
+AUTH_KEY_ENV = "INTERNAL_REQUEST_AUTH_KEY"
 
 
 class Command(BaseCommand):
@@ -32,6 +37,12 @@ class Command(BaseCommand):
             "--protocol", default=dialects.DEFAULT, choices=dialects.names(),
             help="the engine dialect of disaggregated requests",
         )
+        parser.add_argument(
+            "--auth-key-env", default=AUTH_KEY_ENV, metavar="NAME",
+            help="the environment variable holding the key signed handoffs are checked with "
+            "(TensorRT-LLM's internal_request_auth_key; read from the environment so it is not "
+            f"in the process list; unset or empty: none is checked). Default {AUTH_KEY_ENV}",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not 0 <= options["port"] <= 65535:
@@ -51,6 +62,7 @@ class Command(BaseCommand):
             prefill_tokens_per_second=options["prefill_tokens_per_second"],
             kv_timeout=options["kv_timeout"],
             protocol=options["protocol"],
+            internal_request_auth_key=os.environ.get(options["auth_key_env"], ""),
         )
 
         def announce(line: str) -> None:
