@@ -57,6 +57,9 @@ FINISH_REASONS = {
     # its classifiers stopped is `refusal`.
     "content_filter": "refusal",
 }
+# finish_reasons after which the output is cut short by design: a tool call's arguments may be
+# incomplete JSON.
+CUT_SHORT = frozenset({"length", "content_filter"})
 # finish_reasons that mean the worker gave up: the output so far is not a finished answer, so
 # ending the message with a success stop_reason would hand the client a truncated reply as a
 # complete one. Each is an error instead (the HTTP error, or the `error` event once streaming):
@@ -333,9 +336,10 @@ class StreamReframer:
         if self._open is None:
             return
         if self._open_call is not None:
-            # Arguments cut off by max_tokens are expected to be incomplete: the answer is a
-            # truncated tool_use block with stop_reason max_tokens, as Anthropic's own API gives.
-            if self._finish_reason != "length":
+            # Arguments cut off by max_tokens (or by a content filter) are expected to be
+            # incomplete: the answer is a truncated tool_use block with stop_reason max_tokens
+            # (refusal), as Anthropic's own API gives, and no client runs it.
+            if self._finish_reason not in CUT_SHORT:
                 # Raised before the stop is emitted, so `fail` closes the block itself.
                 _parse_arguments(self._open_call)
             self._open_call = None

@@ -547,6 +547,13 @@ def test_a_filtered_turn_with_tool_use_is_a_refusal_not_a_tool_turn(finish: str,
     assert events[-2]["delta"]["stop_reason"] == expected
 
 
+def test_tool_arguments_cut_by_a_content_filter_are_a_truncated_block() -> None:
+    events = run([chunk(tool_calls=[call(0, '{"path": "/etc", "li', id="c", name="read")]), chunk(finish="content_filter")])
+    assert events[-2]["delta"]["stop_reason"] == "refusal"
+    message = final_message(events)
+    assert message["content"] == [{"type": "tool_use", "id": "c", "name": "read", "input": {"path": "/etc"}}]
+
+
 # Every reason an engine gives for giving up (TensorRT-LLM: timeout, cancelled; vLLM: abort,
 # error, repetition; SGLang: abort; TensorRT-LLM's context phase: not_finished), and one no
 # engine documents: never a success stop_reason.
