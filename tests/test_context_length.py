@@ -236,6 +236,14 @@ def test_other_errors_stay_plain(status: int, message: str) -> None:
     assert type(error) is WorkerError and error.status == status
 
 
+def test_absurd_counts_from_a_worker_are_no_crash() -> None:
+    huge = "9" * 5000  # int() refuses strings over 4,300 digits
+    message = f"This model's maximum context length is {huge} tokens. However, your messages resulted in {huge} tokens."
+    error = worker_error(400, orjson.dumps({"error": {"message": message, "code": "context_length_exceeded"}}), "generation")
+    assert isinstance(error, ContextLengthExceeded) and error.prompt_tokens is None and error.max_context_tokens is None
+    assert client_error(error).message == "prompt is too long: it does not fit the model's context window"
+
+
 # --- through the real worker client --------------------------------------------------------------
 
 
