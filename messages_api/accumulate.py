@@ -60,7 +60,8 @@ def accumulate_message(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         raise _malformed(f"unreadable event ({exc!r})") from exc
     if message is None or not stopped:
         raise AnthropicError(500, "The response ended before the message was complete", "api_error")
-    truncated = message["stop_reason"] == "max_tokens"
+    # Cut short by max_tokens or a content filter: a tool call's arguments may be incomplete.
+    truncated = message["stop_reason"] in ("max_tokens", "refusal")
     for block, parts in zip(blocks, pieces):
         _finish_block(block, "".join(parts), truncated)
     message["content"] = blocks

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.errors import ContextLengthExceeded, NoEndpointAvailable, WorkerError
+from workers.errors import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, WorkerError
 
 # Anthropic's table (docs: api/errors). A status not listed maps by class: 4xx → invalid request,
 # 5xx → api_error.
@@ -116,10 +116,13 @@ def from_error_event(event: dict[str, Any]) -> AnthropicError:
 def from_worker_error(exc: WorkerError) -> AnthropicError:
     """A cluster failure as Anthropic's answer (status, type, the worker's scrubbed message)."""
     if isinstance(exc, ContextLengthExceeded):
-        # Claude Code matches this wording to compact its context.
+        return AnthropicError(400, _context_length_message(exc), "invalid_request_error")
+    if isinstance(exc, OutputLimitExceeded):
+        # Anthropic's wording for a max_tokens the model cannot give.
         return AnthropicError(
             400,
-            f"prompt is too long: {exc.prompt_tokens} tokens > {exc.max_context_tokens} maximum",
+            f"max_tokens: {exc.output_tokens} > {exc.max_context_tokens}, which is the maximum allowed number of "
+            "output tokens for this model",
             "invalid_request_error",
         )
     if isinstance(exc, NoEndpointAvailable):
@@ -137,6 +140,23 @@ def from_worker_error(exc: WorkerError) -> AnthropicError:
         return AnthropicError(status, exc.message, "api_error")
     # A worker's 401/403/404/… is the gateway's misconfiguration, not the client's fault.
     return AnthropicError(500, f"the {exc.stage} worker rejected the request with status {status}", "api_error")
+
+
+def _context_length_message(exc: ContextLengthExceeded) -> str:
+    """Anthropic's two wordings, which Claude Code acts on: "prompt is too long: …" makes it
+    compact the conversation; "input length and `max_tokens` exceed context limit: P + T > M"
+    makes it retry with a smaller max_tokens (the prompt alone fits)."""
+    if exc.prompt_fits:
+        return (
+            f"input length and `max_tokens` exceed context limit: {exc.prompt_tokens} + {exc.output_tokens} > "
+            f"{exc.max_context_tokens}, decrease input length or `max_tokens` and try again"
+        )
+    if exc.prompt_tokens is not None and exc.max_context_tokens is not None:
+        return f"prompt is too long: {exc.prompt_tokens} tokens > {exc.max_context_tokens} maximum"
+    # The worker gave no counts (a bare context_length_exceeded code): the wording still starts
+    # as Claude Code matches it.
+    window = f" of {exc.max_context_tokens} tokens" if exc.max_context_tokens is not None else ""
+    return f"prompt is too long: it does not fit the model's context window{window}"
 
 
 def client_error(exc: BaseException) -> AnthropicError:

@@ -26,6 +26,7 @@ event, against a 10 µs budget.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
@@ -35,19 +36,54 @@ from messages_api.errors import AnthropicError
 
 __all__ = ["StreamReframer"]
 
+logger = logging.getLogger(__name__)
+
 TEXT = "text"
 THINKING = "thinking"
 TOOL_USE = "tool_use"
 
+# Every finish_reason an engine can end a choice with, mapped deliberately (see `_on_finish_reason`
+# for the rest). Sources: TensorRT-LLM `executor/result.py` (CompletionOutput.finish_reason:
+# stop, length, timeout, cancelled) and `serve/postprocess_handlers.py` (tool_calls); vLLM
+# `v1/engine/__init__.py` FINISH_REASON_STRINGS (stop, length, abort, error, repetition) and its
+# chat server (tool_calls); SGLang (stop, length, abort; tool_calls); OpenAI (stop, length,
+# tool_calls, function_call, content_filter).
 FINISH_REASONS = {
     "stop": "end_turn",
     "length": "max_tokens",
     "tool_calls": "tool_use",
     "function_call": "tool_use",
+    # OpenAI: the output was cut by its content filter; Anthropic's stop reason for a response
+    # its classifiers stopped is `refusal`.
+    "content_filter": "refusal",
 }
+# finish_reasons after which the output is cut short by design: a tool call's arguments may be
+# incomplete JSON.
+CUT_SHORT = frozenset({"length", "content_filter"})
 # finish_reasons that mean the worker gave up: the output so far is not a finished answer, so
-# ending the message with end_turn would hand the client a truncated reply as a complete one.
-FAILED_FINISH_REASONS = frozenset({"abort", "error", "cancelled"})
+# ending the message with a success stop_reason would hand the client a truncated reply as a
+# complete one. Each is an error instead (the HTTP error, or the `error` event once streaming):
+# reason -> (status, why). The status decides Anthropic's error type (errors.py's table).
+FAILED_FINISH_REASONS: dict[str, tuple[int, str]] = {
+    # TensorRT-LLM: the request passed its deadline inside the engine.
+    "timeout": (504, "The worker timed out before the answer was complete"),
+    # TensorRT-LLM: the engine cancelled the request (not us: our cancel closes the stream).
+    "cancelled": (500, "The worker cancelled the request before the answer was complete"),
+    # vLLM, SGLang: aborted by the engine (shutdown, a failed KV transfer, an overload abort).
+    "abort": (500, "The worker aborted the request before the answer was complete"),
+    # vLLM: a request-level internal error (e.g. a KV load failure); vLLM itself answers it 500.
+    "error": (500, "The worker failed before the answer was complete"),
+    # vLLM: generation stopped because the output became a repetitive loop; what came so far is
+    # neither complete nor usable.
+    "repetition": (500, "The worker stopped a repetitive output before the answer was complete"),
+    # TensorRT-LLM's context phase ends with it ("generation pending"): from a generation
+    # stream it means the answer was never generated.
+    "not_finished": (502, "The worker ended the stream before the answer was generated"),
+}
+# A finish_reason nobody documents: it may mean the worker gave up, so it is a failure too (a
+# new success reason then shows up as an error, and in the log, instead of a truncated answer
+# passing as complete). The reason itself is worker data: logged, never shown to the client.
+UNKNOWN_FINISH_REASON = (502, "The worker ended the answer with a finish reason the gateway does not know")
 
 BAD_ARGUMENTS = "The worker returned tool call arguments that are not a JSON object"
 
@@ -247,10 +283,13 @@ class StreamReframer:
         }
 
     def _on_finish_reason(self, finish_reason: str, choice: dict[str, Any]) -> None:
-        if finish_reason in FAILED_FINISH_REASONS:
-            raise AnthropicError(
-                500, f"The worker stopped generating before the answer was complete ({finish_reason})", "api_error"
-            )
+        if finish_reason not in FINISH_REASONS:
+            failure = FAILED_FINISH_REASONS.get(finish_reason)
+            if failure is None:
+                logger.warning("unknown finish_reason from a worker: %r", finish_reason[:64])
+                failure = UNKNOWN_FINISH_REASON
+            status, why = failure
+            raise AnthropicError(status, why)
         self._finish_reason = finish_reason
         # vLLM/TRT-LLM name the matched stop string in `stop_reason` (an int is a stop token id);
         # SGLang calls it `matched_stop`.
@@ -266,9 +305,11 @@ class StreamReframer:
         if reason in (None, "stop") and isinstance(matched, str) and matched in self._stop_sequences:
             stop_reason, stop_sequence = "stop_sequence", matched
         else:
-            stop_reason = FINISH_REASONS.get(reason, "end_turn")  # type: ignore[arg-type]
-        # Clients run tools only on stop_reason "tool_use"; a truncated turn still says so.
-        if self._emitted_tool_use and stop_reason != "max_tokens":
+            # No finish_reason at all (a stream that only said [DONE]): the worker stopped on its own.
+            stop_reason = FINISH_REASONS[reason] if reason is not None else "end_turn"
+        # Clients run tools only on stop_reason "tool_use"; a truncated or filtered turn still
+        # says so (a filtered turn's tools must not run).
+        if self._emitted_tool_use and stop_reason not in ("max_tokens", "refusal"):
             return "tool_use", None
         return stop_reason, stop_sequence
 
@@ -295,9 +336,10 @@ class StreamReframer:
         if self._open is None:
             return
         if self._open_call is not None:
-            # Arguments cut off by max_tokens are expected to be incomplete: the answer is a
-            # truncated tool_use block with stop_reason max_tokens, as Anthropic's own API gives.
-            if self._finish_reason != "length":
+            # Arguments cut off by max_tokens (or by a content filter) are expected to be
+            # incomplete: the answer is a truncated tool_use block with stop_reason max_tokens
+            # (refusal), as Anthropic's own API gives, and no client runs it.
+            if self._finish_reason not in CUT_SHORT:
                 # Raised before the stop is emitted, so `fail` closes the block itself.
                 _parse_arguments(self._open_call)
             self._open_call = None

@@ -21,6 +21,7 @@ from messages_api.accumulate import accumulate_message
 from messages_api.errors import AnthropicError
 from messages_api.reframe import StreamReframer
 from messages_api.sse import PING_FRAME, encode_event
+from workers.pipeline import completion_as_chunks
 
 Event = dict[str, Any]
 
@@ -514,9 +515,8 @@ def test_a_call_that_never_got_a_name_is_an_error() -> None:
         ("length", None, None, ("max_tokens", None)),
         ("tool_calls", None, None, ("tool_use", None)),
         ("function_call", None, None, ("tool_use", None)),
-        ("content_filter", None, None, ("end_turn", None)),
-        ("something_new", None, None, ("end_turn", None)),
-        (None, None, None, ("end_turn", None)),
+        ("content_filter", None, None, ("refusal", None)),
+        (None, None, None, ("end_turn", None)),  # a stream that ends without saying why
     ],
 )
 def test_stop_reason_mapping(finish: str | None, stop_reason: object, stop_sequences: list[str] | None, expected: tuple[str, str | None]) -> None:
@@ -540,16 +540,90 @@ def test_a_turn_with_tool_use_ends_in_tool_use_unless_truncated(finish: str | No
     assert events[-2]["delta"] == {"stop_reason": expected, "stop_sequence": None}
 
 
-@pytest.mark.parametrize("finish", ["abort", "error"])
-def test_a_worker_abort_is_a_failure_not_an_end_turn(finish: str) -> None:
+@pytest.mark.parametrize(("finish", "expected"), [("stop", "tool_use"), ("content_filter", "refusal")])
+def test_a_filtered_turn_with_tool_use_is_a_refusal_not_a_tool_turn(finish: str, expected: str) -> None:
+    # A client runs the tools of a tool_use turn; a turn the filter cut must not run them.
+    events = run([chunk(tool_calls=[call(0, "{}", id="c", name="f")]), chunk(finish=finish)])
+    assert events[-2]["delta"]["stop_reason"] == expected
+
+
+def test_tool_arguments_cut_by_a_content_filter_are_a_truncated_block() -> None:
+    events = run([chunk(tool_calls=[call(0, '{"path": "/etc", "li', id="c", name="read")]), chunk(finish="content_filter")])
+    assert events[-2]["delta"]["stop_reason"] == "refusal"
+    message = final_message(events)
+    assert message["content"] == [{"type": "tool_use", "id": "c", "name": "read", "input": {"path": "/etc"}}]
+
+
+# Every reason an engine gives for giving up (TensorRT-LLM: timeout, cancelled; vLLM: abort,
+# error, repetition; SGLang: abort; TensorRT-LLM's context phase: not_finished), and one no
+# engine documents: never a success stop_reason.
+GIVE_UPS = [
+    ("timeout", 504, "timeout_error"),
+    ("cancelled", 500, "api_error"),
+    ("abort", 500, "api_error"),
+    ("error", 500, "api_error"),
+    ("repetition", 500, "api_error"),
+    ("not_finished", 502, "api_error"),
+    ("eos_reached_v2", 502, "api_error"),
+]
+
+
+@pytest.mark.parametrize(("finish", "status", "error_type"), GIVE_UPS)
+def test_a_worker_giving_up_is_a_failure_not_an_end_turn(finish: str, status: int, error_type: str) -> None:
     r = reframer()
     events = r.feed(chunk("partial"))
     with pytest.raises(AnthropicError) as info:
         r.feed(chunk(finish=finish))
-    assert info.value.status == 500
+    assert (info.value.status, info.value.error_type) == (status, error_type)
+    assert "eos_reached_v2" not in info.value.message  # worker data: never shown to the client
     events += r.fail(info.value.event())
     assert kinds(events)[-2:] == ["stop", "error"]
     assert_event_invariants(events)
+
+
+@pytest.mark.parametrize(("finish", "status", "error_type"), GIVE_UPS)
+def test_a_worker_giving_up_non_streamed_is_the_same_error(finish: str, status: int, error_type: str) -> None:
+    """The non-streamed path (a complete context answer, or `respond_json` over a stream) feeds the
+    same reframer: the reason is the HTTP error, with the streamed error's type and message."""
+    completion = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "model": "qwen3",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "partial"}, "finish_reason": finish}],
+        "usage": usage(12, 3),
+    }
+    streamed = reframer()
+    with pytest.raises(AnthropicError) as streamed_error:
+        streamed.feed(chunk("partial"))
+        streamed.feed(chunk(finish=finish))
+    r = reframer()
+    with pytest.raises(AnthropicError) as info:
+        accumulate_message([event for c in completion_as_chunks(completion) for event in r.feed(c)] + r.finish())
+    assert (info.value.status, info.value.error_type, info.value.message) == (
+        status,
+        error_type,
+        streamed_error.value.message,
+    )
+
+
+def test_an_unknown_finish_reason_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    r = reframer()
+    with caplog.at_level("WARNING", logger="messages_api.reframe"), pytest.raises(AnthropicError):
+        r.feed(chunk("x", finish="eos_reached_v2"))
+    assert "eos_reached_v2" in caplog.text
+
+
+def test_a_content_filtered_answer_non_streamed_is_a_refusal() -> None:
+    completion = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "model": "qwen3",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "I can"}, "finish_reason": "content_filter"}],
+    }
+    r = reframer()
+    events = [event for c in completion_as_chunks(completion) for event in r.feed(c)] + r.finish()
+    message = final_message(events)
+    assert (message["stop_reason"], message["content"]) == ("refusal", [{"type": "text", "text": "I can"}])
 
 
 # -- usage --------------------------------------------------------------------------------------

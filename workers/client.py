@@ -38,6 +38,7 @@ from workers.errors import (
     ContextLengthExceeded,
     MalformedAnswer,
     MalformedChunk,
+    OutputLimitExceeded,
     StreamBroken,
     StreamTimedOut,
     WorkerError,
@@ -188,13 +189,91 @@ def _describe(exc: BaseException, stage: str, what: str) -> str:
 
 # --- error answers -------------------------------------------------------------------------------
 
-_MAX_CONTEXT = re.compile(r"maximum context length is (\d+) tokens", re.I)
-# TensorRT-LLM/OpenAI: "... requested 5000 tokens (4000 in the messages, ...)"; vLLM: "... your
-# prompt contains at least 4097 input tokens, ..." (vLLM only counts up to the first token past
-# the window, so its figure is a lower bound: the best the gateway can report).
-_PROMPT_TOKENS = re.compile(
-    r"(?:resulted in|requested|contains at least) (\d+) (?:input )?tokens(?: \((\d+) in the messages)?", re.I
+# Every engine's wording of "the request does not fit the context window", each quoted from the
+# engine's source or its real server's answer. Named groups: `maximum` the window, `prompt` the
+# prompt's tokens, `query` tokens TensorRT-LLM counts beside the prompt, `output` the output
+# tokens counted against the window (when present, the prompt alone may fit). A count is at most
+# 12 digits: a worker's 5,000-digit number must not reach int() (which refuses over 4,300).
+_OVER_LENGTH = tuple(
+    re.compile(pattern, re.I)
+    for pattern in (
+        # vLLM (serving's max_tokens check): "This model's maximum context length is 8192 tokens.
+        # However, you requested 900 output tokens and your prompt contains at least 7293 input
+        # tokens, for a total of at least 8193 tokens. ..."
+        r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, you requested (?P<output>\d{1,12}) output "
+        r"tokens and your prompt contains at least (?P<prompt>\d{1,12}) input tokens",
+        # vLLM 0.32 (/work/shared/reference/vllm-cpu/08): "... However, your prompt contains at
+        # least 4097 input tokens, which exceeds this limit even without any output tokens. ..."
+        # (it counts only to the first token past the window: a lower bound, the best there is).
+        r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, your prompt contains at least "
+        r"(?P<prompt>\d{1,12}) input tokens",
+        # OpenAI, older vLLM: "... However, you requested 5000 tokens (4000 in the messages, 1000
+        # in the completion). ..."
+        r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, you requested \d+ tokens "
+        r"\((?P<prompt>\d{1,12}) in the messages, (?P<output>\d{1,12}) in the completion\)",
+        # OpenAI, TensorRT-LLM's OpenAI server (PR #19457, code context_length_exceeded): "This
+        # model's maximum context length is 69632 tokens. However, your messages resulted in
+        # 69666 tokens. Please reduce the length of the messages."
+        r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, your messages resulted in (?P<prompt>\d{1,12}) tokens",
+        # TensorRT-LLM before that, TensorRT backend (llmapi/llm.py `_check_arguments`; the
+        # prompt length is printed as a float, prompt_len / cp_size): "The sum of prompt length
+        # (4000.0) and query length (0) max_tokens (2048) should not exceed max_seq_len (4096)"
+        r"The sum of prompt length \((?P<prompt>\d{1,12})(?:\.\d*)?\) and query length \((?P<query>\d{1,12})\) "
+        r"max_tokens \((?P<output>\d{1,12})\) should not exceed max_seq_len \((?P<maximum>\d{1,12})\)",
+        # ... PyTorch backend: "The sum of prompt length (50857.0), query length (0) should not
+        # exceed max_num_tokens (32768)"
+        r"The sum of prompt length \((?P<prompt>\d{1,12})(?:\.\d*)?\), query length \((?P<query>\d{1,12})\) "
+        r"should not exceed max_num_tokens \((?P<maximum>\d{1,12})\)",
+        # ... and `_deduce_max_tokens` (executor/base_worker.py): "`default_max_tokens` (-40205)
+        # should be greater than 0, `default_max_tokens` (-40205) = max_seq_len (40961) -
+        # `splited_prompt_len` (81166) - `query_token_len` (0)"
+        r"`default_max_tokens` \(-?\d+\) = max_seq_len \((?P<maximum>\d{1,12})\) - `splited_prompt_len` "
+        r"\((?P<prompt>\d{1,12})\) - `query_token_len` \((?P<query>\d{1,12})\)",
+        # SGLang (managers/tokenizer_manager.py `_validate_one_request`): "The input (4097 tokens)
+        # is longer than the model's context length (4096 tokens)."
+        r"The input \((?P<prompt>\d{1,12}) tokens\) is longer than the model's context length \((?P<maximum>\d{1,12}) tokens\)",
+        # ... "Requested token count exceeds the model's maximum context length of 4096 tokens.
+        # You requested a total of 4200 tokens: 200 tokens from the input messages and 4000 tokens
+        # for the completion. ..."
+        r"Requested token count exceeds the model's maximum context length of (?P<maximum>\d{1,12}) tokens\. "
+        r"You requested a total of \d+ tokens: (?P<prompt>\d{1,12}) tokens from the input messages and "
+        r"(?P<output>\d{1,12}) tokens for the completion",
+    )
 )
+# Any other sentence naming the window (a wording not above): over-length, without a prompt count.
+_MAX_CONTEXT = re.compile(r"maximum context length is (?P<maximum>\d{1,12}) tokens", re.I)
+# vLLM (/work/shared/reference/vllm-cpu/09): "max_tokens=5000 cannot be greater than
+# max_model_len=4096. Please request fewer output tokens." Not an over-length prompt: the
+# output asked for is larger than the window whatever the prompt.
+_OUTPUT_TOO_LARGE = re.compile(r"max_tokens=(?P<output>\d{1,12}) cannot be greater than max_model_len=(?P<maximum>\d{1,12})", re.I)
+
+
+def _window_error(raw_message: str, code: str | None, message: str, stage: str, detail: str) -> WorkerError | None:
+    """The over-length (or output-too-large) error a worker's message or code describes, with the
+    counts read from the raw text (scrubbing must not hide them); None if it is another error."""
+    for pattern in _OVER_LENGTH:
+        match = pattern.search(raw_message)
+        if match:
+            counts = match.groupdict()
+            return ContextLengthExceeded(
+                message,
+                stage=stage,
+                prompt_tokens=int(counts["prompt"]) + int(counts.get("query") or 0),
+                max_context_tokens=int(counts["maximum"]),
+                output_tokens=int(counts["output"]) if counts.get("output") else None,
+                detail=detail,
+            )
+    match = _OUTPUT_TOO_LARGE.search(raw_message)
+    if match:
+        return OutputLimitExceeded(
+            message, stage=stage, output_tokens=int(match["output"]), max_context_tokens=int(match["maximum"]), detail=detail
+        )
+    match = _MAX_CONTEXT.search(raw_message)
+    if match or code == "context_length_exceeded":
+        return ContextLengthExceeded(
+            message, stage=stage, prompt_tokens=None, max_context_tokens=int(match["maximum"]) if match else None, detail=detail
+        )
+    return None
 
 
 def _error_fields(body: bytes, status: int, stage: str) -> tuple[str, str | None, bool]:
@@ -241,15 +320,12 @@ def worker_error(status: int, body: bytes, stage: str, retry_after: float | None
     detail = redact.audit_text(raw_message if parsed or not raw_text.strip() else raw_text)
     if code is not None:
         code = redact.client_text(code, limit=64)
-    # Read the numbers from the raw text: scrubbing must not hide them.
-    if status == 400 and (code == "context_length_exceeded" or _MAX_CONTEXT.search(raw_message)):
-        maximum = _MAX_CONTEXT.search(raw_message)
-        prompt = _PROMPT_TOKENS.search(raw_message)
-        if maximum and prompt:
-            prompt_tokens = int(prompt.group(2) or prompt.group(1))
-            return ContextLengthExceeded(
-                message, stage=stage, prompt_tokens=prompt_tokens, max_context_tokens=int(maximum.group(1)), detail=detail
-            )
+    # A 4xx is the request's fault, so its wording can say over-length; the code says it anywhere
+    # (an error frame inside a stream carries no status of its own).
+    if 400 <= status < 500 or code == "context_length_exceeded":
+        window_error = _window_error(raw_message, code, message, stage, detail)
+        if window_error is not None:
+            return window_error
     return WorkerError(status, message, stage=stage, code=code, retry_after=retry_after, detail=detail)
 
 

@@ -14,7 +14,8 @@ fuller text an operator reads in the audit row (secrets masked).
     │   ├── StreamTimedOut       504  ... went silent (also a WorkerTimeout)
     │   └── MalformedChunk       502  ... sent a malformed or oversized chunk (also a MalformedAnswer)
     ├── NoEndpointAvailable           no enabled, healthy endpoint of a needed role
-    └── ContextLengthExceeded    400  the prompt does not fit the worker's context window
+    ├── ContextLengthExceeded    400  the prompt (or prompt + output) does not fit the context window
+    └── OutputLimitExceeded      400  the requested output alone is larger than the context window
 
 `workers.client` raises all but `NoEndpointAvailable` (the router's), from one place
 (`client.boundary`).
@@ -82,11 +83,46 @@ class NoEndpointAvailable(WorkerError):
 
 
 class ContextLengthExceeded(WorkerError):
-    """The prompt is longer than the worker's context window."""
+    """The prompt, or the prompt with the output tokens requested, is longer than the worker's
+    context window.
+
+    The counts are the worker's own when its wording gives them, else None (a bare
+    `context_length_exceeded` code): `prompt_tokens` (everything the window holds before the
+    output), `max_context_tokens` (the window), `output_tokens` (the output counted against the
+    window, when the worker counted one: then the prompt alone may fit).
+    """
 
     def __init__(
-        self, message: str, *, stage: str, prompt_tokens: int, max_context_tokens: int, detail: str | None = None
+        self,
+        message: str,
+        *,
+        stage: str,
+        prompt_tokens: int | None,
+        max_context_tokens: int | None,
+        output_tokens: int | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(400, message, stage=stage, code="context_length_exceeded", detail=detail)
         self.prompt_tokens = prompt_tokens
+        self.max_context_tokens = max_context_tokens
+        self.output_tokens = output_tokens
+
+    @property
+    def prompt_fits(self) -> bool:
+        """Whether the prompt alone fits: only the output requested on top of it does not."""
+        return (
+            self.prompt_tokens is not None
+            and self.max_context_tokens is not None
+            and self.output_tokens is not None
+            and self.prompt_tokens < self.max_context_tokens
+        )
+
+
+class OutputLimitExceeded(WorkerError):
+    """The output tokens requested (`max_tokens`) are more than the worker's context window holds,
+    whatever the prompt: a bad request, not an over-length prompt (shortening it cannot help)."""
+
+    def __init__(self, message: str, *, stage: str, output_tokens: int, max_context_tokens: int, detail: str | None = None) -> None:
+        super().__init__(400, message, stage=stage, code="max_tokens_exceeded", detail=detail)
+        self.output_tokens = output_tokens
         self.max_context_tokens = max_context_tokens
