@@ -52,9 +52,23 @@ def plain_cluster(sim_pair: SimPair, protocol: str, schedule_style: str) -> Clus
     return register_cluster(context, generation, protocol=protocol, schedule_style=schedule_style)
 
 
+def sglang_cluster(sim_pair: SimPair, protocol: str, schedule_style: str) -> Cluster:
+    """SGLang pairs the legs through the prefill server's bootstrap port (an endpoint option; a
+    sim's is its HTTP port). An aggregated SGLang pool is servers run without disaggregation: a
+    decode-mode server refuses a request without a bootstrap room, so a plain server serves it."""
+    context, generation = sim_pair(protocol)
+    if schedule_style == AGGREGATED:
+        generation = sim_pair("openai")[1]
+    return register_cluster(
+        context, generation, protocol=protocol, schedule_style=schedule_style,
+        context_options={"bootstrap_port": context.port},
+    )
+
+
 # protocol -> how to register its cluster, for a protocol whose pool needs more than
-# `plain_cluster` (a handoff signing key, endpoint options, sims started with options).
-CLUSTER_SETUP: dict[str, ClusterSetup] = {}
+# `plain_cluster` (endpoint options, sims started with options). TensorRT-LLM's signing key is
+# `register_cluster`'s default, shared with every sim.
+CLUSTER_SETUP: dict[str, ClusterSetup] = {"sglang": sglang_cluster}
 
 MATRIX = [(name, schedule) for name, protocol in sorted(PROTOCOLS.items()) for schedule in sorted(protocol.schedules)]
 
