@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,14 @@ class Command(BaseCommand):
             "with its workers) to the first line of this file ('-': standard input).",
         )
         key.add_argument("--clear-signing-key", action="store_true", help="Remove the pool's handoff signing key.")
+        parser.add_argument(
+            "--option",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="Set one of the endpoint's protocol options (repeatable; VALUE is JSON, else a string), "
+            "e.g. --option bootstrap_port=8998 for an SGLang prefill server. KEY= removes it.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         url = options["url"].rstrip("/")
@@ -87,9 +96,33 @@ class Command(BaseCommand):
             raise CommandError(f"pool {pool.name!r}: {problem}")
         if changed:
             pool.save()
+        endpoint_options = self._endpoint_options(options["option"])
         endpoint, endpoint_created = WorkerEndpoint.objects.get_or_create(pool=pool, role=options["role"], url=url)
+        if endpoint_options:
+            merged = {**endpoint.options, **endpoint_options}
+            merged = {k: v for k, v in merged.items() if v is not None}
+            if merged != endpoint.options:
+                endpoint.options = merged
+                endpoint.save(update_fields=["options", "updated_at"])
+                endpoint_created = True  # reported as a change
         verb = "registered" if endpoint_created else "already registered"
         self.stdout.write(f"{verb}: pool {pool.name} ({pool.model}) {endpoint.role} {endpoint.url}")
+
+    @staticmethod
+    def _endpoint_options(pairs: list[str]) -> dict[str, Any]:
+        """`KEY=VALUE` pairs; VALUE read as JSON (8998 is a number) or else kept as a string;
+        an empty VALUE (None) removes the key."""
+        parsed: dict[str, Any] = {}
+        for pair in pairs:
+            key, sep, raw = pair.partition("=")
+            if not sep or not key.strip():
+                raise CommandError(f"--option {pair!r}: expected KEY=VALUE")
+            try:
+                value = json.loads(raw) if raw else None
+            except json.JSONDecodeError:
+                value = raw
+            parsed[key.strip()] = value
+        return parsed
 
     def _signing_key(self, options: dict[str, Any]) -> str | None:
         """The key to set ("" clears it), or None to leave the pool's as it is."""
