@@ -108,6 +108,7 @@ class RealVllm:
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.startup_seconds = 0.0
+        self._launched_at = 0.0
 
     def command(self) -> list[str]:
         return [
@@ -128,14 +129,23 @@ class RealVllm:
 
     def start(self, timeout: float = START_TIMEOUT_S) -> RealVllm:
         """Start it and wait for `GET /health` to answer 200 (bounded by `timeout`)."""
+        return self.launch().wait_healthy(timeout)
+
+    def launch(self) -> RealVllm:
+        """Start the process without waiting (several servers can then start at once). Call it
+        from the main thread: the kernel ties the child's death signal to the forking thread."""
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
-        started = time.monotonic()
+        self._launched_at = time.monotonic()
         self.process = subprocess.Popen(
             self.command(), cwd=PROJECT_ROOT, env=self.env, stdin=subprocess.DEVNULL,
             stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_own_group_dying_with_parent,
         )  # fmt: skip
-        deadline = started + timeout
+        return self
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> RealVllm:
+        assert self.process is not None, "launch() first"
+        deadline = self._launched_at + timeout
         while True:
             if self.process.poll() is not None:
                 self.stop()
@@ -146,7 +156,7 @@ class RealVllm:
                 self.stop()
                 raise RuntimeError(f"vLLM did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
-        self.startup_seconds = time.monotonic() - started
+        self.startup_seconds = time.monotonic() - self._launched_at
         return self
 
     def _healthy(self) -> bool:
