@@ -157,8 +157,9 @@ def test_streamed_answer_in_order_with_usage_from_the_engine(gateway: Gateway, c
     assert delta["delta"]["stop_reason"] == "max_tokens"
     assert delta["usage"]["output_tokens"] == 12
     assert delta["usage"].get("input_tokens", prompt_tokens) == prompt_tokens
-    text = "".join(f.data["delta"]["text"] for f in frames if f.event == "content_block_delta")
-    assert isinstance(text, str)
+    # One delta per chunk that carried text (vLLM sends "" for a token that ends mid-character).
+    deltas = [f.data["delta"]["text"] for f in frames if f.event == "content_block_delta"]
+    assert 1 <= len(deltas) <= 12 and all(deltas), deltas
     row = audit_row(s.response_headers["request-id"])
     assert row.status == "completed", row.status
     assert {r.stage: r.outcome for r in reservations_closed(row.request_id)} == {"generation": "success"}
