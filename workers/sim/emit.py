@@ -33,7 +33,8 @@ async def stream(send: Send, generation: Generation, options: EmitOptions) -> No
     """Streams one token per chunk, the first at once, then one every `interval` seconds.
 
     Frames that are due at the same moment (unpaced, or behind schedule) share one write;
-    each frame still carries exactly one token.
+    each frame still carries exactly one token. As in vLLM, the last token's chunk carries the
+    finish reason (there is no separate empty finish chunk).
     """
     framer = ChunkFramer(
         options.model, options.prompt_tokens, continuous_usage=options.continuous_usage
@@ -46,7 +47,10 @@ async def stream(send: Send, generation: Generation, options: EmitOptions) -> No
     interval = options.interval
     deltas = generation.deltas
     count = len(deltas)
-    stop_at = count if options.fail_after is None else min(options.fail_after, count)
+    if options.fail_after is None:
+        stop_at = max(count - 1, 0)  # the last token goes out with the finish reason
+    else:
+        stop_at = min(options.fail_after, count)
     start = loop.time()
     index = 0
     while index < stop_at:
@@ -64,7 +68,15 @@ async def stream(send: Send, generation: Generation, options: EmitOptions) -> No
         index = end
     if options.fail_after is not None:
         raise SimulatedDrop
-    tail = framer.finish(generation.finish_reason, generation.stop_reason, count)
+    if index:
+        await asyncio.sleep(max(start + index * interval - loop.time(), 0.0))
+    tail = framer.finish(
+        deltas[-1] if count else None,
+        generation.finish_reason,
+        generation.stop_reason,
+        count,
+        last=not options.include_usage,
+    )
     if options.include_usage:
         tail += framer.usage(count)
     await send({"type": "http.response.body", "body": tail + DONE_FRAME, "more_body": False})

@@ -1,4 +1,4 @@
-"""Errors the simulated worker answers with, all in OpenAI's error envelope.
+"""Errors the simulated worker answers with, all in vLLM's error envelope.
 
     SimError                an error status with `{"error": {message, type, param, code}}`
     SimulatedDrop           not an answer: the connection is cut mid-response (a fault)
@@ -11,13 +11,20 @@ from http import HTTPStatus
 import orjson
 
 
+# vLLM's `error.type` by status (vllm/entrypoints/serve/exception_handling/error_response.py):
+# the exception class it raised; any other status gets its HTTP phrase.
+_VLLM_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
 def error_type_for(status: int) -> str:
-    """OpenAI-style `error.type` for a status, the way vLLM/TensorRT-LLM servers word it."""
-    if status in (503, 529):
-        return "overloaded"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
+    """`error.type` for a status, the way vLLM words it."""
+    return _VLLM_ERROR_TYPES.get(status) or status_phrase(status)
 
 
 def status_phrase(status: int) -> str:
@@ -28,7 +35,10 @@ def status_phrase(status: int) -> str:
 
 
 class SimError(Exception):
-    """Raised to answer the current request with an error status (before any response bytes)."""
+    """Raised to answer the current request with an error status (before any response bytes).
+
+    The body is vLLM's `{"error": {message, type, param, code}}`, `code` the HTTP status unless
+    a sim-only error names its own."""
 
     def __init__(
         self,
@@ -37,14 +47,14 @@ class SimError(Exception):
         *,
         type: str | None = None,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or error_type_for(status)
         self.param = param
-        self.code = code
+        self.code = code if code is not None else status
 
     @classmethod
     def simulated(cls, status: int) -> SimError:
@@ -65,14 +75,20 @@ class SimError(Exception):
 
 
 def context_length_exceeded(max_context: int, prompt_tokens: int) -> SimError:
-    """vLLM's over-length rejection, word for word."""
+    """vLLM's over-length rejection, word for word (vllm/renderers/params.py `_token_len_check`).
+
+    vLLM tokenizes a chat prompt only up to one token past the window, so for a longer prompt it
+    can only say "at least max + 1": so does the sim.
+    """
+    count = min(prompt_tokens, max_context + 1)
+    qualifier = "at least " if count == max_context + 1 else ""
     return SimError(
         400,
-        f"This model's maximum context length is {max_context} tokens. However, your messages "
-        f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages.",
-        type="invalid_request_error",
-        param="messages",
-        code="context_length_exceeded",
+        f"This model's maximum context length is {max_context} tokens. However, your prompt "
+        f"contains {qualifier}{count} input tokens, which exceeds this limit even without any "
+        f"output tokens. Please reduce the length of the input prompt. "
+        f"(parameter=input_tokens, value={count})",
+        param="input_tokens",
     )
 
 

@@ -38,7 +38,7 @@ def _encode(key: str, text: str) -> bytes:
 # Deltas of list words are shared, so streaming a list word allocates nothing but its frame.
 _CACHE: dict[tuple[str, str], bytes] = {
     (key, prefix + word): _encode(key, prefix + word)
-    for key in ("content", "reasoning_content")
+    for key in ("content", "reasoning")
     for prefix in ("", " ")
     for word in WORDS
 }
@@ -63,7 +63,8 @@ class Piece:
         if self.kind == "content":
             return _delta("content", self.text)
         if self.kind == "reasoning":
-            return _delta("reasoning_content", self.text)
+            # vLLM's field (vllm/entrypoints/generate/base/protocol.py DeltaMessage.reasoning).
+            return _delta("reasoning", self.text)
         if self.kind == "tool_header":
             call = {
                 "index": self.index,
@@ -107,14 +108,21 @@ class Generation:
         return len(self.deltas)
 
     def message(self) -> dict[str, Any]:
-        """The non-streamed `choices[0].message`."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning:
-            message["reasoning_content"] = self.reasoning
+        """The non-streamed `choices[0].message`, in vLLM's shape: its OpenAI fields null when
+        unused, `tool_calls` only when there are some, `reasoning` (null when none)."""
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": self.content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+        }
         if self.tool_calls:
             message["tool_calls"] = [call.as_message() for call in self.tool_calls]
             if not self.content:
                 message["content"] = None
+        message["reasoning"] = self.reasoning or None
         return message
 
 

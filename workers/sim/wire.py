@@ -15,7 +15,15 @@ import orjson
 from .output import Generation
 
 DONE_FRAME = b"data: [DONE]\n\n"
-_NULL_FINISH = b',"finish_reason":null}]'
+# vLLM's per-choice tail of a chunk that does not finish the stream (its null `token_ids` is
+# there unless the request asked for `return_token_ids`).
+_OPEN_CHOICE = b',"logprobs":null,"finish_reason":null,"token_ids":null}]'
+# Only the role chunk opens the stream with the prompt fields (null unless asked for).
+_ROLE_CHOICE = b'[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+_PROMPT_FIELDS = b',"prompt_token_ids":null,"prompt_text":null'
+# vLLM's is "vllm-<version>-<hash of its config>"; the sim's names the sim.
+SYSTEM_FINGERPRINT = "sim-" + os.urandom(4).hex()
+_FINGERPRINT = b',"system_fingerprint":"%s"' % SYSTEM_FINGERPRINT.encode()
 
 
 def completion_id() -> str:
@@ -23,25 +31,35 @@ def completion_id() -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A non-streamed answer's usage, the way vLLM writes it (details null unless enabled)."""
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
 
 
-def _usage_bytes(prompt_tokens: int, completion_tokens: int) -> bytes:
-    return b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,' \
-        b'"prompt_tokens_details":{"cached_tokens":0}}' % (
-            prompt_tokens,
-            completion_tokens,
-            prompt_tokens + completion_tokens,
-        )
+def _usage_bytes(prompt_tokens: int, completion_tokens: int, *, per_chunk: bool) -> bytes:
+    # vLLM's continuous_usage_stats carry a null completion_tokens_details; the final usage
+    # chunk has only the three counts.
+    return b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d%s}' % (
+        prompt_tokens,
+        prompt_tokens + completion_tokens,
+        completion_tokens,
+        b',"completion_tokens_details":null' if per_chunk else b"",
+    )
 
 
 class ChunkFramer:
-    """Builds the `data: {chat.completion.chunk}\\n\\n` frames of one stream."""
+    """Builds the `data: {chat.completion.chunk}\\n\\n` frames of one stream, in vLLM's shape:
+
+    a role chunk (which alone carries the null prompt fields), one chunk per token with null
+    `logprobs`/`token_ids`, the last token's chunk carrying `finish_reason`/`stop_reason`, and,
+    when asked for, a usage chunk with `choices: []`. `system_fingerprint` rides on the last
+    chunk sent (the usage chunk when there is one).
+    """
 
     __slots__ = ("_head", "_prompt_tokens", "_continuous")
 
@@ -53,41 +71,60 @@ class ChunkFramer:
         self._prompt_tokens = prompt_tokens
         self._continuous = continuous_usage
 
-    def _tail(self, completion_tokens: int) -> bytes:
+    def _usage(self, completion_tokens: int) -> bytes:
         # vLLM's continuous_usage_stats: every chunk carries the running usage.
         if self._continuous:
-            return b',"usage":' + _usage_bytes(self._prompt_tokens, completion_tokens) + b"}\n\n"
-        return b"}\n\n"
+            return b',"usage":' + _usage_bytes(self._prompt_tokens, completion_tokens, per_chunk=True)
+        return b""
 
     def delta(self, delta: bytes, completion_tokens: int) -> bytes:
         """A frame carrying one token's delta; `completion_tokens` counts it."""
         return b"".join(
-            (self._head, b'[{"index":0,"delta":', delta, _NULL_FINISH, self._tail(completion_tokens))
+            (self._head, b'[{"index":0,"delta":', delta, _OPEN_CHOICE, self._usage(completion_tokens), b"}\n\n")
         )
 
     def role(self) -> bytes:
-        return self.delta(b'{"role":"assistant","content":""}', 0)
+        return b"".join((self._head, _ROLE_CHOICE, self._usage(0), _PROMPT_FIELDS, b"}\n\n"))
 
-    def finish(self, finish_reason: str, stop_reason: str | None, completion_tokens: int) -> bytes:
-        choice = orjson.dumps(
-            [{"index": 0, "delta": {}, "finish_reason": finish_reason, "stop_reason": stop_reason}]
-        )
-        return b"".join((self._head, choice, self._tail(completion_tokens)))
+    def finish(
+        self,
+        delta: bytes | None,
+        finish_reason: str,
+        stop_reason: str | None,
+        completion_tokens: int,
+        *,
+        last: bool,
+    ) -> bytes:
+        """The frame that ends the choice: the last token's `delta` (an empty content delta when
+        nothing was generated) with the finish reason; `last` when no usage chunk follows."""
+        tail = orjson.dumps({"finish_reason": finish_reason, "stop_reason": stop_reason, "token_ids": None})
+        return b"".join(
+            (
+                self._head, b'[{"index":0,"delta":', delta if delta is not None else b'{"content":""}',
+                b',"logprobs":null,', tail[1:], b"]", self._usage(completion_tokens),
+                _FINGERPRINT if last else b"", b"}\n\n",
+            )
+        )  # fmt: skip
 
     def usage(self, completion_tokens: int) -> bytes:
         return b"".join(
-            (self._head, b'[],"usage":', _usage_bytes(self._prompt_tokens, completion_tokens),
-             b"}\n\n")
-        )
+            (
+                self._head, b'[],"usage":', _usage_bytes(self._prompt_tokens, completion_tokens, per_chunk=False),
+                _FINGERPRINT, b"}\n\n",
+            )
+        )  # fmt: skip
 
 
 def chat_completion(model: str, generation: Generation, prompt_tokens: int) -> bytes:
-    """A non-streamed chat.completion body."""
+    """A non-streamed chat.completion body, with the null fields vLLM always sends."""
     choice: dict[str, Any] = {
         "index": 0,
         "message": generation.message(),
+        "logprobs": None,
         "finish_reason": generation.finish_reason,
         "stop_reason": generation.stop_reason,
+        "token_ids": None,
+        "routed_experts": None,
     }
     return orjson.dumps(
         {
@@ -96,7 +133,15 @@ def chat_completion(model: str, generation: Generation, prompt_tokens: int) -> b
             "created": int(time.time()),
             "model": model,
             "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": usage(prompt_tokens, generation.completion_tokens),
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
     )
 
@@ -124,6 +169,12 @@ def context_only_completion(
                 }
             ],
             "prompt_token_ids": prompt_token_ids,
-            "usage": usage(prompt_tokens, 1),
+            # TensorRT-LLM's usage (this is its context answer), not vLLM's.
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": 1,
+                "total_tokens": prompt_tokens + 1,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
         }
     )

