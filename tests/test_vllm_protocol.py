@@ -210,7 +210,8 @@ def test_sim_refuses_params_that_are_not_an_object_and_ignores_disaggregated_par
     held = context.stats()["kv_held"]
     plain = chat_post(context, {**CHAT, "max_tokens": 3, "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 5}})
     assert plain.status_code == 200, plain.text
-    assert "kv_transfer_params" not in plain.json() and plain.json()["usage"]["completion_tokens"] == 3
+    # A plain answer carries no handoff: real vLLM writes the field as null on every answer.
+    assert plain.json().get("kv_transfer_params") is None and plain.json()["usage"]["completion_tokens"] == 3
     assert context.stats()["kv_held"] == held
 
 
