@@ -9,8 +9,9 @@ The engine comes from `make vllm` (tests/realvllm/); without it these tests skip
 and with REQUIRE_REAL_VLLM=1 (CI) a missing engine fails them. One server is shared by every test
 (and by tests/test_sim_matches_vllm.py): it takes 0.5-2 minutes to start.
 
-The pool is what an operator registers for a plain vLLM server: one generation endpoint, the
-`aggregated` schedule, and the plainest OpenAI-compatible protocol registered.
+The pool is what an operator registers for a vLLM server without disaggregation: one generation
+endpoint, the `aggregated` schedule, and either protocol an operator may pick for it: `openai`
+(any OpenAI-compatible server; usage only at the end) or `vllm` (usage on every chunk).
 """
 
 from __future__ import annotations
@@ -32,13 +33,7 @@ from tests.realvllm.fixtures import engine  # noqa: F401 (a fixture)
 from tests.realvllm.server import RealVllm
 
 
-def plain_protocol() -> str:
-    """The protocol a plain vLLM server is registered with: "openai" or "vllm" where one exists
-    (being added alongside this test), else the TensorRT-LLM one, whose aggregated request is a
-    plain OpenAI chat request."""
-    from workers.protocols import PROTOCOLS
-
-    return next(name for name in ("openai", "vllm", "trtllm") if name in PROTOCOLS)
+PROTOCOLS = ("openai", "vllm")
 
 
 SYSTEM = "be brief"
@@ -73,23 +68,23 @@ class EngineCluster:
         return {"x-api-key": self.key, "anthropic-version": "2023-06-01", "content-type": "application/json"}
 
 
-def register_engine(engine: RealVllm, *, model: str | None = None) -> EngineCluster:
+def register_engine(engine: RealVllm, *, model: str | None = None, protocol: str = "openai") -> EngineCluster:
     """A pool with only a generation endpoint, the real server, on the aggregated schedule."""
     from messages_api.auth import create_api_key
     from workers.models import WorkerEndpoint, WorkerPool
 
     model = model or engine.model
     pool = WorkerPool.objects.create(
-        name=f"real-vllm-{model}", model=model, schedule_style="aggregated", protocol=plain_protocol()
+        name=f"real-vllm-{model}", model=model, schedule_style="aggregated", protocol=protocol
     )
     WorkerEndpoint.objects.create(pool=pool, role="generation", url=engine.url)
     _, key = create_api_key(f"real-vllm-{time.monotonic_ns()}")
     return EngineCluster(pool=pool, key=key, model=model, engine=engine)
 
 
-@pytest.fixture
-def cluster(transactional_db: Any, gateway: Gateway, engine: RealVllm) -> EngineCluster:
-    cluster = register_engine(engine)
+@pytest.fixture(params=PROTOCOLS)
+def cluster(request: pytest.FixtureRequest, transactional_db: Any, gateway: Gateway, engine: RealVllm) -> EngineCluster:
+    cluster = register_engine(engine, protocol=request.param)
     wait_registered(gateway, cluster)  # type: ignore[arg-type]  # reads only .pool
     return cluster
 
@@ -152,7 +147,12 @@ def test_streamed_answer_in_order_with_usage_from_the_engine(gateway: Gateway, c
     prompt_tokens = engine_count(cluster.engine, OPENAI_MESSAGES)
     start = data_of(frames, "message_start")["message"]
     delta = data_of(frames, "message_delta")
-    assert start["model"] == "tiny-llama" and start["usage"]["input_tokens"] == prompt_tokens
+    assert start["model"] == "tiny-llama"
+    if cluster.pool.protocol == "vllm":  # usage on every chunk: message_start has the engine's count
+        assert start["usage"]["input_tokens"] == prompt_tokens
+    else:  # usage at the end only: message_start has the gateway's estimate, message_delta the count
+        assert start["usage"]["input_tokens"] > 0
+        assert delta["usage"]["input_tokens"] == prompt_tokens
     # Random weights almost never pick the end token within 12: the window of max_tokens ends it.
     assert delta["delta"]["stop_reason"] == "max_tokens"
     assert delta["usage"]["output_tokens"] == 12
