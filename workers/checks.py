@@ -1,4 +1,5 @@
-"""System checks of the registered cluster: every pool's protocol exists and can run its schedule.
+"""System checks of the registered cluster: every pool's protocol exists and can run its schedule
+(and its conditional disaggregation, where it sets one).
 
 Pools live in the database, so this check reads it; before `migrate` (no table yet) or without a
 reachable database there is nothing to check and it says nothing.
@@ -18,12 +19,12 @@ def check_pool_protocols(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
     from workers.models import WorkerPool
 
     try:
-        pools = list(WorkerPool.objects.values_list("name", "protocol", "schedule_style"))
+        pools = list(WorkerPool.objects.values_list("name", "protocol", "schedule_style", "max_local_prefill_tokens"))
     except DatabaseError:
         return []
     errors: list[CheckMessage] = []
-    for name, protocol, schedule_style in pools:
-        problem = protocols.misconfiguration(protocol, schedule_style)
+    for name, protocol, schedule_style, max_local_prefill_tokens in pools:
+        problem = protocols.misconfiguration(protocol, schedule_style, max_local_prefill_tokens)
         if problem is not None:
             errors.append(
                 Error(

@@ -81,9 +81,14 @@ class WorkerPool(models.Model):
         return f"{self.name} ({self.model})"
 
     def clean(self) -> None:
-        problem = protocols.misconfiguration(self.protocol, self.schedule_style)
+        problem = protocols.misconfiguration(self.protocol, self.schedule_style, self.max_local_prefill_tokens)
         if problem is not None:
-            field = "protocol" if protocols.lookup(self.protocol) is None else "schedule_style"
+            if protocols.lookup(self.protocol) is None:
+                field = "protocol"
+            elif protocols.misconfiguration(self.protocol, self.schedule_style) is None:
+                field = "max_local_prefill_tokens"
+            else:
+                field = "schedule_style"
             raise ValidationError({field: problem})
 
 

@@ -368,7 +368,7 @@ def _peer(endpoint: EndpointInfo) -> ContextPeer:
 
 def _protocol_for(pool: PoolInfo) -> WorkerProtocol:
     """The pool's protocol; a pool the system check would refuse fails its requests instead."""
-    problem = protocols.misconfiguration(pool.protocol, pool.schedule_style)
+    problem = protocols.misconfiguration(pool.protocol, pool.schedule_style, pool.max_local_prefill_tokens)
     protocol = protocols.lookup(pool.protocol)
     if problem is not None or protocol is None:
         logger.error("pool %s cannot serve requests: %s", pool.name, problem)

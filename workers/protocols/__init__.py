@@ -41,8 +41,9 @@ def choices() -> list[tuple[str, str]]:
     return [(p.name, p.label) for p in sorted(PROTOCOLS.values(), key=lambda p: p.name)]
 
 
-def misconfiguration(protocol: str, schedule_style: str) -> str | None:
-    """Why a pool with this protocol and schedule cannot serve requests, or None if it can."""
+def misconfiguration(protocol: str, schedule_style: str, max_local_prefill_tokens: int = 0) -> str | None:
+    """Why a pool with this protocol, schedule and conditional-disaggregation threshold cannot
+    serve requests, or None if it can."""
     found = PROTOCOLS.get(protocol)
     if found is None:
         known = ", ".join(sorted(PROTOCOLS)) or "none"
@@ -50,6 +51,11 @@ def misconfiguration(protocol: str, schedule_style: str) -> str | None:
     if schedule_style not in found.schedules:
         supported = ", ".join(sorted(found.schedules))
         return f"the {protocol} protocol cannot run the {str(schedule_style)!r} schedule (it supports: {supported})"
+    if max_local_prefill_tokens and schedule_style != AGGREGATED and not found.generation_serves_whole_requests:
+        return (
+            f"the {protocol} protocol cannot skip the context phase (its generation servers refuse a request "
+            "without a handoff): set max_local_prefill_tokens to 0"
+        )
     return None
 
 

@@ -90,6 +90,10 @@ class WorkerProtocol(ABC):
     schedules: ClassVar[frozenset[str]]
     #: Path of the chat endpoint on a worker's base URL.
     chat_path: ClassVar[str] = "/v1/chat/completions"
+    #: Whether a disaggregating pool's generation endpoints also serve a whole request (the
+    #: `aggregated_request`), as conditional disaggregation sends short prompts. False where the
+    #: engine's decode servers refuse a request without a handoff (SGLang's decode mode).
+    generation_serves_whole_requests: ClassVar[bool] = True
 
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         """Extra HTTP headers a worker request with `body` needs (signatures, request ids)."""

@@ -130,6 +130,8 @@ def read_prefill_answer(answer: dict[str, Any]) -> PrefillDone:
 class SglangProtocol(WorkerProtocol):
     name: ClassVar[str] = "sglang"
     label: ClassVar[str] = "SGLang (bootstrap room, prefill and decode at once)"
+    # A decode-mode server refuses a request without a bootstrap room (HTTP 400).
+    generation_serves_whole_requests: ClassVar[bool] = False
     schedules: ClassVar[frozenset[str]] = frozenset({GENERATION_FIRST, AGGREGATED})
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:

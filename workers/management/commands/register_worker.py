@@ -91,7 +91,7 @@ class Command(BaseCommand):
         if signing_key is not None and pool.handoff_signing_key != signing_key:
             pool.handoff_signing_key = signing_key
             changed = True
-        problem = protocols.misconfiguration(pool.protocol, pool.schedule_style)
+        problem = protocols.misconfiguration(pool.protocol, pool.schedule_style, pool.max_local_prefill_tokens)
         if problem is not None:
             raise CommandError(f"pool {pool.name!r}: {problem}")
         if changed:
