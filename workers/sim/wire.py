@@ -22,41 +22,45 @@ def completion_id() -> str:
     return "chatcmpl-" + os.urandom(12).hex()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
-def _usage_bytes(prompt_tokens: int, completion_tokens: int) -> bytes:
+def _usage_bytes(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
     return b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,' \
-        b'"prompt_tokens_details":{"cached_tokens":0}}' % (
+        b'"prompt_tokens_details":{"cached_tokens":%d}}' % (
             prompt_tokens,
             completion_tokens,
             prompt_tokens + completion_tokens,
+            cached_tokens,
         )
 
 
 class ChunkFramer:
     """Builds the `data: {chat.completion.chunk}\\n\\n` frames of one stream."""
 
-    __slots__ = ("_head", "_prompt_tokens", "_continuous")
+    __slots__ = ("_head", "_prompt_tokens", "_continuous", "_cached_tokens")
 
-    def __init__(self, model: str, prompt_tokens: int, *, continuous_usage: bool) -> None:
+    def __init__(
+        self, model: str, prompt_tokens: int, *, continuous_usage: bool, cached_tokens: int = 0
+    ) -> None:
         self._head = (
             b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,"choices":'
             % (completion_id().encode(), int(time.time()), orjson.dumps(model))
         )
         self._prompt_tokens = prompt_tokens
         self._continuous = continuous_usage
+        self._cached_tokens = cached_tokens
 
     def _tail(self, completion_tokens: int) -> bytes:
         # vLLM's continuous_usage_stats: every chunk carries the running usage.
         if self._continuous:
-            return b',"usage":' + _usage_bytes(self._prompt_tokens, completion_tokens) + b"}\n\n"
+            return b',"usage":' + _usage_bytes(self._prompt_tokens, completion_tokens, self._cached_tokens) + b"}\n\n"
         return b"}\n\n"
 
     def delta(self, delta: bytes, completion_tokens: int) -> bytes:
@@ -76,12 +80,15 @@ class ChunkFramer:
 
     def usage(self, completion_tokens: int) -> bytes:
         return b"".join(
-            (self._head, b'[],"usage":', _usage_bytes(self._prompt_tokens, completion_tokens),
+            (self._head, b'[],"usage":',
+             _usage_bytes(self._prompt_tokens, completion_tokens, self._cached_tokens),
              b"}\n\n")
         )
 
 
-def chat_completion(model: str, generation: Generation, prompt_tokens: int) -> bytes:
+def chat_completion(
+    model: str, generation: Generation, prompt_tokens: int, cached_tokens: int = 0
+) -> bytes:
     """A non-streamed chat.completion body."""
     choice: dict[str, Any] = {
         "index": 0,
@@ -96,7 +103,7 @@ def chat_completion(model: str, generation: Generation, prompt_tokens: int) -> b
             "created": int(time.time()),
             "model": model,
             "choices": [choice],
-            "usage": usage(prompt_tokens, generation.completion_tokens),
+            "usage": usage(prompt_tokens, generation.completion_tokens, cached_tokens),
         }
     )
 
