@@ -1,0 +1,181 @@
+"""What each generation endpoint probably holds in its prefix cache, as this process has seen it.
+
+The gateway routes before any worker has tokenized the prompt, so the index keys prompts by their
+rendered form: the OpenAI chat body's tools and messages, each serialized canonically (sorted
+keys) one after another, cut into `PREFIX_INDEX_CHUNK_BYTES` chunks, each chunk's hash chained
+over every chunk before it (as engines chain KV block hashes over token ids). An endpoint matches
+a prompt up to its first chunk it has not been sent. Matches are in bytes; the pipeline scales
+them to the prompt's estimated token count.
+
+Bounded and aged like the worker's own cache: per endpoint, least recently used chunks beyond
+`PREFIX_INDEX_CHUNKS_PER_ENDPOINT` are dropped, and a chunk not sent for `PREFIX_INDEX_TTL_S`
+counts as evicted. A prompt's chunks are touched last-chunk-first, so the shared head of a
+conversation outlives its tail, as in the simulated (and vLLM's) cache.
+
+An endpoint's entries are dropped when its cache is probably gone:
+- it leaves the pool, is disabled, or its health probe marks it unhealthy (`retain`, called at
+  each routing decision): a worker that was down long enough for the prober to notice has very
+  likely restarted with an empty cache;
+- a request to it fails in a way that says the endpoint itself failed (refused, reset or cut
+  connection, timeout; `workers.health.failure_scope` ENDPOINT): the process may have died, and
+  a restart between two probes would otherwise go unnoticed;
+- the worker itself reports fewer cached tokens than expected for a prompt (`correct`): the index
+  is cut back to what the worker said it held, which also heals a silent restart, one
+  conversation at a time.
+
+The index is per gateway process. Processes agree without coordination on where a conversation
+goes the first time (and whenever their own index knows nothing beyond the shared system prompt
+and tools): rendezvous hashing over the conversation's root (its session id when the client sends
+one, else the hash of the tools and messages up to the first user message), the same choice in
+every process. After that, each process follows its own index, which the same requests keep in
+step; the load guard may still send two processes' turns of one conversation two ways under
+imbalance, costing one extra prefill, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+_OPTIONS = orjson.OPT_SORT_KEYS
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKey:
+    """A prompt as the index sees it."""
+
+    #: Chained hash of each full chunk of the rendered prompt.
+    chunks: tuple[int, ...]
+    chunk_bytes: int
+    #: Length of the rendered prompt, in bytes.
+    size: int
+    #: Stable across processes: the conversation's root (tools and messages up to the first user
+    #: message), for rendezvous hashing when no index knows the conversation.
+    root: bytes
+    #: Chunks that lie wholly inside the root: a match no longer than this is only the part every
+    #: conversation of an application shares (system prompt, tools).
+    root_chunks: int
+
+
+def prompt_key(chat: dict[str, Any], chunk_bytes: int) -> PromptKey:
+    """The rendered prompt's chunk hashes and root."""
+    parts: list[bytes] = [orjson.dumps(tool, option=_OPTIONS) for tool in chat.get("tools") or ()]
+    root_end = -1
+    for message in chat.get("messages") or ():
+        parts.append(orjson.dumps(message, option=_OPTIONS))
+        if root_end < 0 and isinstance(message, dict) and message.get("role") == "user":
+            root_end = sum(len(p) for p in parts)
+    rendered = b"".join(parts)
+    if root_end < 0:
+        root_end = len(rendered)
+    blake2b = hashlib.blake2b
+    # 8-byte hashes kept as ints: the smallest key a dict holds (a collision costs one wrong
+    # routing guess, never a wrong answer).
+    digests: list[bytes] = []
+    previous = b""
+    for start in range(0, len(rendered) - chunk_bytes + 1, chunk_bytes):
+        previous = blake2b(previous + rendered[start : start + chunk_bytes], digest_size=8).digest()
+        digests.append(previous)
+    root_chunks = root_end // chunk_bytes
+    head = digests[root_chunks - 1] if root_chunks else b""
+    root = blake2b(head + rendered[root_chunks * chunk_bytes : root_end], digest_size=16).digest()
+    chunks = [int.from_bytes(d, "little") for d in digests]
+    return PromptKey(tuple(chunks), chunk_bytes, len(rendered), root, root_chunks)
+
+
+@dataclass(slots=True)
+class _EndpointEntries:
+    pool: str
+    # chunk hash -> when it was last sent there (monotonic); least recent first.
+    chunks: OrderedDict[int, float]
+
+
+class PrefixIndex:
+    def __init__(
+        self, capacity_chunks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.capacity_chunks = capacity_chunks
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._endpoints: dict[int, _EndpointEntries] = {}
+
+    def match(self, endpoint_id: int, key: PromptKey) -> int:
+        """How many leading chunks of the prompt the endpoint probably holds."""
+        entries = self._endpoints.get(endpoint_id)
+        if entries is None:
+            return 0
+        chunks = entries.chunks
+        oldest = self._clock() - self.ttl_s
+        matched = 0
+        for chunk in key.chunks:
+            sent = chunks.get(chunk)
+            if sent is None or sent < oldest:
+                break
+            matched += 1
+        return matched
+
+    def record(self, endpoint_id: int, pool: str, key: PromptKey) -> None:
+        """The prompt was sent to the endpoint: it will hold its prefix."""
+        entries = self._endpoints.get(endpoint_id)
+        if entries is None:
+            entries = self._endpoints[endpoint_id] = _EndpointEntries(pool, OrderedDict())
+        chunks = entries.chunks
+        now = self._clock()
+        for chunk in reversed(key.chunks):
+            chunks[chunk] = now
+            chunks.move_to_end(chunk)
+        self._evict(chunks, now)
+
+    def correct(self, endpoint_id: int, key: PromptKey, held_chunks: int) -> None:
+        """The endpoint said it held only the first `held_chunks` chunks of the prompt: forget
+        the rest (they were evicted, or the worker restarted)."""
+        entries = self._endpoints.get(endpoint_id)
+        if entries is not None:
+            for chunk in key.chunks[max(held_chunks, 0) :]:
+                entries.chunks.pop(chunk, None)
+
+    def forget(self, endpoint_id: int) -> None:
+        """The endpoint's cache is gone (it restarted, failed, or left)."""
+        self._endpoints.pop(endpoint_id, None)
+
+    def retain(self, pool: str, keep: Iterable[int]) -> None:
+        """Forget the pool's endpoints other than `keep`."""
+        kept = set(keep)
+        for endpoint_id in [i for i, e in self._endpoints.items() if e.pool == pool and i not in kept]:
+            del self._endpoints[endpoint_id]
+
+    def chunks_held(self, endpoint_id: int | None = None) -> int:
+        if endpoint_id is not None:
+            entries = self._endpoints.get(endpoint_id)
+            return len(entries.chunks) if entries is not None else 0
+        return sum(len(e.chunks) for e in self._endpoints.values())
+
+    def endpoints(self) -> list[int]:
+        return list(self._endpoints)
+
+    def _evict(self, chunks: OrderedDict[int, float], now: float) -> None:
+        oldest = now - self.ttl_s
+        while chunks and (len(chunks) > self.capacity_chunks or next(iter(chunks.values())) < oldest):
+            chunks.popitem(last=False)
+
+
+_index: PrefixIndex | None = None
+
+
+def get_index() -> PrefixIndex:
+    """This process's index, sized by the settings on first use."""
+    global _index
+    if _index is None:
+        from django.conf import settings
+
+        _index = PrefixIndex(settings.PREFIX_INDEX_CHUNKS_PER_ENDPOINT, settings.PREFIX_INDEX_TTL_S)
+    return _index
+
+
+__all__ = ["PrefixIndex", "PromptKey", "get_index", "prompt_key"]
