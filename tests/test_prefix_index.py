@@ -173,8 +173,8 @@ def test_a_conversation_stays_where_its_prefix_is(placed: list[Reservation]) -> 
         placed[-1].release("success")
         assert later.reservation.endpoint == first.reservation.endpoint
         # The previous turn is held: everything but the new messages (and a partial chunk).
-        earlier = prompt_key(conversation(1, turns - 1), 1024)
-        assert later.matched_bytes == len(earlier.chunks) * 1024
+        earlier = prompt_key(conversation(1, turns - 1), 2048)
+        assert later.matched_bytes == len(earlier.chunks) * 2048
         assert later.match_length(1000) == 1000 * later.matched_bytes // later.prompt_bytes
 
 

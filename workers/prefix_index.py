@@ -3,7 +3,9 @@
 The gateway routes before any worker has tokenized the prompt, so the index keys prompts by their
 rendered form: the OpenAI chat body's tools and messages, each serialized canonically (sorted
 keys) one after another, cut into `PREFIX_INDEX_CHUNK_BYTES` chunks, each chunk's hash chained
-over every chunk before it (as engines chain KV block hashes over token ids). An endpoint matches
+over every chunk before it (as engines chain KV block hashes over token ids: here CRC-32, which
+chains by construction and is the cheapest hash in the standard library, tagged with the chunk's
+position; a collision costs one wrong routing guess, never a wrong answer). An endpoint matches
 a prompt up to its first chunk it has not been sent. Matches are in bytes; the pipeline scales
 them to the prompt's estimated token count.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -74,18 +77,19 @@ def prompt_key(chat: dict[str, Any], chunk_bytes: int) -> PromptKey:
     rendered = b"".join(parts)
     if root_end < 0:
         root_end = len(rendered)
-    blake2b = hashlib.blake2b
-    # 8-byte hashes kept as ints: the smallest key a dict holds (a collision costs one wrong
-    # routing guess, never a wrong answer).
-    digests: list[bytes] = []
-    previous = b""
-    for start in range(0, len(rendered) - chunk_bytes + 1, chunk_bytes):
-        previous = blake2b(previous + rendered[start : start + chunk_bytes], digest_size=8).digest()
-        digests.append(previous)
+    view = memoryview(rendered)
+    crc32 = zlib.crc32
+    # The CRC of each whole prefix (crc32(chunk, previous) continues the previous one), tagged
+    # with the chunk's number: small ints, the cheapest key a dict holds.
+    chunks: list[int] = []
+    crc = 0
+    for number, start in enumerate(range(0, len(rendered) - chunk_bytes + 1, chunk_bytes)):
+        crc = crc32(view[start : start + chunk_bytes], crc)
+        chunks.append(number << 32 | crc)
     root_chunks = root_end // chunk_bytes
-    head = digests[root_chunks - 1] if root_chunks else b""
-    root = blake2b(head + rendered[root_chunks * chunk_bytes : root_end], digest_size=16).digest()
-    chunks = [int.from_bytes(d, "little") for d in digests]
+    head = chunks[root_chunks - 1] if root_chunks else 0
+    # Rendezvous wants a well-mixed key; this hashes at most one chunk.
+    root = hashlib.blake2b(view[root_chunks * chunk_bytes : root_end], key=head.to_bytes(8, "little"), digest_size=16).digest()
     return PromptKey(tuple(chunks), chunk_bytes, len(rendered), root, root_chunks)
 
 

@@ -97,7 +97,8 @@ class ChatCompletions:
         """Prefill the prompt's uncached tokens (their time only) and keep its KV in the cache;
         returns how many tokens came from the cache."""
         cache = self.cache
-        cached = cache.match(prompt_ids)
+        blocks = cache.hashes(prompt_ids)
+        cached = cache.match_blocks(blocks)
         compute = self.config.prefill_seconds(len(prompt_ids) - cached, local=local)
         if compute > 0:
             if self._prefill_slots is None:
@@ -108,7 +109,7 @@ class ChatCompletions:
         if request.directives.context_delay > 0:
             await asyncio.sleep(request.directives.context_delay)
         cache.account(len(prompt_ids), cached)
-        cache.store(prompt_ids)
+        cache.store_blocks(blocks)
         return cached
 
     async def _context_only(self, request: ChatRequest, send: Send) -> None:
@@ -169,8 +170,9 @@ class ChatCompletions:
         # The transferred KV now lives here too: a later turn sent without a context phase
         # reuses it. What was already held before the transfer is what this worker reports as
         # cached (it need not have been pulled).
-        held = self.cache.match(prompt_ids)
-        self.cache.store(prompt_ids)
+        blocks = self.cache.hashes(prompt_ids)
+        held = self.cache.match_blocks(blocks)
+        self.cache.store_blocks(blocks)
         await self._generate(request, prompt_ids, kv_tokens, send, cached_tokens=held)
 
     async def _aggregated(self, request: ChatRequest, send: Send) -> None:

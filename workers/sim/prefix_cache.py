@@ -14,6 +14,7 @@ the shape of the engines' KV-event publishers, so a router can follow it (`GET /
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,13 +26,17 @@ EVENT_LOG_LIMIT = 10000
 
 def block_hashes(token_ids: Sequence[int], block_tokens: int) -> list[int]:
     """Chained hashes of the full blocks of `token_ids`: block i's hash covers blocks 0..i."""
+    try:
+        data = array("q", token_ids).tobytes()
+    except (OverflowError, TypeError):
+        return []  # not token ids a model could hold: nothing to cache
+    width = 8 * block_tokens
+    blake2b = hashlib.blake2b
     hashes: list[int] = []
     previous = b""
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        block = b"".join(t.to_bytes(4, "little") for t in token_ids[start : start + block_tokens])
-        digest = hashlib.blake2b(previous + block, digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "little"))
-        previous = digest
+    for start in range(0, len(data) - width + 1, width):
+        previous = blake2b(previous + data[start : start + width], digest_size=8).digest()
+        hashes.append(int.from_bytes(previous, "little"))
     return hashes
 
 
@@ -74,18 +79,25 @@ class PrefixCache:
 
     def match(self, token_ids: Sequence[int], *, touch: bool = True) -> int:
         """How many leading tokens of the prompt are cached (a multiple of the block size)."""
+        return self.match_blocks(self.hashes(token_ids), touch=touch)
+
+    def match_blocks(self, hashes: list[int], *, touch: bool = True) -> int:
+        """`match` for a prompt's block hashes (`hashes()`), computed once per request."""
         matched = 0
-        for block in self.hashes(token_ids):
+        for block in hashes:
             if block not in self._blocks:
                 break
             matched += 1
         if touch:
-            self._touch(self.hashes(token_ids)[:matched])
+            self._touch(hashes[:matched])
         return matched * self.block_tokens
 
     def store(self, token_ids: Sequence[int]) -> None:
         """The prompt's KV is now held here: add its full blocks, evicting the least recent."""
-        hashes = self.hashes(token_ids)
+        self.store_blocks(self.hashes(token_ids))
+
+    def store_blocks(self, hashes: list[int]) -> None:
+        """`store` for a prompt's block hashes."""
         new = [h for h in hashes if h not in self._blocks]
         self._touch(hashes)
         if new:
