@@ -18,7 +18,9 @@ CACHED_SIM = {
     "tokens_per_second": 2000, "prefill_tokens_per_second": 200000, "max_context_tokens": 32768,
     "kv_timeout": 30, "kv_block_tokens": 16, "kv_cache_blocks": 8192,
 }
-LOCAL_PREFILL_LIMIT = 400
+# Above one chunk of the index (2 KiB, ~500 tokens): the match is counted in whole chunks, so up to
+# a chunk of what the worker holds counts as uncached (the conservative side).
+LOCAL_PREFILL_LIMIT = 1000
 SYSTEM = "You are a careful coding agent working in a large repository. " * 150  # ~1,500 tokens
 
 
@@ -53,11 +55,13 @@ class Session:
     def __init__(self, gateway: Gateway, cluster: Cluster, name: str, *, header: bool) -> None:
         self.gateway, self.cluster, self.name, self.header = gateway, cluster, name, header
         self.messages: list[dict[str, Any]] = []
+        # Its own system prompt: what other tests left in the sims' caches is not its.
+        self.system = f"[{name}] " + SYSTEM
 
     def turn(self, words: int) -> tuple[httpx.Response, Any]:
         self.messages.append({"role": "user", "content": f"{self.name} asks: " + "please look at this file " * (words // 5)})
         headers = self.cluster.headers(**({"x-claude-code-session-id": self.name} if self.header else {}))
-        body = {"model": self.cluster.model, "max_tokens": 8, "system": SYSTEM, "messages": self.messages}
+        body = {"model": self.cluster.model, "max_tokens": 8, "system": self.system, "messages": self.messages}
         response = httpx.post(self.gateway.url + "/v1/messages", json=body, headers=headers, timeout=30)
         assert response.status_code == 200, response.text
         answer = response.json()
@@ -117,7 +121,7 @@ def test_a_restarted_worker_loses_its_index_entries(
     session.messages.append({"role": "user", "content": "while it was down"})
     failed = httpx.post(
         gateway.url + "/v1/messages",
-        json={"model": cluster.model, "max_tokens": 8, "system": SYSTEM, "messages": session.messages},
+        json={"model": cluster.model, "max_tokens": 8, "system": session.system, "messages": session.messages},
         headers=cluster.headers(), timeout=30,
     )
     assert failed.status_code >= 500

@@ -339,6 +339,7 @@ class ChatRun:
                 if first:
                     first = False
                     self._note(first_chunk_at=time.monotonic())
+                    self._prefix_held()
                 if not self._cache_checked and "usage" in chunk:
                     self._check_cached_tokens(chunk["usage"])
                 yield chunk
@@ -358,6 +359,12 @@ class ChatRun:
             # prefix cache, so what the index says it holds is forgotten.
             get_index().forget(endpoint_id)
 
+    def _prefix_held(self) -> None:
+        """The generation worker answered: it holds the prompt's prefix now."""
+        placement = self._placement
+        if placement is not None and placement.key is not None:
+            get_index().confirm(self._generation_endpoint_id, placement.key)
+
     def _check_cached_tokens(self, usage: Any) -> None:
         """A worker that reports no cached tokens for a prompt the index expected it to hold
         has lost its cache (a restart the health probe missed): start its index over."""
@@ -371,6 +378,7 @@ class ChatRun:
             index = get_index()
             index.forget(self._generation_endpoint_id)
             index.record(self._generation_endpoint_id, self.pool.name, placement.key)
+            index.confirm(self._generation_endpoint_id, placement.key)
 
     def _headers(self, body: dict[str, Any]) -> dict[str, str]:
         return dict(self._protocol.headers(body, self._call))

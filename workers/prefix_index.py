@@ -9,6 +9,13 @@ position; a collision costs one wrong routing guess, never a wrong answer). An e
 a prompt up to its first chunk it has not been sent. Matches are in bytes; the pipeline scales
 them to the prompt's estimated token count.
 
+A prompt is recorded when it is routed, as *sent*: routing follows it at once (the next turn,
+or another conversation with the same head, goes where it went), but the endpoint does not hold
+its KV until it has prefilled it. It becomes *held* when the endpoint's first token arrives.
+Conditional disaggregation counts only held chunks: a conversation that starts while another
+with the same system prompt is still in its context phase must not be sent without one to a
+worker that has nothing yet.
+
 Bounded and aged like the worker's own cache: per endpoint, least recently used chunks beyond
 `PREFIX_INDEX_CHUNKS_PER_ENDPOINT` are dropped, and a chunk not sent for `PREFIX_INDEX_TTL_S`
 counts as evicted. A prompt's chunks are touched last-chunk-first, so the shared head of a
@@ -61,22 +68,25 @@ class PromptKey:
     #: Stable across processes: the conversation's root (tools and messages up to the first user
     #: message), for rendezvous hashing when no index knows the conversation.
     root: bytes
-    #: Chunks that lie wholly inside the root: a match no longer than this is only the part every
-    #: conversation of an application shares (system prompt, tools).
-    root_chunks: int
+    #: Chunks that lie wholly before the first user message: a match no longer than this is only
+    #: what every conversation of an application shares (system prompt, tools).
+    shared_chunks: int
 
 
 def prompt_key(chat: dict[str, Any], chunk_bytes: int) -> PromptKey:
     """The rendered prompt's chunk hashes and root."""
     parts: list[bytes] = [orjson.dumps(tool, option=_OPTIONS) for tool in chat.get("tools") or ()]
-    root_end = -1
+    shared_end = root_end = -1
     for message in chat.get("messages") or ():
-        parts.append(orjson.dumps(message, option=_OPTIONS))
         if root_end < 0 and isinstance(message, dict) and message.get("role") == "user":
-            root_end = sum(len(p) for p in parts)
+            shared_end = sum(len(p) for p in parts)
+            parts.append(orjson.dumps(message, option=_OPTIONS))
+            root_end = shared_end + len(parts[-1])
+        else:
+            parts.append(orjson.dumps(message, option=_OPTIONS))
     rendered = b"".join(parts)
     if root_end < 0:
-        root_end = len(rendered)
+        shared_end = root_end = len(rendered)
     view = memoryview(rendered)
     crc32 = zlib.crc32
     # The CRC of each whole prefix (crc32(chunk, previous) continues the previous one), tagged
@@ -90,13 +100,14 @@ def prompt_key(chat: dict[str, Any], chunk_bytes: int) -> PromptKey:
     head = chunks[root_chunks - 1] if root_chunks else 0
     # Rendezvous wants a well-mixed key; this hashes at most one chunk.
     root = hashlib.blake2b(view[root_chunks * chunk_bytes : root_end], key=head.to_bytes(8, "little"), digest_size=16).digest()
-    return PromptKey(tuple(chunks), chunk_bytes, len(rendered), root, root_chunks)
+    return PromptKey(tuple(chunks), chunk_bytes, len(rendered), root, shared_end // chunk_bytes)
 
 
 @dataclass(slots=True)
 class _EndpointEntries:
     pool: str
-    # chunk hash -> when it was last sent there (monotonic); least recent first.
+    # chunk hash -> when it was last sent there (monotonic), negated while only sent (not yet
+    # known to be held); least recent first.
     chunks: OrderedDict[int, float]
 
 
@@ -110,7 +121,15 @@ class PrefixIndex:
         self._endpoints: dict[int, _EndpointEntries] = {}
 
     def match(self, endpoint_id: int, key: PromptKey) -> int:
-        """How many leading chunks of the prompt the endpoint probably holds."""
+        """How many leading chunks of the prompt were sent to the endpoint (for routing)."""
+        return self._match(endpoint_id, key, held_only=False)
+
+    def held(self, endpoint_id: int, key: PromptKey) -> int:
+        """How many leading chunks of the prompt the endpoint is known to hold (its first token
+        for them came back)."""
+        return self._match(endpoint_id, key, held_only=True)
+
+    def _match(self, endpoint_id: int, key: PromptKey, *, held_only: bool) -> int:
         entries = self._endpoints.get(endpoint_id)
         if entries is None:
             return 0
@@ -118,31 +137,35 @@ class PrefixIndex:
         oldest = self._clock() - self.ttl_s
         matched = 0
         for chunk in key.chunks:
-            sent = chunks.get(chunk)
-            if sent is None or sent < oldest:
+            at = chunks.get(chunk)
+            if at is None or abs(at) < oldest or (held_only and at < 0):
                 break
             matched += 1
         return matched
 
     def record(self, endpoint_id: int, pool: str, key: PromptKey) -> None:
-        """The prompt was sent to the endpoint: it will hold its prefix."""
+        """The prompt was sent to the endpoint: it will hold its prefix (`confirm` once it does)."""
         entries = self._endpoints.get(endpoint_id)
         if entries is None:
             entries = self._endpoints[endpoint_id] = _EndpointEntries(pool, OrderedDict())
         chunks = entries.chunks
         now = self._clock()
         for chunk in reversed(key.chunks):
-            chunks[chunk] = now
+            at = chunks.get(chunk)
+            chunks[chunk] = now if at is not None and at > 0 else -now
             chunks.move_to_end(chunk)
         self._evict(chunks, now)
 
-    def correct(self, endpoint_id: int, key: PromptKey, held_chunks: int) -> None:
-        """The endpoint said it held only the first `held_chunks` chunks of the prompt: forget
-        the rest (they were evicted, or the worker restarted)."""
+    def confirm(self, endpoint_id: int, key: PromptKey) -> None:
+        """The endpoint answered the prompt: it holds the prefix now."""
         entries = self._endpoints.get(endpoint_id)
-        if entries is not None:
-            for chunk in key.chunks[max(held_chunks, 0) :]:
-                entries.chunks.pop(chunk, None)
+        if entries is None:
+            return
+        chunks = entries.chunks
+        now = self._clock()
+        for chunk in key.chunks:
+            if chunk in chunks:
+                chunks[chunk] = now
 
     def forget(self, endpoint_id: int) -> None:
         """The endpoint's cache is gone (it restarted, failed, or left)."""
@@ -165,7 +188,7 @@ class PrefixIndex:
 
     def _evict(self, chunks: OrderedDict[int, float], now: float) -> None:
         oldest = now - self.ttl_s
-        while chunks and (len(chunks) > self.capacity_chunks or next(iter(chunks.values())) < oldest):
+        while chunks and (len(chunks) > self.capacity_chunks or abs(next(iter(chunks.values()))) < oldest):
             chunks.popitem(last=False)
 
 

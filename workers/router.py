@@ -55,10 +55,14 @@ def _least_loaded(pool: PoolInfo, role: str, candidates: list[EndpointInfo], ses
     return _round_robin(pool, role, tied, session)
 
 
-def _rendezvous(key: bytes, candidates: list[EndpointInfo]) -> EndpointInfo:
+def _rendezvous_ranked(key: bytes, candidates: list[EndpointInfo]) -> list[EndpointInfo]:
     # Rendezvous hashing: a key stays on its endpoint while that endpoint is routable, only the
     # keys of an endpoint that leaves move, and every gateway process makes the same choice.
-    return max(candidates, key=lambda e: hashlib.blake2b(key + b"|" + e.url.encode(), digest_size=8).digest())
+    return sorted(candidates, key=lambda e: hashlib.blake2b(key + b"|" + e.url.encode(), digest_size=8).digest(), reverse=True)
+
+
+def _rendezvous(key: bytes, candidates: list[EndpointInfo]) -> EndpointInfo:
+    return _rendezvous_ranked(key, candidates)[0]
 
 
 def _session_affinity(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
@@ -82,8 +86,8 @@ class Placement:
     """A reserved generation endpoint and how much of the prompt it is expected to hold."""
 
     reservation: Reservation
-    #: Bytes of the rendered prompt the endpoint probably holds, of `prompt_bytes` (0 of 0 when
-    #: the pool does not route by prefix).
+    #: Bytes of the rendered prompt the endpoint is known to hold (`PrefixIndex.held`), of
+    #: `prompt_bytes` (0 of 0 when the pool does not route by prefix).
     matched_bytes: int = 0
     prompt_bytes: int = 0
     key: PromptKey | None = None
@@ -106,23 +110,28 @@ def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, s
     key = prompt_key(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
     matches = {e.id: index.match(e.id, key) for e in usable}
     endpoint = _cache_aware(pool, usable, matches, key, session)
+    held = index.held(endpoint.id, key)
     index.record(endpoint.id, pool.name, key)
     health.on_routed(endpoint.id)
     reservation = Reservation.take(request_id, endpoint, Role.GENERATION)
-    return Placement(reservation, min(matches[endpoint.id] * key.chunk_bytes, key.size), key.size, key)
+    return Placement(reservation, min(held * key.chunk_bytes, key.size), key.size, key)
 
 
 def _cache_aware(
     pool: PoolInfo, usable: list[EndpointInfo], matches: dict[int, int], key: PromptKey, session: str | None
 ) -> EndpointInfo:
     best = max(matches.values())
-    if best > key.root_chunks:
+    if best > key.shared_chunks:
         # This conversation has been here: the endpoint holding the most of it (ties: the least
         # loaded, then round robin).
         chosen = _least_loaded(pool, Role.GENERATION, [e for e in usable if matches[e.id] == best], None)
     else:
-        # Nothing beyond what every conversation shares: the choice every gateway process makes.
-        chosen = _rendezvous(session.encode() if session else key.root, usable)
+        # Nothing beyond what every conversation shares: the less loaded of the conversation's
+        # two rendezvous endpoints (two choices, as the power-of-two policy: sessions spread
+        # evenly, and gateway processes agree whenever the two are equally loaded, and always
+        # on which two).
+        ranked = _rendezvous_ranked(session.encode() if session else key.root, usable)
+        chosen = ranked[0] if len(ranked) == 1 or _load(ranked[0]) <= _load(ranked[1]) else ranked[1]
     # SGLang's load guard, applied to the chosen endpoint: a cache hit is not worth queueing
     # behind a much busier worker.
     lowest = min(_load(e) for e in usable)

@@ -98,16 +98,23 @@ class ChatCompletions:
         returns how many tokens came from the cache."""
         cache = self.cache
         blocks = cache.hashes(prompt_ids)
+        if self._prefill_slots is None:
+            cached = await self._compute(prompt_ids, blocks, local)
+        else:
+            # Cache hits are looked up when the prompt is scheduled, not when it arrived (as an
+            # engine's scheduler does): a prompt queued behind one with the same head reuses it.
+            async with self._prefill_slots:
+                cached = await self._compute(prompt_ids, blocks, local)
+        if request.directives.context_delay > 0:
+            await asyncio.sleep(request.directives.context_delay)
+        return cached
+
+    async def _compute(self, prompt_ids: list[int], blocks: list[int], local: bool) -> int:
+        cache = self.cache
         cached = cache.match_blocks(blocks)
         compute = self.config.prefill_seconds(len(prompt_ids) - cached, local=local)
         if compute > 0:
-            if self._prefill_slots is None:
-                await asyncio.sleep(compute)
-            else:
-                async with self._prefill_slots:
-                    await asyncio.sleep(compute)
-        if request.directives.context_delay > 0:
-            await asyncio.sleep(request.directives.context_delay)
+            await asyncio.sleep(compute)
         cache.account(len(prompt_ids), cached)
         cache.store_blocks(blocks)
         return cached
