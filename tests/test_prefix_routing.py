@@ -3,13 +3,14 @@ daphne gateway, a context and two generation sims with prefix caches, Anthropic 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import Cluster, audit_row, register_cluster, wait_registered, wait_until
+from tests.conftest import MODEL, Cluster, audit_row, wait_registered, wait_until
 from tests.gateway import Gateway
 from tests.simworkers import SimWorker, start_simworker
 
@@ -36,17 +37,29 @@ def sims() -> Iterator[dict[str, SimWorker]]:
         worker.stop()
 
 
-@pytest.fixture
-def cluster(transactional_db: Any, gateway: Gateway, sims: dict[str, SimWorker]) -> Cluster:
-    from workers.models import WorkerEndpoint
+def register_cache_aware(gateway: Gateway, context: SimWorker, *generations: SimWorker) -> Cluster:
+    """A `cache_aware` pool of these sims (as `register_cluster`, which makes round-robin pools:
+    changing the policy afterwards would race the gateway's registry refresh)."""
+    from messages_api.auth import create_api_key
+    from workers.models import WorkerEndpoint, WorkerPool
 
-    cluster = register_cluster(sims["context"], sims["gen_a"], max_local_prefill_tokens=LOCAL_PREFILL_LIMIT)
-    WorkerEndpoint.objects.create(pool=cluster.pool, role="generation", url=sims["gen_b"].url)
-    cluster.pool.routing = "cache_aware"
-    cluster.pool.save()
-    sims["gen_b"].reset()
+    pool = WorkerPool.objects.create(
+        name=f"pool-{MODEL}", model=MODEL, routing="cache_aware", max_local_prefill_tokens=LOCAL_PREFILL_LIMIT
+    )
+    WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url)
+    for worker in (context, *generations):
+        worker.reset()
+    for worker in generations:
+        WorkerEndpoint.objects.create(pool=pool, role="generation", url=worker.url)
+    _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
+    cluster = Cluster(pool=pool, key=key, model=MODEL, context=context, generation=generations[0])
     wait_registered(gateway, cluster)
     return cluster
+
+
+@pytest.fixture
+def cluster(transactional_db: Any, gateway: Gateway, sims: dict[str, SimWorker]) -> Cluster:
+    return register_cache_aware(gateway, sims["context"], sims["gen_a"], sims["gen_b"])
 
 
 class Session:
@@ -140,3 +153,33 @@ def test_a_restarted_worker_loses_its_index_entries(
         assert row4.context_endpoint == "" and row4.generation_endpoint == home
     finally:
         wait_until(lambda: restarted.stats()["active"] == 0)
+
+
+def test_a_silent_restart_is_learnt_from_the_workers_cached_tokens(
+    transactional_db: Any, gateway: Gateway, sims: dict[str, SimWorker]
+) -> None:
+    """A restart no request and no probe saw: the worker's own usage (no cached tokens where the
+    index expected some) makes the gateway forget what it credited the worker with."""
+    cluster = register_cache_aware(gateway, sims["context"], sims["gen_b"])
+    a = Session(gateway, cluster, "silent-a", header=False)
+    b = Session(gateway, cluster, "silent-b", header=False)
+    for session in (a, b):
+        session.turn(50)
+        _, row = session.turn(30)
+        assert row.context_endpoint == ""
+    worker = sims["gen_b"]
+    worker.stop()
+    restarted = sims["gen_b"] = start_simworker("generation", port=worker.port, **CACHED_SIM)
+
+    # The index still credits the worker with conversation a: no context phase, and the worker
+    # says it had nothing cached...
+    answer, row_a = a.turn(30)
+    assert row_a.context_endpoint == ""
+    assert answer.json()["usage"]["cache_read_input_tokens"] == 0
+    # ...so conversation b, which the gateway has not sent since, is no longer credited either.
+    _, row_b = b.turn(30)
+    assert row_b.context_endpoint == cluster.context.url
+    # The index learns again from there.
+    _, row_a = a.turn(30)
+    assert row_a.context_endpoint == ""
+    wait_until(lambda: restarted.stats()["active"] == 0)

@@ -32,13 +32,19 @@ An endpoint's entries are dropped when its cache is probably gone:
   is cut back to what the worker said it held, which also heals a silent restart, one
   conversation at a time.
 
-The index is per gateway process. Processes agree without coordination on where a conversation
-goes the first time (and whenever their own index knows nothing beyond the shared system prompt
-and tools): rendezvous hashing over the conversation's root (its session id when the client sends
-one, else the hash of the tools and messages up to the first user message), the same choice in
-every process. After that, each process follows its own index, which the same requests keep in
-step; the load guard may still send two processes' turns of one conversation two ways under
-imbalance, costing one extra prefill, never a wrong answer.
+The index is per gateway process; nothing is shared between processes. They agree without
+coordination on where a conversation goes when their own index knows nothing of it beyond the
+shared system prompt and tools (its first turn, or a later turn reaching a process that has not
+seen it): rendezvous hashing over the conversation's root (its session id when the client sends
+one, else the hash of the tools and messages up to the first user message) ranks the endpoints
+the same way in every process, and the conversation takes the first of the top two unless the
+second is less loaded (two choices, so that new conversations spread). Processes therefore agree
+on the endpoint while those two are equally loaded, and always on the pair. Once a process has
+sent a conversation somewhere, it follows its index. So one conversation can be prefilled twice,
+on two endpoints, when its turns reach two processes that saw different loads, or when the load
+guard moves it: the cost is one extra prefill, never a wrong answer. Sharing the index (Redis,
+the database, or the workers' KV events) would remove that; the per-request cost of a remote
+lookup was not worth it here.
 """
 
 from __future__ import annotations
