@@ -230,6 +230,7 @@ async def run_session(
     header: bool,
     oracle: Oracle | None,
     result: RunResult,
+    output_tokens: int,
 ) -> None:
     messages: list[dict[str, Any]] = []
     session_id = f"bench-session-{index}-{time.monotonic_ns()}"
@@ -237,8 +238,7 @@ async def run_session(
         if think:
             await asyncio.sleep(think)
         messages.append({"role": "user", "content": text})
-        body = {"model": model, "max_tokens": 0, "stream": True, "system": workload.system, "tools": workload.tools, "messages": messages}
-        body["max_tokens"] = 16
+        body = {"model": model, "max_tokens": output_tokens, "stream": True, "system": workload.system, "tools": workload.tools, "messages": messages}
         headers = {"x-api-key": key, "anthropic-version": h.ANTHROPIC_VERSION, "content-type": "application/json"}
         if header:
             headers["x-claude-code-session-id"] = session_id
@@ -260,6 +260,8 @@ async def run_session(
                     if not line.startswith("data: "):
                         continue
                     event = json.loads(line[6:])
+                    if event.get("type") == "error":
+                        result.errors.append(f"stream error: {event.get('error')}")
                     if event.get("type") == "content_block_delta":
                         if first is None:
                             first = time.perf_counter() - started
@@ -287,7 +289,7 @@ async def sample_active(client: httpx.AsyncClient, sims: list[h.SimProc], result
 
 
 async def drive(
-    gateway: str, key: str, models: list[str], workload: Workload, sims: Sims, *, header: bool, oracle: bool
+    gateway: str, key: str, models: list[str], workload: Workload, sims: Sims, *, header: bool, oracle: bool, output_tokens: int
 ) -> RunResult:
     result = RunResult()
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
@@ -297,7 +299,7 @@ async def drive(
         sampler = asyncio.create_task(sample_active(client, sims.generation, result, stop))
         await asyncio.gather(
             *(
-                run_session(client, gateway, key, models[0], workload, n, header=header, oracle=router, result=result)
+                run_session(client, gateway, key, models[0], workload, n, header=header, oracle=router, result=result, output_tokens=output_tokens)
                 for n in range(len(workload.sessions))
             )
         )
@@ -358,7 +360,7 @@ def run_policy(stack: h.Stack, gateways: LazyGateway, key: str, args: argparse.N
         gateway = gateways.ready({p["name"] for p in pools})
         started = time.perf_counter()
         result = asyncio.run(
-            drive(gateway.url, key, [p["name"] for p in pools], workload, sims, header=header, oracle=routing == "oracle")
+            drive(gateway.url, key, [p["name"] for p in pools], workload, sims, header=header, oracle=routing == "oracle", output_tokens=args.output_tokens)
         )
         wall = time.perf_counter() - started
         totals = cache_totals(sims)
