@@ -266,6 +266,11 @@ async def run_session(
                         if first is None:
                             first = time.perf_counter() - started
                         answer.append(event["delta"].get("text", ""))
+        except httpx.HTTPError as exc:
+            # A lost connection is a failed turn, not the end of the benchmark.
+            result.errors.append(f"{type(exc).__name__}: {exc}")
+            messages.pop()
+            continue
         finally:
             if oracle is not None and chosen is not None:
                 oracle.open[chosen] -= 1
