@@ -22,6 +22,7 @@ class RoutingPolicy(models.TextChoices):
     ROUND_ROBIN = "round_robin", "round robin"
     LEAST_LOADED = "least_loaded", "least loaded"
     SESSION_AFFINITY = "session_affinity", "session affinity"
+    CACHE_AWARE = "cache_aware", "cache aware (prefix cache)"
 
 
 class Role(models.TextChoices):

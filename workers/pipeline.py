@@ -16,9 +16,13 @@ exactly once whichever way the request ends: success, a worker failure, the clie
   carrying the handoff, and stream it;
 - generation first: the generation request goes out first and waits on its worker for the KV of
   the pairing id; the context request follows; a context failure cancels the generation request;
-- aggregated, or conditional: the pool's schedule is `aggregated`, or a prompt within
-  `max_local_prefill_tokens` skips the context phase; the request goes whole to the reserved
-  generation endpoint.
+- aggregated, or conditional: the pool's schedule is `aggregated`, or the prompt's uncached
+  tokens are within `max_local_prefill_tokens` and the request skips the context phase; it goes
+  whole to the reserved generation endpoint. TensorRT-LLM's rule (`_check_conditional_disagg`):
+  the context phase is needed when `match_length == 0 or prompt_tokens - match_length >
+  max_local_prefill_tokens`, `match_length` being how much of the prompt the chosen generation
+  endpoint is expected to hold (`cache_aware` pools). Other pools know no match and compare the
+  whole prompt, without the `match_length == 0` clause: a short prompt skips as before.
 
 A client that leaves after the context worker issued its handoff must not strand the KV blocks
 that handoff holds: a context worker keeps them until a generation worker takes them or its own
@@ -43,13 +47,15 @@ from django.conf import settings
 from workers import client, protocols, router
 from workers.client import ChunkStream
 from workers.errors import WorkerError, WorkerUnreachable
-from workers.health import health
+from workers.health import FailureScope, failure_scope, health
 from workers.metrics import worker_retries
-from workers.models import Outcome, Role, ScheduleStyle, Stage
+from workers.models import Outcome, Role, RoutingPolicy, ScheduleStyle, Stage
+from workers.prefix_index import get_index
 from workers.prompt_tokens import estimate_prompt_tokens
 from workers.protocols import Call, ContextPeer, Handoff, WorkerProtocol
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation
+from workers.router import Placement
 from workers.trace import RunTrace
 
 logger = logging.getLogger(__name__)
@@ -90,6 +96,9 @@ class ChatRun:
         self._complete_response: dict[str, Any] | None = None
         self._handoff_issued = False
         self._generation_endpoint_id = 0
+        self._placement: Placement | None = None
+        # Whether the generation worker's reported cached tokens were compared with the index.
+        self._cache_checked = False
 
     @property
     def trace(self) -> RunTrace:
@@ -168,12 +177,13 @@ class ChatRun:
     async def _open(self) -> None:
         pool = self.pool
         protocol = self._protocol = _protocol_for(pool)
-        generation = self._reserve(Role.GENERATION)
+        placement = self._placement = router.place_generation(pool, self.request_id, self.chat, session=self.session)
+        generation = placement.reservation
+        self._reservations.append(generation)
         self._generation_url = generation.endpoint.url
         self._note(generation_endpoint=generation.endpoint.url)
         self._generation_endpoint_id = generation.endpoint.id
-        limit = pool.max_local_prefill_tokens
-        if pool.schedule_style == ScheduleStyle.AGGREGATED or (limit and estimate_prompt_tokens(self.chat) <= limit):
+        if pool.schedule_style == ScheduleStyle.AGGREGATED or self._prefill_locally(placement):
             await self._open_generation(protocol.aggregated_request(self.chat, self._call))
             return
         # Pairs the two legs of the request on the workers (the protocol puts it where its
@@ -183,6 +193,18 @@ class ChatRun:
             await self._generation_first(pair_id)
         else:
             await self._context_first(pair_id)
+
+    def _prefill_locally(self, placement: Placement) -> bool:
+        """Conditional disaggregation: whether the generation endpoint prefills this prompt
+        itself (few uncached tokens) instead of taking a context worker's KV."""
+        limit = self.pool.max_local_prefill_tokens
+        if not limit:
+            return False
+        prompt_tokens = estimate_prompt_tokens(self.chat)
+        if self.pool.routing != RoutingPolicy.CACHE_AWARE:
+            return prompt_tokens <= limit
+        match_length = placement.match_length(prompt_tokens)
+        return match_length > 0 and prompt_tokens - match_length <= limit
 
     async def _context_first(self, pair_id: int) -> None:
         handoff = await self._context_phase(pair_id)
@@ -323,6 +345,9 @@ class ChatRun:
                 if first:
                     first = False
                     self._note(first_chunk_at=time.monotonic())
+                    self._prefix_held()
+                if not self._cache_checked and "usage" in chunk:
+                    self._check_cached_tokens(chunk["usage"])
                 yield chunk
         except WorkerError as exc:
             self._report(self._generation_endpoint_id, exc)
@@ -335,6 +360,31 @@ class ChatRun:
     def _report(self, endpoint_id: int, error: WorkerError | None) -> None:
         """An endpoint's outcome for this request, to its breaker (which decides what counts)."""
         health.report(endpoint_id, error, tenant=self.tenant)
+        if error is not None and failure_scope(error) is FailureScope.ENDPOINT:
+            # The worker itself failed (gone, reset, timed out): it may come back with an empty
+            # prefix cache, so what the index says it holds is forgotten.
+            get_index().forget(endpoint_id)
+
+    def _prefix_held(self) -> None:
+        """The generation worker answered: it holds the prompt's prefix now."""
+        placement = self._placement
+        if placement is not None and placement.key is not None:
+            get_index().confirm(self._generation_endpoint_id, placement.key)
+
+    def _check_cached_tokens(self, usage: Any) -> None:
+        """A worker that reports no cached tokens for a prompt the index expected it to hold
+        has lost its cache (a restart the health probe missed): start its index over."""
+        self._cache_checked = True
+        placement = self._placement
+        if placement is None or placement.key is None or not placement.matched_bytes:
+            return
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if cached == 0:
+            index = get_index()
+            index.forget(self._generation_endpoint_id)
+            index.record(self._generation_endpoint_id, self.pool.name, placement.key)
+            index.confirm(self._generation_endpoint_id, placement.key)
 
     def _headers(self, body: dict[str, Any]) -> dict[str, str]:
         return dict(self._protocol.headers(body, self._call))

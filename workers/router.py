@@ -1,17 +1,23 @@
 """Picks an endpoint for a stage of a request, by the pool's routing policy, and reserves it.
 
 Routing reads only memory: the registry snapshot and this process's open reservations (plus, for
-`least_loaded`, the other processes' open reservations as of the last registry refresh).
+`least_loaded`, the other processes' open reservations as of the last registry refresh), and for
+`cache_aware` this process's prefix index (`workers.prefix_index`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from django.conf import settings
 
 from workers.errors import NoEndpointAvailable
 from workers.health import health
-from workers.models import RoutingPolicy
+from workers.models import Role, RoutingPolicy
+from workers.prefix_index import PromptKey, get_index, prompt_key
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation, ledger
 
@@ -49,19 +55,96 @@ def _least_loaded(pool: PoolInfo, role: str, candidates: list[EndpointInfo], ses
     return _round_robin(pool, role, tied, session)
 
 
+def _rendezvous_ranked(key: bytes, candidates: list[EndpointInfo]) -> list[EndpointInfo]:
+    # Rendezvous hashing: a key stays on its endpoint while that endpoint is routable, only the
+    # keys of an endpoint that leaves move, and every gateway process makes the same choice.
+    return sorted(candidates, key=lambda e: hashlib.blake2b(key + b"|" + e.url.encode(), digest_size=8).digest(), reverse=True)
+
+
+def _rendezvous(key: bytes, candidates: list[EndpointInfo]) -> EndpointInfo:
+    return _rendezvous_ranked(key, candidates)[0]
+
+
 def _session_affinity(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
     if not session:
         return _least_loaded(pool, role, candidates, session)
-    # Rendezvous hashing: a session stays on its endpoint while that endpoint is routable, and
-    # only the sessions of an endpoint that leaves move.
-    return max(candidates, key=lambda e: hashlib.blake2b(f"{session}|{e.url}".encode(), digest_size=8).digest())
+    return _rendezvous(session.encode(), candidates)
 
 
 POLICIES: dict[str, Policy] = {
     RoutingPolicy.ROUND_ROBIN: _round_robin,
     RoutingPolicy.LEAST_LOADED: _least_loaded,
     RoutingPolicy.SESSION_AFFINITY: _session_affinity,
+    # Generation goes through `place_generation`; the context phase (stateless between requests
+    # as far as the gateway knows) goes to the least loaded.
+    RoutingPolicy.CACHE_AWARE: _least_loaded,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A reserved generation endpoint and how much of the prompt it is expected to hold."""
+
+    reservation: Reservation
+    #: Bytes of the rendered prompt the endpoint is known to hold (`PrefixIndex.held`), of
+    #: `prompt_bytes` (0 of 0 when the pool does not route by prefix).
+    matched_bytes: int = 0
+    prompt_bytes: int = 0
+    key: PromptKey | None = None
+
+    def match_length(self, prompt_tokens: int) -> int:
+        """The match in tokens, scaled from bytes to the prompt's (estimated) token count."""
+        if not self.prompt_bytes:
+            return 0
+        return prompt_tokens * self.matched_bytes // self.prompt_bytes
+
+
+def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, session: str | None = None) -> Placement:
+    """Reserve the generation endpoint for a chat request; a `cache_aware` pool also says how
+    much of the prompt that endpoint is expected to hold (TensorRT-LLM's `match_length`)."""
+    if pool.routing != RoutingPolicy.CACHE_AWARE:
+        return Placement(reserve(pool, Role.GENERATION, request_id, session=session))
+    usable = _usable(pool, Role.GENERATION, ())
+    index = get_index()
+    index.retain(pool.name, (e.id for e in pool.endpoints_for(Role.GENERATION) if _keeps_cache(e)))
+    key = prompt_key(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
+    matches = {e.id: index.match(e.id, key) for e in usable}
+    endpoint = _cache_aware(pool, usable, matches, key, session)
+    held = index.held(endpoint.id, key)
+    index.record(endpoint.id, pool.name, key)
+    health.on_routed(endpoint.id)
+    reservation = Reservation.take(request_id, endpoint, Role.GENERATION)
+    return Placement(reservation, min(held * key.chunk_bytes, key.size), key.size, key)
+
+
+def _cache_aware(
+    pool: PoolInfo, usable: list[EndpointInfo], matches: dict[int, int], key: PromptKey, session: str | None
+) -> EndpointInfo:
+    best = max(matches.values())
+    if best > key.shared_chunks:
+        # This conversation has been here: the endpoint holding the most of it (ties: the least
+        # loaded, then round robin).
+        chosen = _least_loaded(pool, Role.GENERATION, [e for e in usable if matches[e.id] == best], None)
+    else:
+        # Nothing beyond what every conversation shares: the less loaded of the conversation's
+        # two rendezvous endpoints (two choices, as the power-of-two policy: sessions spread
+        # evenly, and gateway processes agree whenever the two are equally loaded, and always
+        # on which two).
+        ranked = _rendezvous_ranked(session.encode() if session else key.root, usable)
+        chosen = ranked[0] if len(ranked) == 1 or _load(ranked[0]) <= _load(ranked[1]) else ranked[1]
+    # SGLang's load guard, applied to the chosen endpoint: a cache hit is not worth queueing
+    # behind a much busier worker.
+    lowest = min(_load(e) for e in usable)
+    load = _load(chosen)
+    if load - lowest > settings.PREFIX_BALANCE_ABS_THRESHOLD and load > settings.PREFIX_BALANCE_REL_THRESHOLD * lowest:
+        return _least_loaded(pool, Role.GENERATION, usable, None)
+    return chosen
+
+
+def _keeps_cache(endpoint: EndpointInfo) -> bool:
+    """Whether the endpoint probably still holds what it was sent: it is in the pool, enabled,
+    and not failing its health probe (a draining endpoint keeps its cache)."""
+    return health.usable(replace(endpoint, draining=False))
 
 
 def candidates(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[EndpointInfo]:
@@ -80,15 +163,7 @@ def reserve(
     exclude: Iterable[str] = (),
 ) -> Reservation:
     """Reserve a routable endpoint of `role` in `pool`, or raise NoEndpointAvailable."""
-    usable = candidates(pool, role, exclude)
-    if not usable:
-        raise NoEndpointAvailable(
-            503,
-            f"no {role} worker is available for model {pool.model!r}",
-            stage=role,
-            code="no_endpoint",
-            retry_after=1.0,
-        )
+    usable = _usable(pool, role, exclude)
     if exclude:
         # A retry: the least loaded of the others, leaving the policy's rotation untouched so
         # that a failing endpoint does not shift every later request's turn.
@@ -99,3 +174,16 @@ def reserve(
         endpoint = policy(pool, role, usable, session if role == "generation" else None)
     health.on_routed(endpoint.id)
     return Reservation.take(request_id, endpoint, role)
+
+
+def _usable(pool: PoolInfo, role: str, exclude: Iterable[str]) -> list[EndpointInfo]:
+    usable = candidates(pool, role, exclude)
+    if not usable:
+        raise NoEndpointAvailable(
+            503,
+            f"no {role} worker is available for model {pool.model!r}",
+            stage=role,
+            code="no_endpoint",
+            retry_after=1.0,
+        )
+    return usable

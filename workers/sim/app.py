@@ -11,12 +11,17 @@ Routes:
     GET  /sim/requests         the last 200 chat request bodies, newest last (`?headers=1`:
                                {"body", "headers"} each, with the recorded headers)
     POST /sim/kv/take          context workers only: hand a KV handoff to a generation worker
+    GET  /sim/prefix_cache     the prefix cache's size and counters (prefix_cache.py)
+    POST /sim/prefix_cache/match   {"messages", "tools"} -> {"cached_tokens"}, without touching it
+    GET  /sim/kv_events?after=N    stored/removed block hashes since event N (KV-event publisher)
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from urllib.parse import parse_qs
 
 import orjson
 
@@ -95,6 +100,9 @@ class SimApp:
             ("POST", "/sim/reset"): self._reset,
             ("GET", "/sim/requests"): self._requests,
             ("POST", TAKE_PATH): self._take,
+            ("GET", "/sim/prefix_cache"): self._prefix_cache,
+            ("POST", "/sim/prefix_cache/match"): self._prefix_match,
+            ("GET", "/sim/kv_events"): self._kv_events,
         }
         self._paths = {path for _, path in self._routes}
 
@@ -226,3 +234,21 @@ class SimApp:
             answer["prompt_tokens"] = result.handoff.prompt_tokens
             answer["first_gen_tokens"] = result.handoff.first_gen_tokens
         await send_json(send, TAKE_STATUS_CODES[result.status], answer)
+
+    async def _prefix_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.chat.cache.snapshot())
+
+    async def _prefix_match(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(receive)
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            raise SimError(400, "match needs messages (a list)")
+        tokens = tokenize_chat(body["messages"], body.get("tools"))
+        await send_json(send, 200, {"cached_tokens": self.chat.cache.match(tokens, touch=False), "prompt_tokens": len(tokens)})
+
+    async def _kv_events(self, scope: Scope, receive: Receive, send: Send) -> None:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        try:
+            after = int(query.get("after", ["0"])[0])
+        except ValueError:
+            raise SimError(400, "after must be an integer") from None
+        await send_json(send, 200, self.chat.cache.events_after(after))

@@ -14,6 +14,7 @@ from .emit import EmitOptions, respond, stream
 from .errors import SimError, context_length_exceeded
 from .handoffs import HandoffStore
 from .output import plan_generation, prompt_seed
+from .prefix_cache import PrefixCache
 from .schema import ChatRequest, parse_chat_request
 from .stats import Outcome, RequestLog
 from .tokenizer import VOCAB_SIZE, tokenize_chat
@@ -32,8 +33,14 @@ class ChatCompletions:
         log: RequestLog,
         handoffs: HandoffStore,
         puller: KvPuller,
+        cache: PrefixCache | None = None,
     ) -> None:
         self.config = config
+        self.cache = cache if cache is not None else PrefixCache(config.kv_block_tokens, config.kv_cache_blocks)
+        # One accelerator: at most `prefill_concurrency` prefills compute at once.
+        self._prefill_slots = (
+            asyncio.Semaphore(config.prefill_concurrency) if config.prefill_concurrency > 0 else None
+        )
         self.public_url = public_url
         self.log = log
         self.handoffs = handoffs
@@ -86,10 +93,31 @@ class ChatCompletions:
         if prompt_tokens > self.config.max_context_tokens:
             raise context_length_exceeded(self.config.max_context_tokens, prompt_tokens)
 
-    async def _prefill(self, request: ChatRequest, prompt_tokens: int) -> None:
-        delay = self.config.prefill_seconds(prompt_tokens) + request.directives.context_delay
-        if delay > 0:
-            await asyncio.sleep(delay)
+    async def _prefill(self, request: ChatRequest, prompt_ids: list[int], *, local: bool = False) -> int:
+        """Prefill the prompt's uncached tokens (their time only) and keep its KV in the cache;
+        returns how many tokens came from the cache."""
+        cache = self.cache
+        blocks = cache.hashes(prompt_ids)
+        if self._prefill_slots is None:
+            cached = await self._compute(prompt_ids, blocks, local)
+        else:
+            # Cache hits are looked up when the prompt is scheduled, not when it arrived (as an
+            # engine's scheduler does): a prompt queued behind one with the same head reuses it.
+            async with self._prefill_slots:
+                cached = await self._compute(prompt_ids, blocks, local)
+        if request.directives.context_delay > 0:
+            await asyncio.sleep(request.directives.context_delay)
+        return cached
+
+    async def _compute(self, prompt_ids: list[int], blocks: list[int], local: bool) -> int:
+        cache = self.cache
+        cached = cache.match_blocks(blocks)
+        compute = self.config.prefill_seconds(len(prompt_ids) - cached, local=local)
+        if compute > 0:
+            await asyncio.sleep(compute)
+        cache.account(len(prompt_ids), cached)
+        cache.store_blocks(blocks)
+        return cached
 
     async def _context_only(self, request: ChatRequest, send: Send) -> None:
         assert request.disagg is not None
@@ -104,7 +132,7 @@ class ChatCompletions:
         try:
             prompt_ids = self._prompt_ids(request)
             self._check_length(len(prompt_ids))
-            await self._prefill(request, len(prompt_ids))
+            await self._prefill(request, prompt_ids)
             if request.directives.context_status is not None:
                 raise SimError.simulated(request.directives.context_status)
             first_gen_tokens = [prompt_seed(prompt_ids) % VOCAB_SIZE]
@@ -149,16 +177,23 @@ class ChatCompletions:
                 f"prefilled {kv_tokens}",
                 param="prompt_token_ids",
             )
-        await self._generate(request, prompt_ids, kv_tokens, send)
+        # The transferred KV now lives here too: a later turn sent without a context phase
+        # reuses it. What was already held before the transfer is what this worker reports as
+        # cached (it need not have been pulled).
+        blocks = self.cache.hashes(prompt_ids)
+        held = self.cache.match_blocks(blocks)
+        self.cache.store_blocks(blocks)
+        await self._generate(request, prompt_ids, kv_tokens, send, cached_tokens=held)
 
     async def _aggregated(self, request: ChatRequest, send: Send) -> None:
         prompt_ids = self._prompt_ids(request)
         self._check_length(len(prompt_ids))
-        await self._prefill(request, len(prompt_ids))
-        await self._generate(request, prompt_ids, len(prompt_ids), send)
+        cached = await self._prefill(request, prompt_ids, local=self.config.role == "generation")
+        await self._generate(request, prompt_ids, len(prompt_ids), send, cached_tokens=cached)
 
     async def _generate(
-        self, request: ChatRequest, prompt_ids: list[int], prompt_tokens: int, send: Send
+        self, request: ChatRequest, prompt_ids: list[int], prompt_tokens: int, send: Send,
+        *, cached_tokens: int = 0,
     ) -> None:
         directives = request.directives
         if directives.gen_status is not None:
@@ -183,6 +218,7 @@ class ChatCompletions:
             continuous_usage=request.continuous_usage,
             fail_after=directives.gen_fail_after,
             first_chunk_delay=directives.gen_delay,
+            cached_tokens=cached_tokens if self.config.kv_cache_blocks else None,
         )
         if request.stream:
             await stream(send, generation, options)

@@ -30,14 +30,28 @@ class SimConfig:
     # The shared secret signed handoffs are checked with (TensorRT-LLM's
     # `internal_request_auth_key`); "" checks none. Never shown: it is a secret.
     internal_request_auth_key: str = field(default="", repr=False)
+    # The prefix cache (`workers.sim.prefix_cache`): tokens per KV block, and how many blocks
+    # it holds (0: no cache, every prompt is prefilled whole and reports 0 cached tokens).
+    kv_block_tokens: int = 16
+    kv_cache_blocks: int = 0
+    # The prefill rate of a generation worker's own (aggregated, no context phase) requests;
+    # None: the same as prefill_tokens_per_second.
+    local_prefill_tokens_per_second: float | None = None
+    # How many prefills run at once (an accelerator computes one batch at a time; queued prompts
+    # wait their turn); 0: unlimited, each prompt's prefill time is independent.
+    prefill_concurrency: int = 0
 
     @property
     def token_interval(self) -> float:
         """Seconds between two streamed tokens; 0.0 when unpaced."""
         return 1.0 / self.tokens_per_second if self.tokens_per_second > 0 else 0.0
 
-    def prefill_seconds(self, prompt_tokens: int) -> float:
-        """How long prefilling a prompt of that many tokens takes."""
-        if self.prefill_tokens_per_second <= 0:
+    def prefill_seconds(self, prompt_tokens: int, *, local: bool = False) -> float:
+        """How long prefilling a prompt of that many (uncached) tokens takes; `local`: a
+        generation worker prefilling a request without a context phase."""
+        rate = self.prefill_tokens_per_second
+        if local and self.local_prefill_tokens_per_second is not None:
+            rate = self.local_prefill_tokens_per_second
+        if rate <= 0:
             return 0.0
-        return prompt_tokens / self.prefill_tokens_per_second
+        return prompt_tokens / rate

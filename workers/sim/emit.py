@@ -20,6 +20,9 @@ class EmitOptions:
     continuous_usage: bool = False
     fail_after: int | None = None  # drop the connection after this many tokens
     first_chunk_delay: float = 0.0  # seconds between the headers and the first chunk
+    # Prompt tokens the worker reused from its prefix cache; None when it has none (then usage
+    # has no prompt_tokens_details, as a vLLM server's by default).
+    cached_tokens: int | None = None
 
 
 # Unpaced streams write this many frames per socket write: one write per frame would make
@@ -37,7 +40,8 @@ async def stream(send: Send, generation: Generation, options: EmitOptions) -> No
     finish reason (there is no separate empty finish chunk).
     """
     framer = ChunkFramer(
-        options.model, options.prompt_tokens, continuous_usage=options.continuous_usage
+        options.model, options.prompt_tokens, continuous_usage=options.continuous_usage,
+        cached_tokens=options.cached_tokens,
     )
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     if options.first_chunk_delay > 0:
@@ -86,7 +90,7 @@ async def respond(send: Send, generation: Generation, options: EmitOptions) -> N
     """Answers with one chat.completion after the time generating it would take."""
     if options.interval:
         await asyncio.sleep(generation.completion_tokens * options.interval)
-    body = chat_completion(options.model, generation, options.prompt_tokens)
+    body = chat_completion(options.model, generation, options.prompt_tokens, options.cached_tokens)
     headers = [JSON_HEADERS, (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     if options.fail_after is not None:

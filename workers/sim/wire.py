@@ -30,24 +30,26 @@ def completion_id() -> str:
     return "chatcmpl-" + os.urandom(12).hex()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """A non-streamed answer's usage, the way vLLM writes it (details null unless enabled)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """A non-streamed answer's usage, the way vLLM writes it: details null, unless the worker
+    reports prefix-cache hits (`cached_tokens`, as vLLM does with --enable-prompt-tokens-details)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
         "completion_tokens_details": None,
     }
 
 
-def _usage_bytes(prompt_tokens: int, completion_tokens: int, *, per_chunk: bool) -> bytes:
+def _usage_bytes(prompt_tokens: int, completion_tokens: int, *, per_chunk: bool, cached_tokens: int | None = None) -> bytes:
     # vLLM's continuous_usage_stats carry a null completion_tokens_details; the final usage
-    # chunk has only the three counts.
-    return b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d%s}' % (
+    # chunk has only the three counts (plus the cache hits where the worker reports them).
+    return b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d%s%s}' % (
         prompt_tokens,
         prompt_tokens + completion_tokens,
         completion_tokens,
+        b"" if cached_tokens is None else b',"prompt_tokens_details":{"cached_tokens":%d}' % cached_tokens,
         b',"completion_tokens_details":null' if per_chunk else b"",
     )
 
@@ -61,20 +63,23 @@ class ChunkFramer:
     chunk sent (the usage chunk when there is one).
     """
 
-    __slots__ = ("_head", "_prompt_tokens", "_continuous")
+    __slots__ = ("_head", "_prompt_tokens", "_continuous", "_cached_tokens")
 
-    def __init__(self, model: str, prompt_tokens: int, *, continuous_usage: bool) -> None:
+    def __init__(
+        self, model: str, prompt_tokens: int, *, continuous_usage: bool, cached_tokens: int | None = None
+    ) -> None:
         self._head = (
             b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,"choices":'
             % (completion_id().encode(), int(time.time()), orjson.dumps(model))
         )
         self._prompt_tokens = prompt_tokens
         self._continuous = continuous_usage
+        self._cached_tokens = cached_tokens
 
     def _usage(self, completion_tokens: int) -> bytes:
         # vLLM's continuous_usage_stats: every chunk carries the running usage.
         if self._continuous:
-            return b',"usage":' + _usage_bytes(self._prompt_tokens, completion_tokens, per_chunk=True)
+            return b',"usage":' + _usage_bytes(self._prompt_tokens, completion_tokens, per_chunk=True, cached_tokens=self._cached_tokens)
         return b""
 
     def delta(self, delta: bytes, completion_tokens: int) -> bytes:
@@ -109,13 +114,14 @@ class ChunkFramer:
     def usage(self, completion_tokens: int) -> bytes:
         return b"".join(
             (
-                self._head, b'[],"usage":', _usage_bytes(self._prompt_tokens, completion_tokens, per_chunk=False),
+                self._head, b'[],"usage":',
+                _usage_bytes(self._prompt_tokens, completion_tokens, per_chunk=False, cached_tokens=self._cached_tokens),
                 _FINGERPRINT, b"}\n\n",
             )
         )  # fmt: skip
 
 
-def chat_completion(model: str, generation: Generation, prompt_tokens: int) -> bytes:
+def chat_completion(model: str, generation: Generation, prompt_tokens: int, cached_tokens: int | None = None) -> bytes:
     """A non-streamed chat.completion body, with the null fields vLLM always sends."""
     choice: dict[str, Any] = {
         "index": 0,
@@ -135,7 +141,7 @@ def chat_completion(model: str, generation: Generation, prompt_tokens: int) -> b
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": usage(prompt_tokens, generation.completion_tokens),
+            "usage": usage(prompt_tokens, generation.completion_tokens, cached_tokens),
             "prompt_logprobs": None,
             "prompt_token_ids": None,
             "prompt_text": None,

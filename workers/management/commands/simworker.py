@@ -43,11 +43,31 @@ class Command(BaseCommand):
             "(TensorRT-LLM's internal_request_auth_key; read from the environment so it is not "
             f"in the process list; unset or empty: none is checked). Default {AUTH_KEY_ENV}",
         )
+        parser.add_argument("--kv-block-tokens", type=int, default=16, help="tokens per prefix-cache block")
+        parser.add_argument(
+            "--kv-cache-blocks", type=int, default=0,
+            help="prefix-cache capacity in blocks (LRU); 0 disables the cache",
+        )
+        parser.add_argument(
+            "--local-prefill-tokens-per-second", type=float, default=None,
+            help="prefill rate of requests without a context phase (default: --prefill-tokens-per-second)",
+        )
+        parser.add_argument(
+            "--prefill-concurrency", type=int, default=0,
+            help="prefills computed at once (others queue); 0 is unlimited",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not 0 <= options["port"] <= 65535:
             raise CommandError("--port must be between 0 and 65535")
         for name in ("tokens_per_second", "prefill_tokens_per_second", "kv_timeout"):
+            if options[name] < 0:
+                raise CommandError(f"--{name.replace('_', '-')} must not be negative")
+        if (options["local_prefill_tokens_per_second"] or 0) < 0:
+            raise CommandError("--local-prefill-tokens-per-second must not be negative")
+        if options["kv_block_tokens"] < 1:
+            raise CommandError("--kv-block-tokens must be at least 1")
+        for name in ("kv_cache_blocks", "prefill_concurrency"):
             if options[name] < 0:
                 raise CommandError(f"--{name.replace('_', '-')} must not be negative")
         if options["max_context_tokens"] < 1:
@@ -63,6 +83,10 @@ class Command(BaseCommand):
             kv_timeout=options["kv_timeout"],
             protocol=options["protocol"],
             internal_request_auth_key=os.environ.get(options["auth_key_env"], ""),
+            kv_block_tokens=options["kv_block_tokens"],
+            kv_cache_blocks=options["kv_cache_blocks"],
+            local_prefill_tokens_per_second=options["local_prefill_tokens_per_second"],
+            prefill_concurrency=options["prefill_concurrency"],
         )
 
         def announce(line: str) -> None:

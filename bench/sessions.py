@@ -1,0 +1,506 @@
+#!/usr/bin/env python
+"""Claude Code-shaped sessions against a cached, disaggregated pool, per routing policy.
+
+    .venv/bin/python bench/sessions.py                 # 8 sessions of 5-12 turns per policy
+    .venv/bin/python bench/sessions.py --quick         # 4 sessions of 3-5 turns (a minute or two)
+    .venv/bin/python bench/sessions.py --sessions 16 --turns-min 5 --turns-max 30 --policies cache_aware,oracle
+
+N concurrent synthetic sessions: a shared system prompt and tool list (`--system-tokens`, ~20k
+tokens, as Claude Code's), each turn appending a user message of `--append-min`..`--append-max`
+tokens (plus the answer), `--turns-min`..`--turns-max` turns, `--think-min`..`--think-max`
+seconds of think time between turns, sessions starting evenly over `--ramp` seconds (all at once
+would make every first turn prefill the shared prompt at the same moment). Every policy sees the
+same sessions (one seed).
+
+The pool: 2 context and 4 generation sims, each with a prefix cache of `--kv-cache-tokens`
+(LRU, 16-token blocks), prefill costed per *uncached* token at `--prefill-rate` tokens/s, one
+prefill at a time per worker (queued prompts wait, as on one accelerator), streamed output at
+`--decode-rate` tokens/s. The pool's `max_local_prefill_tokens` is `--max-local-prefill`: for
+`cache_aware` the uncached-token threshold of conditional disaggregation (TensorRT-LLM's rule);
+for the other policies it compares the whole prompt, as before, and never skips for these prompts.
+
+Policies: `round_robin`, `least_loaded`, `session_affinity` with the `X-Claude-Code-Session-Id`
+header and without it (it falls back to least loaded), `cache_aware` with and without the header,
+and `oracle`: the benchmark asks every generation sim how much of the prompt it holds
+(`POST /sim/prefix_cache/match`, the sims' real cache state) and sends the request to a pool of
+that one generation endpoint (the same 2 context sims; SGLang's load guard applied to the
+benchmark's own count of open requests), so routing has full knowledge of every worker's cache.
+
+Reported per policy: prefill tokens computed (all 6 sims), cache hit rate (cached / (cached +
+computed) over every prefill), context phases skipped, time to first token (first
+`content_block_delta`, client side) p50/p99, and load imbalance (max / mean over the generation
+sims of their time-averaged open requests, sampled every 50 ms). Then the prefix index's own cost,
+in this process: CPU per request on the largest prompt of the run, and memory at 10,000 sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+import tracemalloc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness as h  # noqa: E402
+
+import httpx  # noqa: E402
+
+from messages_api.convert import to_chat_request  # noqa: E402
+
+BLOCK_TOKENS = 16
+POLICIES = (
+    "round_robin",
+    "least_loaded",
+    "session_affinity+header",
+    "session_affinity",
+    "cache_aware+header",
+    "cache_aware",
+    "oracle",
+)
+# SGLang's load guard, as the gateway applies it (PREFIX_BALANCE_* defaults), for the oracle.
+BALANCE_ABS, BALANCE_REL = 4, 1.5
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, help="concurrent sessions (default 8; --quick 4)")
+    parser.add_argument("--turns-min", type=int, help="(default 5; --quick 3)")
+    parser.add_argument("--turns-max", type=int, help="(default 12; --quick 5)")
+    parser.add_argument("--think-min", type=float, help="seconds (default 0.5; --quick 0.2)")
+    parser.add_argument("--think-max", type=float, help="seconds (default 2.0; --quick 0.6)")
+    parser.add_argument("--ramp", type=float, help="seconds over which sessions start, evenly (default 8; --quick 2)")
+    parser.add_argument("--append-min", type=int, default=200, help="tokens a turn appends, at least")
+    parser.add_argument("--append-max", type=int, default=2000, help="tokens a turn appends, at most")
+    parser.add_argument("--system-tokens", type=int, default=20000, help="shared system prompt + tools")
+    parser.add_argument("--kv-cache-tokens", type=int, default=100000, help="prefix cache per sim, in tokens")
+    parser.add_argument("--prefill-rate", type=float, default=40000.0, help="prefill tokens/s (context and local)")
+    parser.add_argument("--decode-rate", type=float, default=200.0, help="streamed tokens/s")
+    parser.add_argument("--output-tokens", type=int, default=16, help="max_tokens per turn")
+    parser.add_argument("--max-local-prefill", type=int, default=2048, help="the pool's max_local_prefill_tokens")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of: " + ", ".join(POLICIES))
+    parser.add_argument("--seed", type=int, default=13)
+    h.add_common_arguments(parser)
+    args = parser.parse_args()
+    h.resolve(
+        args,
+        quick={"sessions": 4, "turns_min": 3, "turns_max": 5, "think_min": 0.2, "think_max": 0.6, "ramp": 2.0},
+        full={"sessions": 8, "turns_min": 5, "turns_max": 12, "think_min": 0.5, "think_max": 2.0, "ramp": 8.0},
+    )
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = set(args.policies) - set(POLICIES)
+    if unknown:
+        parser.error(f"unknown policies: {', '.join(sorted(unknown))}")
+    return args
+
+
+# --- the workload ----------------------------------------------------------------------------------
+
+
+def words(rng: random.Random, count: int) -> str:
+    # One sim token per word (the sim's tokenizer splits on words and punctuation).
+    return " ".join(f"w{rng.randrange(5000)}" for _ in range(count))
+
+
+@dataclass
+class Workload:
+    system: str
+    tools: list[dict[str, Any]]
+    # Per session: [(appended user text, seconds to wait before it)]; the first turn's wait is
+    # the session's start within the ramp.
+    sessions: list[list[tuple[str, float]]]
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    rng = random.Random(args.seed)
+    tool_tokens = args.system_tokens * 2 // 5  # Claude Code: ~24 tool schemas, the rest prose
+    tools = [
+        {
+            "name": f"Tool{i}",
+            "description": words(rng, max(tool_tokens // 24 - 20, 1)),
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        }
+        for i in range(24)
+    ]
+    system = words(rng, args.system_tokens - tool_tokens)
+    sessions = []
+    for n in range(args.sessions):
+        turns = rng.randint(args.turns_min, args.turns_max)
+        sessions.append(
+            [
+                (f"session {n} turn {t}: " + words(rng, rng.randint(args.append_min, args.append_max)),
+                 n * args.ramp / args.sessions if t == 0 else rng.uniform(args.think_min, args.think_max))
+                for t in range(turns)
+            ]
+        )
+    return Workload(system, tools, sessions)
+
+
+# --- one policy's run -------------------------------------------------------------------------------
+
+
+@dataclass
+class Sims:
+    context: list[h.SimProc]
+    generation: list[h.SimProc]
+
+    @property
+    def all(self) -> list[h.SimProc]:
+        return self.context + self.generation
+
+
+def start_sims(stack: h.Stack, args: argparse.Namespace) -> Sims:
+    options = {
+        "tokens_per_second": args.decode_rate,
+        "prefill_tokens_per_second": args.prefill_rate,
+        "local_prefill_tokens_per_second": args.prefill_rate,
+        "prefill_concurrency": 1,
+        "kv_block_tokens": BLOCK_TOKENS,
+        "kv_cache_blocks": args.kv_cache_tokens // BLOCK_TOKENS,
+        "max_context_tokens": 262144,
+        "kv_timeout": 60,
+    }
+    return Sims(
+        [stack.start_simworker("context", **options) for _ in range(2)],
+        [stack.start_simworker("generation", **options) for _ in range(4)],
+    )
+
+
+def create_pools(stack: h.Stack, pools: list[dict[str, Any]]) -> None:
+    """All the run's pools and endpoints in one `manage.py shell` (one Django start-up)."""
+    code = (
+        "import json\n"
+        "from workers.models import WorkerPool, WorkerEndpoint\n"
+        f"for spec in json.loads({json.dumps(json.dumps(pools))}):\n"
+        "    pool = WorkerPool.objects.create(name=spec['name'], model=spec['name'], routing=spec['routing'],\n"
+        "        schedule_style='context_first', max_local_prefill_tokens=spec['limit'])\n"
+        "    for role, url in spec['endpoints']:\n"
+        "        WorkerEndpoint.objects.create(pool=pool, role=role, url=url)\n"
+    )
+    stack.manage("shell", "-c", code)
+
+
+@dataclass
+class RunResult:
+    ttft: list[float] = field(default_factory=list)
+    turns: int = 0
+    errors: list[str] = field(default_factory=list)
+    active_samples: list[list[int]] = field(default_factory=list)
+
+
+class Oracle:
+    """Routes with the generation sims' real cache state."""
+
+    def __init__(self, client: httpx.AsyncClient, generation: list[h.SimProc], models: list[str]) -> None:
+        self.client = client
+        self.generation = generation
+        self.models = models
+        self.open = [0] * len(generation)
+
+    async def choose(self, body: dict[str, Any]) -> int:
+        chat = to_chat_request(body)
+        probe = {"messages": chat["messages"], "tools": chat.get("tools")}
+        answers = await asyncio.gather(
+            *(self.client.post(g.url + "/sim/prefix_cache/match", json=probe) for g in self.generation)
+        )
+        cached = [a.json()["cached_tokens"] for a in answers]
+        best = max(cached)
+        chosen = min((i for i, c in enumerate(cached) if c == best), key=lambda i: self.open[i])
+        lowest = min(self.open)
+        if self.open[chosen] - lowest > BALANCE_ABS and self.open[chosen] > BALANCE_REL * lowest:
+            chosen = self.open.index(lowest)
+        return chosen
+
+
+async def run_session(
+    client: httpx.AsyncClient,
+    gateway: str,
+    key: str,
+    model: str,
+    workload: Workload,
+    index: int,
+    *,
+    header: bool,
+    oracle: Oracle | None,
+    result: RunResult,
+    output_tokens: int,
+) -> None:
+    messages: list[dict[str, Any]] = []
+    session_id = f"bench-session-{index}-{time.monotonic_ns()}"
+    for text, think in workload.sessions[index]:
+        if think:
+            await asyncio.sleep(think)
+        messages.append({"role": "user", "content": text})
+        body = {"model": model, "max_tokens": output_tokens, "stream": True, "system": workload.system, "tools": workload.tools, "messages": messages}
+        headers = {"x-api-key": key, "anthropic-version": h.ANTHROPIC_VERSION, "content-type": "application/json"}
+        if header:
+            headers["x-claude-code-session-id"] = session_id
+        chosen = None
+        if oracle is not None:
+            chosen = await oracle.choose(body)
+            body["model"] = oracle.models[chosen]
+            oracle.open[chosen] += 1
+        answer: list[str] = []
+        started = time.perf_counter()
+        first: float | None = None
+        try:
+            async with client.stream("POST", gateway + "/v1/messages", json=body, headers=headers) as response:
+                if response.status_code != 200:
+                    result.errors.append(f"{response.status_code} {(await response.aread())[:200]!r}")
+                    messages.pop()
+                    continue
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("type") == "error":
+                        result.errors.append(f"stream error: {event.get('error')}")
+                    if event.get("type") == "content_block_delta":
+                        if first is None:
+                            first = time.perf_counter() - started
+                        answer.append(event["delta"].get("text", ""))
+        except httpx.HTTPError as exc:
+            # A lost connection is a failed turn, not the end of the benchmark.
+            result.errors.append(f"{type(exc).__name__}: {exc}")
+            messages.pop()
+            continue
+        finally:
+            if oracle is not None and chosen is not None:
+                oracle.open[chosen] -= 1
+        if first is not None:
+            result.ttft.append(first)
+        result.turns += 1
+        messages.append({"role": "assistant", "content": "".join(answer) or "ok"})
+
+
+async def sample_active(client: httpx.AsyncClient, sims: list[h.SimProc], result: RunResult, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            answers = await asyncio.gather(*(client.get(s.url + "/sim/stats") for s in sims))
+            result.active_samples.append([a.json()["active"] for a in answers])
+        except httpx.HTTPError:
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), 0.05)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def drive(
+    gateway: str, key: str, models: list[str], workload: Workload, sims: Sims, *, header: bool, oracle: bool, output_tokens: int
+) -> RunResult:
+    result = RunResult()
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
+        router = Oracle(client, sims.generation, models) if oracle else None
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_active(client, sims.generation, result, stop))
+        await asyncio.gather(
+            *(
+                run_session(client, gateway, key, models[0], workload, n, header=header, oracle=router, result=result, output_tokens=output_tokens)
+                for n in range(len(workload.sessions))
+            )
+        )
+        stop.set()
+        await sampler
+    return result
+
+
+def cache_totals(sims: Sims) -> dict[str, Any]:
+    caches = {s.url: h.http_get_json(h.port_of(s.url), "/sim/prefix_cache")[1] for s in sims.all}
+    stats = {s.url: h.sim_stats(s.url) for s in sims.all}
+    return {
+        "computed_tokens": sum(c["computed_tokens"] for c in caches.values()),
+        "cached_tokens": sum(c["cached_tokens"] for c in caches.values()),
+        "context_requests": sum(stats[s.url]["received"] for s in sims.context),
+        "generation_requests": [stats[s.url]["received"] for s in sims.generation],
+        "per_sim": [
+            {"role": s.role, "received": stats[s.url]["received"], "computed_tokens": caches[s.url]["computed_tokens"],
+             "cached_tokens": caches[s.url]["cached_tokens"], "blocks_held": caches[s.url]["blocks_held"]}
+            for s in sims.all
+        ],
+    }
+
+
+class LazyGateway:
+    """One gateway for every run, started once the first run's pools exist (its /ready wants a
+    routable pool)."""
+
+    def __init__(self, stack: h.Stack) -> None:
+        self.stack = stack
+        self.proc: h.GatewayProc | None = None
+
+    def ready(self, pools: set[str]) -> h.GatewayProc:
+        if self.proc is None:
+            self.proc = self.stack.start_gateway(
+                {"REGISTRY_REFRESH_INTERVAL_S": 0.2, "MESSAGES_PING_INTERVAL_S": 10}, expect_pools=pools
+            )
+        else:
+            h.wait_ready(self.proc, pools)
+        return self.proc
+
+
+def run_policy(stack: h.Stack, gateways: LazyGateway, key: str, args: argparse.Namespace, workload: Workload, policy: str, run: int) -> dict[str, Any]:
+    sims = start_sims(stack, args)
+    try:
+        routing, _, variant = policy.partition("+")
+        header = variant == "header"
+        name = f"s{run}-{routing}-{variant or 'plain'}"
+        contexts = [("context", s.url) for s in sims.context]
+        if routing == "oracle":
+            pools = [
+                {"name": f"{name}-g{i}", "routing": "cache_aware", "limit": args.max_local_prefill, "endpoints": contexts + [("generation", g.url)]}
+                for i, g in enumerate(sims.generation)
+            ]
+        else:
+            pools = [{"name": name, "routing": routing, "limit": args.max_local_prefill, "endpoints": contexts + [("generation", g.url) for g in sims.generation]}]
+        create_pools(stack, pools)
+        gateway = gateways.ready({p["name"] for p in pools})
+        started = time.perf_counter()
+        result = asyncio.run(
+            drive(gateway.url, key, [p["name"] for p in pools], workload, sims, header=header, oracle=routing == "oracle", output_tokens=args.output_tokens)
+        )
+        wall = time.perf_counter() - started
+        totals = cache_totals(sims)
+    finally:
+        for sim in sims.all:
+            sim.stop()
+    prefills = totals["computed_tokens"] + totals["cached_tokens"]
+    per_endpoint = [sum(sample[i] for sample in result.active_samples) / max(len(result.active_samples), 1) for i in range(4)]
+    mean_active = sum(per_endpoint) / 4
+    routed = totals["generation_requests"]
+    return {
+        "policy": policy,
+        "turns": result.turns,
+        "errors": result.errors,
+        "wall_s": wall,
+        "prefill_tokens_computed": totals["computed_tokens"],
+        "cached_tokens": totals["cached_tokens"],
+        "cache_hit_rate": totals["cached_tokens"] / prefills if prefills else 0.0,
+        "context_phases_skipped": result.turns - totals["context_requests"],
+        "ttft_s": h.distribution(result.ttft),
+        "open_requests_per_generation_endpoint": per_endpoint,
+        "load_imbalance": max(per_endpoint) / mean_active if mean_active else float("nan"),
+        "requests_per_generation_endpoint": routed,
+        "routed_imbalance": max(routed) / (sum(routed) / 4) if sum(routed) else float("nan"),
+        "per_sim": totals["per_sim"],
+    }
+
+
+# --- the index's own cost ---------------------------------------------------------------------------
+
+
+def index_cost(workload: Workload, chunk_bytes: int = 2048, sessions: int = 10000) -> dict[str, Any]:
+    """CPU of one request's index work (key, match on 4 endpoints, record) on the largest prompt
+    of the workload, and the index's memory with `sessions` conversations of that shape."""
+    from workers.prefix_index import PrefixIndex, prompt_key
+
+    longest = max(range(len(workload.sessions)), key=lambda n: sum(len(t) for t, _ in workload.sessions[n]))
+    messages: list[dict[str, Any]] = []
+    for text, _ in workload.sessions[longest]:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]
+    chat = to_chat_request({"model": "m", "max_tokens": 1, "system": workload.system, "tools": workload.tools, "messages": messages[:-1]})
+    index = PrefixIndex(16384, 1800.0)
+    key = prompt_key(chat, chunk_bytes)
+    for endpoint in range(4):
+        index.record(endpoint, "p", key)
+    repeats = 200
+    started = time.process_time()
+    for _ in range(repeats):
+        key = prompt_key(chat, chunk_bytes)
+        for endpoint in range(4):
+            index.match(endpoint, key)
+        index.record(1, "p", key)
+    per_request_us = (time.process_time() - started) / repeats * 1e6
+    # Memory: 10,000 live sessions on 4 endpoints, each its own conversation after a shared head
+    # (the per-endpoint LRU bound is what limits it; the default 16384 chunks = ~32 MiB of text).
+    tracemalloc.start()
+    big = PrefixIndex(16384, 1800.0)
+    rng = random.Random(1)
+    head = key.chunks[: key.shared_chunks]
+    for n in range(sessions):
+        tail = tuple((i << 32) | rng.getrandbits(32) for i in range(len(head), len(key.chunks)))
+        big.record(n % 4, "p", type(key)(head + tail, chunk_bytes, key.size, b"", key.shared_chunks))
+    memory = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {
+        "prompt_bytes": key.size,
+        "chunks": len(key.chunks),
+        "cpu_us_per_request": per_request_us,
+        "index_mib_at_sessions": memory / 2**20,
+        "sessions": sessions,
+        "chunks_held": big.chunks_held(),
+    }
+
+
+# --- main -------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    workload = build_workload(args)
+    turns = sum(len(s) for s in workload.sessions)
+    print(f"{args.sessions} sessions, {turns} turns, shared prefix ~{args.system_tokens} tokens, "
+          f"prefill {args.prefill_rate:.0f} tokens/s per uncached token, cache {args.kv_cache_tokens} tokens per sim")
+    results: list[dict[str, Any]] = []
+    with h.Stack("sessions", keep=args.keep) as stack:
+        stack.migrate()
+        key = stack.create_api_key()
+        note = h.wait_for_quiet(args.quiet_wait)
+        gateways = LazyGateway(stack)
+        started = h.machine_busy_seconds(), time.perf_counter()
+        for run, policy in enumerate(args.policies):
+            print(f"running {policy} ...", flush=True)
+            results.append(run_policy(stack, gateways, key, args, workload, policy, run))
+        assert gateways.proc is not None
+        gateway_cpu = h.proc_cpu_seconds(gateways.proc.pid)
+        busy = (h.machine_busy_seconds() - started[0]) / ((time.perf_counter() - started[1]) * (os.cpu_count() or 1))
+        machine = f"machine {busy * 100:.0f}% busy over the runs"
+    cost = index_cost(workload)
+
+    baseline = next((r for r in results if r["policy"] == "round_robin"), None)
+    oracle = next((r for r in results if r["policy"] == "oracle"), None)
+    rows = []
+    for r in results:
+        ttft = r["ttft_s"]
+        rows.append([
+            r["policy"],
+            r["turns"],
+            r["prefill_tokens_computed"],
+            (r["prefill_tokens_computed"] / baseline["prefill_tokens_computed"]) if baseline and baseline["prefill_tokens_computed"] else float("nan"),
+            r["cache_hit_rate"] * 100,
+            (r["cache_hit_rate"] / oracle["cache_hit_rate"] * 100) if oracle and oracle["cache_hit_rate"] else float("nan"),
+            r["context_phases_skipped"],
+            ttft.get("p50", float("nan")) * 1000,
+            ttft.get("p99", float("nan")) * 1000,
+            r["load_imbalance"],
+            r["routed_imbalance"],
+            len(r["errors"]),
+        ])
+    h.print_table(
+        f"Sessions ({machine}; {note})",
+        ["policy", "turns", "prefill tok", "vs RR", "hit %", "% of oracle", "ctx skipped", "TTFT p50 ms", "TTFT p99 ms", "imbalance", "routed max/mean", "errors"],
+        rows,
+    )
+    print(f"\nprefix index, in-process: {cost['cpu_us_per_request']:.0f} µs CPU per request on a {cost['prompt_bytes']:,}-byte "
+          f"prompt ({cost['chunks']} chunks); {cost['index_mib_at_sessions']:.1f} MiB for {cost['sessions']:,} sessions "
+          f"({cost['chunks_held']:,} chunks held, LRU-bounded)")
+    print(f"gateway CPU for all runs: {gateway_cpu:.1f} s")
+    for r in results:
+        for error in r["errors"][:3]:
+            print(f"  {r['policy']} error: {error}")
+    h.write_result(
+        h.result_name(args, "sessions"),
+        {"args": vars(args), "machine_note": machine, "quiet": note, "results": results, "index_cost": cost, "gateway_cpu_s": gateway_cpu},
+    )
+
+
+if __name__ == "__main__":
+    main()
