@@ -13,6 +13,12 @@ prompt, streamed, to the decode server with the `kv_transfer_params` the prefill
 (the decode server pulls the KV blocks from the prefill server over NIXL). A fresh prompt per run,
 so prefix caching never hides a transfer.
 
+`--through-gateway` sends each run through the gateway instead, as Anthropic Messages: a daphne
+gateway (its own SQLite database) with a `vllm` pool, context first, the prefill server as its
+context endpoint and the decode server as its generation endpoint; the time is to the first
+`content_block_delta` the client receives, and the decode server's log says whether it pulled
+the KV (a decode without usable params logs "will not utilize KVTransfer").
+
 Not gating (prints a table, writes bench/results/pd_vllm.json). A decode counts as stalled when
 its first token takes longer than --stall-s.
 """
@@ -30,6 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import _harness as h  # noqa: E402
 from bench._harness import write_result  # noqa: E402
 from tests.realvllm.paths import LOG_DIR  # noqa: E402
 from tests.realvllm.server import RealVllm, free_port, missing  # noqa: E402
@@ -157,12 +164,72 @@ def run_once(prefill: RealVllm, decode: RealVllm, run: int, max_tokens: int, sta
     return result
 
 
+NO_KV_TRANSFER = "will not utilize KVTransfer"
+
+
+def run_through_gateway(gateway_url: str, key: str, run: int, max_tokens: int, stall_s: float) -> dict[str, Any]:
+    """One streamed Anthropic request through the gateway's vLLM pool; time to the first text."""
+    started = time.monotonic()
+    first_token_s: float | None = None
+    deltas = 0
+    usage: dict[str, Any] = {}
+    with httpx.stream(
+        "POST",
+        gateway_url + "/v1/messages",
+        headers={"x-api-key": key, "anthropic-version": "2023-06-01"},
+        json={"model": "tiny-llama", "max_tokens": max_tokens, "stream": True, "temperature": 0,
+              "messages": [{"role": "user", "content": prompt(run)}]},
+        timeout=300,
+    ) as stream:  # fmt: skip
+        if stream.status_code != 200:
+            return {"run": run, "error": f"gateway answered {stream.status_code}: {stream.read().decode(errors='replace')[:300]}"}
+        event = ""
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event in ("content_block_delta", "message_start", "message_delta", "error"):
+                data = json.loads(line[6:])
+                if event == "error":
+                    return {"run": run, "error": data["error"]["message"]}
+                if event == "content_block_delta":
+                    deltas += 1
+                    if first_token_s is None:
+                        first_token_s = time.monotonic() - started
+                elif event == "message_start":
+                    usage.update(data["message"]["usage"])
+                else:
+                    usage.update(data.get("usage") or {})
+    total_s = time.monotonic() - started
+    return {
+        "run": run,
+        "prompt_tokens": usage.get("input_tokens"),
+        "prefill_s": None,
+        "decode_first_token_s": round(first_token_s, 3) if first_token_s is not None else None,
+        "decode_total_s": round(total_s, 3),
+        "decode_chunks": deltas,
+        "decode_usage": usage,
+        "stalled": first_token_s is None or first_token_s > stall_s,
+    }
+
+
+def through_gateway(prefill: RealVllm, decode: RealVllm, args: argparse.Namespace) -> list[dict[str, Any]]:
+    with h.Stack("pd_vllm") as stack:
+        stack.migrate()
+        pool = {"protocol": "vllm", "schedule_style": "context_first"}
+        stack.register_worker("pd", prefill.model, "context", prefill.url, **pool)
+        stack.register_worker("pd", prefill.model, "generation", decode.url, **pool)
+        key = stack.create_api_key("pd")
+        gateway = stack.start_gateway({"WORKER_FIRST_BYTE_TIMEOUT_S": 300}, expect_pools=["pd"])
+        return [run_through_gateway(f"http://127.0.0.1:{gateway.port}", key, run, args.max_tokens, args.stall_s) for run in range(args.runs)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--stall-s", type=float, default=10.0, help="a first decode token slower than this is a stall")
     parser.add_argument("--no-progress-thread", action="store_true", help="run NIXL without its busy-polling progress thread")
+    parser.add_argument("--through-gateway", action="store_true", help="send each run through the gateway's vLLM pool, as Anthropic Messages")
     args = parser.parse_args()
     reason = missing()
     if reason is not None:
@@ -171,8 +238,12 @@ def main() -> None:
     prefill, decode = start_pair(progress_thread=not args.no_progress_thread)
     startup_s = time.monotonic() - started
     try:
-        results = [run_once(prefill, decode, run, args.max_tokens, args.stall_s) for run in range(args.runs)]
+        if args.through_gateway:
+            results = through_gateway(prefill, decode, args)
+        else:
+            results = [run_once(prefill, decode, run, args.max_tokens, args.stall_s) for run in range(args.runs)]
         late_reads = sum(LATE_READ in line for line in prefill.log_path.read_text(errors="replace").splitlines())
+        no_transfer = sum(NO_KV_TRANSFER in line for line in decode.log_path.read_text(errors="replace").splitlines())
     finally:
         prefill.stop()
         decode.stop()
@@ -180,18 +251,23 @@ def main() -> None:
     print(f"{'run':>3} {'prompt':>6} {'prefill s':>9} {'1st token s':>11} {'decode s':>8} {'chunks':>6} stalled")
     for r in results:
         if "error" in r:
-            print(f"{r['run']:>3} {r['prompt_tokens']:>6} {r['prefill_s']:>9} error: {r['error']}")
+            print(f"{r['run']:>3} {r.get('prompt_tokens')!s:>6} {r.get('prefill_s')!s:>9} error: {r['error']}")
             continue
         print(
-            f"{r['run']:>3} {r['prompt_tokens']:>6} {r['prefill_s']:>9} {r['decode_first_token_s']!s:>11} "
+            f"{r['run']:>3} {r['prompt_tokens']!s:>6} {r['prefill_s']!s:>9} {r['decode_first_token_s']!s:>11} "
             f"{r['decode_total_s']:>8} {r['decode_chunks']:>6} {r['stalled']}"
         )
     print("kv_transfer_params of the first prefill answer:")
     print(json.dumps(results[0].get("kv_transfer_params"), indent=1))
     print(f"prefill server log lines '{LATE_READ}': {late_reads}")
+    print(f"decode server log lines '{NO_KV_TRANSFER}' (a decode that prefilled itself): {no_transfer}")
+    name = "pd_vllm" + ("-no-progress-thread" if args.no_progress_thread else "") + ("-gateway" if args.through_gateway else "")
     write_result(
-        "pd_vllm-no-progress-thread" if args.no_progress_thread else "pd_vllm", {"startup_s": round(startup_s, 1), "nixl_progress_thread": not args.no_progress_thread, "runs": results, "late_kv_reads_logged": late_reads, "kv_config": KV_CONFIG}
-    )
+        name,
+        {"startup_s": round(startup_s, 1), "nixl_progress_thread": not args.no_progress_thread,
+         "through_gateway": args.through_gateway, "runs": results, "late_kv_reads_logged": late_reads,
+         "decodes_without_kv_transfer": no_transfer, "kv_config": KV_CONFIG},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
