@@ -282,7 +282,8 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(gateway: Gateway
     max_tokens = engine.max_model_len - 100  # seconds of decoding, long past the hang-up
     s = stream(gateway, cluster, body(max_tokens=max_tokens))
     s.read_until("content_block_delta", timeout=60)
-    engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 1)
+    # Leave at once: the engine decodes the rest in ~5 s, so polling its metrics for the running
+    # request first (slow under coverage) could let it finish before the hang-up.
     s.close()
     after = engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0)
     # vLLM counts a client's abort in no metric (output_processor.abort_requests records no
