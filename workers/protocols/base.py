@@ -22,7 +22,7 @@ pool's validation keep such pools from being configured).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -74,6 +74,27 @@ class Handoff(Protocol):
     @property
     def prompt_tokens(self) -> int | None:
         """The prompt's token count as the context worker counted it, if it said."""
+
+
+def streamed_request(
+    chat: Mapping[str, Any], stream_options: Mapping[str, Any], *, without: Iterable[str] = ()
+) -> dict[str, Any]:
+    """`chat` as a worker streams it: `stream` on with the protocol's `stream_options`, and none of
+    the `without` fields (the protocol's handoff fields, which only the protocol may set)."""
+    dropped = frozenset(without)
+    body = {k: v for k, v in chat.items() if k not in dropped}
+    body["stream"] = True
+    body["stream_options"] = dict(stream_options)
+    return body
+
+
+def answered_request(chat: Mapping[str, Any], *, without: Iterable[str] = ()) -> dict[str, Any]:
+    """`chat` as a worker answers it in one JSON object (a context or prefill request): `stream`
+    off and no `stream_options`, which engines refuse without `stream`."""
+    dropped = frozenset(without) | {"stream_options"}
+    body = {k: v for k, v in chat.items() if k not in dropped}
+    body["stream"] = False
+    return body
 
 
 class WorkerProtocol(ABC):

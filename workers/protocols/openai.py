@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from workers.protocols.base import AGGREGATED, Call, WorkerProtocol
+from workers.protocols.base import AGGREGATED, Call, WorkerProtocol, streamed_request
 
 STREAM_OPTIONS = {"include_usage": True}
 
@@ -26,10 +26,7 @@ class OpenAIProtocol(WorkerProtocol):
     schedules: ClassVar[frozenset[str]] = frozenset({AGGREGATED})
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
-        body = dict(chat)
-        body["stream"] = True
-        body["stream_options"] = dict(STREAM_OPTIONS)
-        return body
+        return streamed_request(chat, STREAM_OPTIONS)
 
 
 PROTOCOL = OpenAIProtocol()

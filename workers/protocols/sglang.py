@@ -39,7 +39,16 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from workers.errors import WorkerError
-from workers.protocols.base import AGGREGATED, GENERATION_FIRST, Call, ContextPeer, Handoff, WorkerProtocol
+from workers.protocols.base import (
+    AGGREGATED,
+    GENERATION_FIRST,
+    Call,
+    ContextPeer,
+    Handoff,
+    WorkerProtocol,
+    answered_request,
+    streamed_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,21 +102,12 @@ def _misconfigured(detail: str) -> WorkerError:
     return WorkerError(500, "the worker pool for this model is misconfigured", stage="context", code="misconfigured", detail=detail)
 
 
-def _without_bootstrap(chat: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in chat.items() if k not in BOOTSTRAP_FIELDS}
-
-
 def streamed(chat: dict[str, Any]) -> dict[str, Any]:
-    body = _without_bootstrap(chat)
-    body["stream"] = True
-    body["stream_options"] = dict(STREAM_OPTIONS)
-    return body
+    return streamed_request(chat, STREAM_OPTIONS, without=BOOTSTRAP_FIELDS)
 
 
 def prefill_request(chat: dict[str, Any], context: ContextPeer, room: int) -> dict[str, Any]:
-    body = _without_bootstrap(chat)
-    body["stream"] = False
-    body.pop("stream_options", None)  # only meaningful (and, on some servers, only valid) streamed
+    body = answered_request(chat, without=BOOTSTRAP_FIELDS)
     body.update(bootstrap_fields(context, room))
     return body
 

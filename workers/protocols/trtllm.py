@@ -41,7 +41,17 @@ from typing import Any, ClassVar
 
 from workers import client
 from workers.errors import MalformedAnswer, WorkerError
-from workers.protocols.base import AGGREGATED, CONTEXT_FIRST, GENERATION_FIRST, Call, ContextPeer, Handoff, WorkerProtocol
+from workers.protocols.base import (
+    AGGREGATED,
+    CONTEXT_FIRST,
+    GENERATION_FIRST,
+    Call,
+    ContextPeer,
+    Handoff,
+    WorkerProtocol,
+    answered_request,
+    streamed_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +136,7 @@ def is_auth_rejection(error: WorkerError) -> bool:
 def context_request(
     chat: dict[str, Any], disagg_request_id: int, schedule_style: str, conversation_id: str | None = None
 ) -> dict[str, Any]:
-    body = dict(chat)
-    body["stream"] = False
-    body.pop("stream_options", None)
+    body = answered_request(chat, without=("disaggregated_params",))
     params: dict[str, Any] = {
         "request_type": "context_only",
         "disagg_request_id": disagg_request_id,
@@ -299,11 +307,7 @@ def generation_request_first(
 
 def streamed(chat: dict[str, Any]) -> dict[str, Any]:
     """The request as a generation worker streams it (usage on every chunk for message_start)."""
-    body = dict(chat)
-    body.pop("disaggregated_params", None)
-    body["stream"] = True
-    body["stream_options"] = STREAM_OPTIONS
-    return body
+    return streamed_request(chat, STREAM_OPTIONS, without=("disaggregated_params",))
 
 
 class TrtllmProtocol(WorkerProtocol):

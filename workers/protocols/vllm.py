@@ -24,7 +24,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from workers.errors import MalformedAnswer
-from workers.protocols.base import AGGREGATED, CONTEXT_FIRST, Call, ContextPeer, Handoff, WorkerProtocol
+from workers.protocols.base import (
+    AGGREGATED,
+    CONTEXT_FIRST,
+    Call,
+    ContextPeer,
+    Handoff,
+    WorkerProtocol,
+    answered_request,
+    streamed_request,
+)
 
 CHAT_PATH = "/v1/chat/completions"
 # vLLM's StreamOptions: usage on every chunk (`continuous_usage_stats`, a vLLM extension) gives
@@ -64,7 +73,7 @@ class PrefillResult:
 
 
 def prefill_request(chat: dict[str, Any]) -> dict[str, Any]:
-    body = dict(chat)
+    body = answered_request(chat, without=("kv_transfer_params",))
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
@@ -72,8 +81,6 @@ def prefill_request(chat: dict[str, Any]) -> dict[str, Any]:
     # which vLLM refuses above max_tokens): min_tokens=1 keeps the one token from being a stop
     # token, so the prefill ends length-capped, the only way vLLM's connectors hand KV off.
     body["min_tokens"] = 1
-    body["stream"] = False
-    body.pop("stream_options", None)  # vLLM refuses stream_options without stream
     body["kv_transfer_params"] = prefill_kv_transfer_params()
     return body
 
@@ -112,11 +119,7 @@ def decode_request(chat: dict[str, Any], prefill: PrefillResult) -> dict[str, An
 
 def streamed(chat: dict[str, Any]) -> dict[str, Any]:
     """The request as a decode (or aggregated) worker streams it."""
-    body = dict(chat)
-    body.pop("kv_transfer_params", None)
-    body["stream"] = True
-    body["stream_options"] = STREAM_OPTIONS
-    return body
+    return streamed_request(chat, STREAM_OPTIONS, without=("kv_transfer_params",))
 
 
 class VllmProtocol(WorkerProtocol):
