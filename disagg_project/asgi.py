@@ -32,7 +32,7 @@ def _start_services_with_daphne() -> None:
     # Close the worker connection pools while the loop still runs (after daphne has stopped the
     # applications), instead of leaving them to be collected.
     reactor.addSystemEventTrigger("before", "shutdown", _close_worker_transport)
-    from disagg_project import drain
+    from messages_api import drain
 
     drain.install(reactor)
 

@@ -243,7 +243,7 @@ WORKER_MAX_RESPONSE_HEADER_BYTES = env_int("WORKER_MAX_RESPONSE_HEADER_BYTES", 6
 # generation worker to take the KV handoff (so the context worker frees it) before closing.
 WORKER_HANDOFF_RELEASE_TIMEOUT_S = env_float("WORKER_HANDOFF_RELEASE_TIMEOUT_S", 5.0)
 # On SIGTERM, stop accepting and let requests in flight finish for this long before cancelling
-# them (disagg_project/drain.py); 0 stops at once. Below the usual 30 s grace of an orchestrator.
+# them (messages_api/drain.py); 0 stops at once. Below the usual 30 s grace of an orchestrator.
 GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 25.0)
 # Write response bytes straight to the client's socket when nothing is queued before them, instead
 # of on the next loop iteration (messages_api/direct_write.py); off only to compare.

@@ -11,6 +11,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_safe
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from messages_api import drain
 from workers.protocols import AGGREGATED
 from workers.registry import PoolInfo, get_registry
 from workers.router import candidates
@@ -59,9 +60,11 @@ async def ready(request: HttpRequest) -> JsonResponse:
                     ready = ready and counts[role]["routable"] > 0
             pools[pool.name] = {"id": pool.id, "model": pool.model, **counts}
         ready = ready and bool(snapshot.pools)
+    # A process finishing its requests after SIGTERM takes no new ones (messages_api/drain.py).
+    status = "draining" if drain.is_draining() else "ready" if ready else "not ready"
     return JsonResponse(
-        {"status": "ready" if ready else "not ready", "database": "ok" if database else "unreachable", "pools": pools},
-        status=200 if ready else 503,
+        {"status": status, "database": "ok" if database else "unreachable", "pools": pools},
+        status=200 if status == "ready" else 503,
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 from daphne.http_protocol import HTTPFactory
 from daphne.server import Server
 
-from disagg_project import drain
+from messages_api import drain
 from messages_api.models import MessageRequest
 from tests.conftest import Cluster, audit_row, register_cluster, reservations_closed, wait_until
 from tests.gateway import PROJECT_ROOT, gateway_env
@@ -58,8 +58,8 @@ class Served:
 
 @pytest.fixture
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
-    options: dict[str, Any] = getattr(request, "param", {})
-    server = Served(2, **options)
+    options: dict[str, Any] = dict(getattr(request, "param", {}))
+    server = Served(int(options.pop("processes", 2)), **options)
     yield server
     server.stop()
 
@@ -156,9 +156,31 @@ def test_sigterm_drains_then_exits(
 
 
 def test_the_daphne_internals_the_drain_reads_still_exist() -> None:
-    for cls, names in drain.RELIED_ON.items():
+    for cls, names in drain.relied_on().items():
         for name in names:
             # Instance attributes, set in __init__ / run: read from the source that sets them.
             assert f"self.{name} =" in inspect.getsource(cls), f"{cls.__name__} no longer sets {name}"
     assert HTTPFactory.__init__.__code__.co_varnames[1] == "server"
     assert "def run" in inspect.getsource(Server)
+
+
+@pytest.mark.parametrize("served", [{"GATEWAY_DRAIN_TIMEOUT_S": "20", "processes": 1}], indirect=True)
+def test_a_draining_process_says_so_on_ready(
+    served: Served, transactional_db: Any, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
+    """A load balancer still holding a keep-alive connection to a draining process must stop
+    choosing it: /ready answers 503 "draining" there while a stream finishes."""
+    cluster = register_cluster(context_worker, generation_worker)
+    registered_everywhere(served, cluster)
+    with httpx.Client(base_url=served.url, timeout=5) as probe:
+        # One process (so the probe's connection and the streams share it), draining a while.
+        streams = [open_stream(served, cluster, "slow [sim tokens=3 gen_delay=3]") for _ in range(2)]
+        for stream in streams:
+            stream.read_head()
+        assert probe.get("/ready").status_code == 200  # the probe's connection is now open
+        served.process.send_signal(signal.SIGTERM)
+        answer = wait_until(lambda: (r := probe.get("/ready")).status_code == 503 and r, timeout=10)
+        assert answer.json()["status"] == "draining"
+        for stream in streams:
+            assert [f.event for f in stream.read_all()][-1] == "message_stop"
+    assert served.process.wait(timeout=15) == 0

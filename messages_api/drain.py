@@ -9,10 +9,13 @@ one listening socket: a draining process closes only its own copy, so its siblin
 accepting while it finishes its streams.
 
 A second SIGTERM, or SIGINT, stops at once. `GATEWAY_DRAIN_TIMEOUT_S=0` keeps Twisted's
-behaviour.
+behaviour. While draining, `/ready` answers 503 (`is_draining()`), so a load balancer that still
+holds connections to this process stops choosing it.
 
 This reads daphne's server through the listening port's factory (`Port.factory.server
-.connections`); `RELIED_ON` names what it reads, and tests/test_serve.py checks that it exists.
+.connections`); `relied_on()` names what it reads, and tests/test_serve.py checks that it exists.
+daphne is imported only when the drain is installed: importing `daphne.server` installs Twisted's
+reactor, which no other process (a management command, the views' import) should do.
 """
 
 from __future__ import annotations
@@ -24,16 +27,26 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-from daphne.http_protocol import HTTPFactory
-from daphne.server import Server
 from django.conf import settings
 
 logger = logging.getLogger(__name__)
 
-# The daphne names read here (tests/test_serve.py checks them).
-RELIED_ON: dict[type, tuple[str, ...]] = {HTTPFactory: ("server",), Server: ("connections",)}
+
+def relied_on() -> dict[type, tuple[str, ...]]:
+    """The daphne names read here (tests/test_serve.py checks them)."""
+    from daphne.http_protocol import HTTPFactory
+    from daphne.server import Server
+
+    return {HTTPFactory: ("server",), Server: ("connections",)}
 
 POLL_INTERVAL_S = 0.05
+
+_draining = False
+
+
+def is_draining() -> bool:
+    """Whether this process got SIGTERM and is finishing its requests before it stops."""
+    return _draining
 
 
 def install(reactor: Any) -> None:
@@ -62,6 +75,8 @@ class _Drain:
         self.servers: list[Any] = []
 
     def signalled(self) -> None:
+        global _draining
+        _draining = True
         if self.deadline is not None:
             logger.warning("second SIGTERM while draining: stopping now")
             self.reactor.stop()
@@ -93,6 +108,8 @@ class _Drain:
 
 def _listening_ports(reactor: Any) -> Iterable[Any]:
     """daphne's listening TCP ports (the readers whose factory is daphne's HTTPFactory)."""
+    from daphne.http_protocol import HTTPFactory
+
     for reader in reactor.getReaders():
         factory = getattr(reader, "factory", None)
         if isinstance(factory, HTTPFactory) and hasattr(reader, "stopListening"):
