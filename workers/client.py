@@ -472,6 +472,11 @@ class _StreamDeadline:
             self._waiting.cancel()
 
 
+# A stream gives the event loop a turn after this many chunks even when its worker's bytes are
+# all buffered already (see ChunkStream.__aiter__).
+YIELD_EVERY_CHUNKS = 64
+
+
 class ChunkStream:
     """An open OpenAI chat stream: iterate validated chunks until `[DONE]`; close it when done.
 
@@ -495,6 +500,7 @@ class ChunkStream:
         deadline = self._deadline = _StreamDeadline(asyncio.get_running_loop())
         # One boundary around the whole loop: only GeneratorExit can reach a suspended `yield`,
         # and it passes through.
+        relayed = 0
         with boundary(self._stage, streaming=True):
             try:
                 while True:
@@ -506,6 +512,12 @@ class ChunkStream:
                             await self._drain(raw_chunks)
                             return
                         yield chunk
+                        relayed += 1
+                        if relayed % YIELD_EVERY_CHUNKS == 0:
+                            # Reading what is already buffered never suspends: a worker that sent
+                            # thousands of chunks at once would hold the loop until they are all
+                            # relayed, starving other streams and hiding this client's hang-up.
+                            await asyncio.sleep(0)
                     if ended:
                         raise StreamBroken(
                             502,
