@@ -10,9 +10,10 @@ PORT ?= 8000
 
 # `make test COVERAGE=1` measures coverage of messages_api, workers and disagg_project, including the
 # daphne and sim-worker processes the tests start, and fails below COVERAGE_FLOOR (percent of lines).
-# The floor: 92.1 % measured on 2026-12-03 (SQLite), less a point for run-to-run variation in
-# timing-dependent paths. Raise it as tests grow; never lower it.
-COVERAGE_FLOOR := 91
+# The floor: 95 % (rounded) measured by .ci/run on 2026-12-03 late (SQLite, real engine and routers
+# included), less two points for run-to-run variation in timing-dependent paths. Raise it as tests
+# grow; never lower it.
+COVERAGE_FLOOR := 93
 
 .PHONY: install run test check bench clean vllm
 
