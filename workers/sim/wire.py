@@ -152,35 +152,17 @@ def chat_completion(model: str, generation: Generation, prompt_tokens: int, cach
     )
 
 
-def context_only_completion(
-    model: str,
-    *,
-    prompt_token_ids: list[int],
-    disaggregated_params: dict[str, Any],
-) -> bytes:
-    """A context worker's answer: no text, one first token, and the handoff to pass on."""
-    prompt_tokens = len(prompt_token_ids)
+def prefill_completion(model: str, *, choice: dict[str, Any], body: dict[str, Any]) -> bytes:
+    """A context (prefill) worker's answer, in any dialect: no text, the one token the prefill
+    generated, then the dialect's own `choice` fields (its finish reason, its handoff) and `body`
+    fields (usage, prompt ids, a top-level handoff), in the order given."""
     return orjson.dumps(
         {
             "id": completion_id(),
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": ""},
-                    "finish_reason": "length",
-                    "disaggregated_params": disaggregated_params,
-                }
-            ],
-            "prompt_token_ids": prompt_token_ids,
-            # TensorRT-LLM's usage (this is its context answer), not vLLM's.
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": 1,
-                "total_tokens": prompt_tokens + 1,
-                "prompt_tokens_details": {"cached_tokens": 0},
-            },
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, **choice}],
+            **body,
         }
     )

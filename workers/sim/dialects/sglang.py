@@ -22,16 +22,14 @@ the sim does not serve.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import orjson
 
 from ..config import SimConfig
 from ..errors import SimError
 from ..schema import DisaggParams
-from ..wire import completion_id, usage
+from ..wire import prefill_completion, usage
 from .base import ContextIssue, Dialect
 
 MAX_ROOM = 2**63 - 1
@@ -116,23 +114,10 @@ class SglangDialect(Dialect):
         return room if isinstance(room, int) and not isinstance(room, bool) else None
 
     def context_answer(self, issue: ContextIssue) -> bytes:
-        prompt_tokens = len(issue.prompt_token_ids)
-        return orjson.dumps(
-            {
-                "id": completion_id(),
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": issue.config.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": ""},
-                        "finish_reason": "length",
-                        "matched_stop": None,
-                    }
-                ],
-                "usage": usage(prompt_tokens, 1),
-            }
+        return prefill_completion(
+            issue.config.model,
+            choice={"finish_reason": "length", "matched_stop": None},
+            body={"usage": usage(len(issue.prompt_token_ids), 1)},
         )
 
     def server_info(self, config: SimConfig, public_url: str) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from ..config import SimConfig
 from ..errors import SimError
 from ..schema import DisaggParams, optional_int, optional_str
-from ..wire import context_only_completion
+from ..wire import prefill_completion
 from .base import ContextIssue, Dialect
 
 AUTH_HEADER = "x-trtllm-disagg-auth"
@@ -123,17 +123,28 @@ class TrtllmDialect(Dialect):
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def context_answer(self, issue: ContextIssue) -> bytes:
-        return context_only_completion(
+        prompt_tokens = len(issue.prompt_token_ids)
+        handoff = {
+            "request_type": "context_only",
+            "first_gen_tokens": issue.first_gen_tokens,
+            "ctx_request_id": issue.handoff_id,
+            "disagg_request_id": issue.handoff_id,
+            "encoded_opaque_state": issue.encoded_opaque_state,
+            "ctx_dp_rank": 0,
+            "ctx_info_endpoint": transceiver_address(issue.public_url),
+        }
+        return prefill_completion(
             issue.config.model,
-            prompt_token_ids=issue.prompt_token_ids,
-            disaggregated_params={
-                "request_type": "context_only",
-                "first_gen_tokens": issue.first_gen_tokens,
-                "ctx_request_id": issue.handoff_id,
-                "disagg_request_id": issue.handoff_id,
-                "encoded_opaque_state": issue.encoded_opaque_state,
-                "ctx_dp_rank": 0,
-                "ctx_info_endpoint": transceiver_address(issue.public_url),
+            choice={"finish_reason": "length", "disaggregated_params": handoff},
+            body={
+                "prompt_token_ids": issue.prompt_token_ids,
+                # TensorRT-LLM's usage (this is its context answer), not vLLM's.
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": 1,
+                    "total_tokens": prompt_tokens + 1,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
             },
         )
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import random
 import re
-import time
 import uuid
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -32,7 +31,7 @@ import orjson
 from ..config import SimConfig
 from ..errors import SimError
 from ..schema import DisaggParams
-from ..wire import completion_id, usage
+from ..wire import prefill_completion, usage
 from .base import ContextIssue, Dialect
 
 # The CPU backend's KV block size (what the blocks a sim prefill reports are counted in).
@@ -132,21 +131,10 @@ class VllmDialect(Dialect):
         prompt_tokens = len(issue.prompt_token_ids)
         address = urlsplit(issue.public_url)
         blocks = list(range(1, max(1, math.ceil(prompt_tokens / BLOCK_TOKENS)) + 1))
-        return orjson.dumps(
-            {
-                "id": completion_id(),
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": issue.config.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                ],
+        return prefill_completion(
+            issue.config.model,
+            choice={"logprobs": None, "finish_reason": "length", "stop_reason": None},
+            body={
                 "usage": usage(prompt_tokens, 1),
                 "prompt_logprobs": None,
                 "prompt_token_ids": None,
@@ -166,5 +154,5 @@ class VllmDialect(Dialect):
                     "transfer_mode": "pull",
                     "remote_prefill_cached_tokens": 0,
                 },
-            }
+            },
         )
