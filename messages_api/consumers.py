@@ -53,7 +53,7 @@ from messages_api.validation import (
 )
 from workers.errors import WorkerError
 from workers.pipeline import ChatRun
-from workers.prompt_tokens import count_prompt_tokens, estimate_prompt_tokens
+from workers.prompt_tokens import count_prompt_tokens
 from workers.registry import PoolInfo, get_registry
 
 if TYPE_CHECKING:
@@ -308,15 +308,15 @@ class MessagesConsumer(ApiConsumer):
 
         record.pool_name = pool.name
         record.begin()
+        run = ChatRun(chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request), tenant=record.api_key_name)
         self.reframer = StreamReframer(
             message_id=new_message_id(),
             model=request["model"],
             stop_sequences=request.get("stop_sequences"),
             # message_start's count when the worker reports usage only at the end (a plain
             # OpenAI-compatible server has no per-chunk usage); the worker's count replaces it.
-            input_tokens=estimate_prompt_tokens(chat),
+            input_tokens=run.estimated_prompt_tokens,
         )
-        run = ChatRun(chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request), tenant=record.api_key_name)
         record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
         try:
             async with run:

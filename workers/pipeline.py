@@ -34,6 +34,7 @@ detached task bounded by `WORKER_HANDOFF_RELEASE_TIMEOUT_S`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -99,6 +100,12 @@ class ChatRun:
         self._placement: Placement | None = None
         # Whether the generation worker's reported cached tokens were compared with the index.
         self._cache_checked = False
+
+    @functools.cached_property
+    def estimated_prompt_tokens(self) -> int:
+        """The prompt's token count as estimated before any worker tokenized it (computed once:
+        conditional disaggregation and the front door's message_start both use it)."""
+        return estimate_prompt_tokens(self.chat)
 
     @property
     def trace(self) -> RunTrace:
@@ -200,7 +207,7 @@ class ChatRun:
         limit = self.pool.max_local_prefill_tokens
         if not limit:
             return False
-        prompt_tokens = estimate_prompt_tokens(self.chat)
+        prompt_tokens = self.estimated_prompt_tokens
         if self.pool.routing != RoutingPolicy.CACHE_AWARE:
             return prompt_tokens <= limit
         match_length = placement.match_length(prompt_tokens)
