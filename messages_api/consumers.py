@@ -15,7 +15,6 @@ response started, an `error` event and the end of the stream after.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -88,11 +87,14 @@ class ApiConsumer(AsyncHttpConsumer):
         finally:
             # The server cancelling the application (shutdown, application-close timeout) takes
             # the same path as a client disconnect: the request's task is cancelled and awaited.
+            # Once: a task already cancelled (the client left first) is in its cleanup, and a
+            # second cancellation would cut that short. Cancelled again while waiting, this
+            # returns and the task finishes its cleanup on its own.
             task = self._task
             if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(task)
+                if not task.cancelling():
+                    task.cancel()
+                await asyncio.wait({task})
 
     # --- ASGI message handlers ---------------------------------------------------------------
 
@@ -129,8 +131,9 @@ class ApiConsumer(AsyncHttpConsumer):
             # only finishing its bookkeeping and must not be cancelled.
             if not self.response_finished:
                 task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # `wait`, not `await task`: the task's own CancelledError is expected, but one aimed
+            # at this consumer (the server giving up on it) must not be swallowed with it.
+            await asyncio.wait({task})
         raise StopConsumer()
 
     async def send_body(self, body: bytes, *, more_body: bool = False) -> None:

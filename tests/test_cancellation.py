@@ -5,6 +5,7 @@ phase issued its KV handoff."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import datetime, timezone
 from typing import Any
 
@@ -85,3 +86,54 @@ async def test_client_leaving_after_the_handoff_does_not_strand_it(cluster: Clus
     if cluster.pool.schedule_style == "context_first":
         rows = await sync_to_async(reservations_closed)("req_handoff_test")
         assert {r.stage: r.outcome for r in rows} == {"context": "success", "generation": "cancelled"}
+
+
+@pytest.mark.parametrize("phase", ["context", "generation"])
+async def test_the_server_giving_up_during_the_cleanup_does_not_cut_it_short(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, phase: str
+) -> None:
+    """The client leaves; while the consumer is still cleaning up, the server cancels it too (daphne
+    does so `--application-close-timeout` seconds after a disconnect, 10 by default: on a loaded
+    2-core machine a cleanup was seen to take longer). The cleanup still finishes: the worker's
+    request ends and every reservation is released once. Before, the second cancellation
+    interrupted ChatRun.close() and a real vLLM server kept generating for minutes."""
+    await get_registry().refresh()
+    # Widen the window: the pipeline takes 0.5 s to wind down once cancelled (a worker slow to
+    # hang up, a loaded loop), and the server gives up on the consumer meanwhile.
+    original_open = pipeline.ChatRun._open
+    original_aclose = pipeline.ChunkStream.aclose
+
+    async def slow_to_cancel(self: pipeline.ChatRun) -> None:
+        try:
+            await original_open(self)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.5)
+            raise
+
+    async def slow_to_close(self: pipeline.ChunkStream) -> None:
+        await asyncio.sleep(0.5)
+        await original_aclose(self)
+
+    monkeypatch.setattr(pipeline.ChatRun, "_open", slow_to_cancel)
+    monkeypatch.setattr(pipeline.ChunkStream, "aclose", slow_to_close)
+    started = datetime.now(timezone.utc)
+    communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), consumer_scope(cluster))
+    directive = "[sim context_delay=30]" if phase == "context" else "[sim tokens=100000]"
+    body = {"model": cluster.model, "max_tokens": 100000, "stream": True, "messages": [{"role": "user", "content": f"x {directive}"}]}
+    await communicator.send_input({"type": "http.request", "body": orjson.dumps(body)})
+    worker = cluster.context if phase == "context" else cluster.generation
+    await asyncio.to_thread(worker.wait_for, lambda s: s["active"] == 1)
+    request_id = await request_id_since(started)
+
+    await communicator.send_input({"type": "http.disconnect"})
+    await asyncio.sleep(0.2)  # the request's task is now in its cleanup
+    communicator.future.cancel()  # the server gives up on the consumer
+    with contextlib.suppress(asyncio.CancelledError):
+        await communicator.future
+
+    await asyncio.to_thread(worker.wait_for, lambda s: s["aborted"] == 1 and s["active"] == 0)
+    rows = await sync_to_async(reservations_closed)(request_id)  # every one released
+    outcomes = {r.stage: r.outcome for r in rows}
+    assert outcomes["generation"] == "cancelled" and outcomes["context"] == ("cancelled" if phase == "context" else "success")
+    row = await sync_to_async(audit_row)(request_id)
+    assert row.status == "cancelled" and row.stage == phase

@@ -38,7 +38,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -61,7 +61,8 @@ from workers.trace import RunTrace
 
 logger = logging.getLogger(__name__)
 
-# Handoff releases still running after their request ended (kept so they are not collected).
+# Cleanups (closing a run, releasing a handoff) still running after their request ended, kept so
+# they are not collected.
 _detached: set[asyncio.Task[None]] = set()
 
 
@@ -100,6 +101,7 @@ class ChatRun:
         self._placement: Placement | None = None
         # Whether the generation worker's reported cached tokens were compared with the index.
         self._cache_checked = False
+        self._closing: asyncio.Task[None] | None = None
 
     @functools.cached_property
     def estimated_prompt_tokens(self) -> int:
@@ -154,7 +156,18 @@ class ChatRun:
         await asyncio.shield(self._open_task)
 
     async def close(self, outcome: str) -> None:
-        """Cancel what is still running and release every reservation; idempotent."""
+        """Cancel what is still running and release every reservation; idempotent.
+
+        The cleanup runs as a task of its own, shielded: a caller cancelled again while it waits
+        (the server's application-close timeout or a shutdown, arriving while a loaded machine
+        is slow to finish the first cancellation) returns at once, but cannot stop the cleanup
+        halfway, which would leave a worker generating for a client that has left and its
+        reservation held. The first outcome given is the one recorded."""
+        if self._closing is None:
+            self._closing = _detach(self._close(outcome), name=f"chat-run-close-{self.request_id}")
+        await asyncio.shield(self._closing)
+
+    async def _close(self, outcome: str) -> None:
         task = self._open_task
         if task is not None and not task.done():
             task.cancel()
@@ -412,11 +425,16 @@ class ChatRun:
         return bool(router.candidates(self.pool, role, exclude=tried))
 
     def _release_handoff_later(self, generation_open: asyncio.Task[ChunkStream]) -> None:
-        task = asyncio.get_running_loop().create_task(
-            _close_when_taken(generation_open, settings.WORKER_HANDOFF_RELEASE_TIMEOUT_S)
-        )
-        _detached.add(task)
-        task.add_done_callback(_detached.discard)
+        _detach(_close_when_taken(generation_open, settings.WORKER_HANDOFF_RELEASE_TIMEOUT_S))
+
+
+def _detach(cleanup: Coroutine[Any, Any, None], name: str | None = None) -> asyncio.Task[None]:
+    """Run a cleanup as a task that outlives whoever started it (held here until it ends: the
+    loop keeps only weak references to tasks)."""
+    task = asyncio.get_running_loop().create_task(cleanup, name=name)
+    _detached.add(task)
+    task.add_done_callback(_detached.discard)
+    return task
 
 
 def _peer(endpoint: EndpointInfo) -> ContextPeer:
