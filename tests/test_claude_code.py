@@ -87,8 +87,11 @@ def claude_command() -> list[str]:
     return [str(CLAUDE_BIN)]
 
 
-def claude_env(base_url: str, key: str, home: Path, credential: str = "ANTHROPIC_API_KEY") -> dict[str, str]:
-    """A clean environment: no proxies, no inherited Anthropic/Claude settings, a fresh HOME."""
+def claude_env(
+    base_url: str, key: str, home: Path, credential: str = "ANTHROPIC_API_KEY", model: str = "sim-model", **extra: str
+) -> dict[str, str]:
+    """A clean environment: no proxies, no inherited Anthropic/Claude settings, a fresh HOME;
+    every model alias names `model`; `extra` adds variables (e.g. CLAUDE_CODE_MAX_OUTPUT_TOKENS)."""
 
     def inherited(name: str) -> bool:
         upper = name.upper()
@@ -102,20 +105,28 @@ def claude_env(base_url: str, key: str, home: Path, credential: str = "ANTHROPIC
     env.update(
         HOME=str(home),
         ANTHROPIC_BASE_URL=base_url,
-        ANTHROPIC_MODEL="sim-model",
-        ANTHROPIC_DEFAULT_HAIKU_MODEL="sim-model",
-        ANTHROPIC_DEFAULT_SONNET_MODEL="sim-model",
-        ANTHROPIC_DEFAULT_OPUS_MODEL="sim-model",
+        ANTHROPIC_MODEL=model,
+        ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
+        ANTHROPIC_DEFAULT_SONNET_MODEL=model,
+        ANTHROPIC_DEFAULT_OPUS_MODEL=model,
         DISABLE_TELEMETRY="1",
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         DISABLE_AUTOUPDATER="1",
     )
     env[credential] = key  # ANTHROPIC_API_KEY → x-api-key; ANTHROPIC_AUTH_TOKEN → Authorization: Bearer
+    env.update(extra)
     return env
 
 
 def run_claude(
-    base_url: str, key: str, prompt: str, workdir: Path, *extra: str, credential: str = "ANTHROPIC_API_KEY"
+    base_url: str,
+    key: str,
+    prompt: str,
+    workdir: Path,
+    *extra: str,
+    credential: str = "ANTHROPIC_API_KEY",
+    model: str = "sim-model",
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`claude -p PROMPT --output-format json`; in print mode no approval of the key is asked for."""
     home = workdir / "home"
@@ -124,7 +135,7 @@ def run_claude(
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
         [*claude_command(), "-p", prompt, "--output-format", "json", *extra],
-        env=claude_env(base_url, key, home, credential),
+        env=claude_env(base_url, key, home, credential, model, **(env or {})),
         cwd=cwd,
         stdin=subprocess.DEVNULL,
         capture_output=True,

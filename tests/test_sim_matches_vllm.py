@@ -19,11 +19,12 @@ import httpx
 import pytest
 
 from tests.realvllm.fixtures import engine  # noqa: F401 (a fixture)
+from tests.realvllm.paths import MAX_MODEL_LEN
 from tests.realvllm.server import RealVllm
 from tests.simworkers import SimWorker, start_simworker
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
-OVER_LENGTH = [{"role": "user", "content": "alpha beta gamma " * 3000}]
+OVER_LENGTH = [{"role": "user", "content": "alpha beta gamma " * (MAX_MODEL_LEN // 3 + 1)}]
 
 
 @pytest.fixture(scope="module")

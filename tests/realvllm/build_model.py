@@ -2,12 +2,17 @@
 
     .venv-vllm/bin/python -m tests.realvllm.build_model [DIR]
 
-A byte-level BPE tokenizer trained with `tokenizers` on the text below, wrapped as a
-`PreTrainedTokenizerFast` with a Jinja chat template, and a randomly initialised
-`LlamaForCausalLM` (hidden 128, 4 heads, 2 layers: vLLM's CPU attention needs head_dim >= 32).
-The weights are random, so the text it generates is junk; what the tests need is a real engine:
-real tokenization, chat templating, scheduling, streaming, usage and errors. Nothing is fetched
-from a model hub. Runs in the engine's virtualenv (it has torch, transformers and tokenizers).
+A byte-level BPE tokenizer trained with `tokenizers` on the text below and on the recorded Claude
+Code request (tests/fixtures/), wrapped as a `PreTrainedTokenizerFast` with a Jinja chat
+template, and a randomly initialised `LlamaForCausalLM` (hidden 128, 4 heads, 2 layers: vLLM's
+CPU attention needs head_dim >= 32) with a 65,536-token window: Claude Code's first request is
+~21k tokens for this tokenizer (prefilled in ~3 s here) and asks for up to 32,000 more. The
+weights are random, so the text it generates is junk; what the tests need is a real engine: real
+tokenization, chat templating, scheduling, streaming, usage and errors. Two changes make it
+predictable: its special tokens are never generated (zero output rows) and greedy decoding is its
+default (generation_config `top_k=1`), so every answer runs to `max_tokens`, the same every time.
+Nothing is fetched from a model hub. Runs in the engine's virtualenv (it has torch, transformers
+and tokenizers).
 
 The chat template renders tools and tool calls the way the `hermes` tool-call parser reads them
 (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`); both markers are added tokens, which
@@ -28,11 +33,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if __package__ in (None, ""):  # run as a file: make `tests.realvllm` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.realvllm.paths import MAX_MODEL_LEN, MODEL_DIR, MODEL_STAMP
+from tests.realvllm.paths import CLAUDE_CODE_REQUEST, MAX_MODEL_LEN, MODEL_DIR, MODEL_STAMP
 
 BOS, EOS = "<|begin|>", "<|end|>"
 SPECIAL_TOKENS = [BOS, EOS, "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>"]
-VOCAB_SIZE = 1024
+VOCAB_SIZE = 8192
 SEED = 1234
 
 # String-only content: vLLM then joins a message's text parts before rendering.
@@ -65,6 +70,27 @@ CORPUS = [
 ]
 
 
+def claude_code_text() -> list[str]:
+    """Every string in the recorded Claude Code request (tests/fixtures/), as training text."""
+    import json
+
+    strings: list[str] = []
+
+    def walk(value: object) -> None:
+        if isinstance(value, str):
+            strings.append(value)
+        elif isinstance(value, dict):
+            strings.extend(value)
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(json.loads(CLAUDE_CODE_REQUEST.read_text()))
+    return strings
+
+
 def train_tokenizer() -> object:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -79,8 +105,11 @@ def train_tokenizer() -> object:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # Repeated so that the merges of common words reach min_frequency.
-    tokenizer.train_from_iterator(CORPUS * 8, trainer=trainer)
+    # Repeated so that the merges of common words reach min_frequency; with Claude Code's own
+    # request (system prompt, tools) so its text takes English-like token counts, as a real
+    # tokenizer gives it: Claude Code's ~80 KB first request must fit the window and prefill in
+    # seconds.
+    tokenizer.train_from_iterator(CORPUS * 8 + claude_code_text(), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS,
@@ -112,6 +141,18 @@ def build(target: Path = MODEL_DIR) -> Path:
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(torch.float32)
+    # It speaks plain text until max_tokens: the special tokens' output rows are zero, so their
+    # logit is 0 while the largest of the ~3,000 random others is always above it, and greedy
+    # decoding (made the default below) never picks one. A random model that could stop at any
+    # token, or open a `<tool_call>` the tool parser then swallows, would make answers' lengths
+    # luck; the tests need long answers (a client hanging up mid-stream) and short ones alike.
+    with torch.no_grad():
+        for token in SPECIAL_TOKENS:
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids(token)] = 0  # type: ignore[attr-defined]
+    # vLLM takes a request's unset sampling parameters from here: top_k=1 makes every request
+    # that does not set top_k (Claude Code's, at temperature 1) greedy, hence reproducible.
+    model.generation_config.do_sample = True
+    model.generation_config.top_k = 1
     staging = target.with_name(target.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

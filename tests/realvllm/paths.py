@@ -20,6 +20,8 @@ INSTALL_STAMP = VENV / ".installed-vllm"
 
 STATE = PROJECT_ROOT / ".realvllm"
 MODEL_DIR = STATE / "tiny-llama"
+#: The recorded Claude Code request the tokenizer also trains on (build_model.py).
+CLAUDE_CODE_REQUEST = PROJECT_ROOT / "tests" / "fixtures" / "claude_code_request.json"
 #: Written last by build_model.py: a model directory without it is half-built.
 MODEL_STAMP = MODEL_DIR / ".built"
 LOG_DIR = STATE / "logs"
@@ -27,4 +29,4 @@ LOG_DIR = STATE / "logs"
 #: The name the server answers to (and the gateway pool's model).
 SERVED_MODEL = "tiny-llama"
 #: The context window the server is started with; the over-length tests go past it.
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 65536
