@@ -33,6 +33,7 @@ from messages_api.accumulate import accumulate_message
 from messages_api.arrival import seconds_since_received
 from messages_api.audit import AuditRecord, sample_unauthenticated
 from messages_api.auth import Principal, key_cache, key_from_headers
+from messages_api.body_writer import BodyWriter, body_writer
 from messages_api.convert import to_chat_request
 from messages_api.errors import (
     AnthropicError,
@@ -77,6 +78,8 @@ class ApiConsumer(AsyncHttpConsumer):
         self.response_started = False
         self.response_finished = False
         self.sent_status: int | None = None  # the status line sent, once it was
+        self._body_writer: BodyWriter | None = None  # see send_body
+        self._body_writer_looked_for = False
 
     # Channels' stubs type every consumer's scope as a websocket scope (`_ChannelScope`); this
     # HTTP consumer reads HTTP keys from it and passes it on unchanged.
@@ -136,6 +139,16 @@ class ApiConsumer(AsyncHttpConsumer):
     async def send_body(self, body: bytes, *, more_body: bool = False) -> None:
         if not more_body:
             self.response_finished = True
+        else:
+            # A middle frame (an SSE event, a ping): straight to daphne's request when this is
+            # daphne (messages_api/body_writer.py); the last one goes through `send`, which ends it.
+            if not self._body_writer_looked_for:
+                self._body_writer_looked_for = True
+                self._body_writer = body_writer(self.base_send)
+            writer = self._body_writer
+            if writer is not None:
+                writer(body)
+                return
         await super().send_body(body, more_body=more_body)
 
     def _refuse_too_large(self) -> None:
