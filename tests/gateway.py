@@ -76,7 +76,9 @@ class Gateway:
         log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             [
-                sys.executable, "-m", "daphne",
+                # daphne's command line through the project's launcher: on uvloop, as deployed
+                # (GATEWAY_UVLOOP=0 in `env` for asyncio's own loop).
+                sys.executable, "-m", "disagg_project.daphne",
                 "--fd", str(self.sock.fileno()),
                 "--application-close-timeout", "5",
                 "disagg_project.asgi:application",
