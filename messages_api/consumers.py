@@ -47,7 +47,7 @@ from messages_api.request_context import current_request_id
 from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
-from messages_api.sse import PING_FRAME, encode_event
+from messages_api.sse import PING_FRAME, encode_events
 from messages_api.validation import (
     validate_count_tokens_request,
     validate_messages_request,
@@ -372,9 +372,15 @@ class MessagesConsumer(ApiConsumer):
             if not self.sse_started:
                 await self.start_sse(first_frame=False)
             async for chunk in run.chunks():
-                events = reframer.feed(chunk)
-                if events:
-                    await self.send_frames(events)
+                # A text token on the open block (nearly every chunk) is framed without the event
+                # dict; anything else goes through the reframer's general path.
+                frames = reframer.text_frame(chunk)
+                if frames is None:
+                    events = reframer.feed(chunk)
+                    if not events:
+                        continue
+                    frames = encode_events(events)
+                await self.send_frames(frames)
             closing = encode_events(reframer.finish())
             await self.stop_heartbeat()
             await self.send_body(closing, more_body=False)
@@ -422,8 +428,8 @@ class MessagesConsumer(ApiConsumer):
     async def _send_ping(self) -> None:
         await self.send_body(PING_FRAME, more_body=True)
 
-    async def send_frames(self, events: list[dict[str, Any]]) -> None:
-        await self.send_body(encode_events(events), more_body=True)
+    async def send_frames(self, frames: bytes) -> None:
+        await self.send_body(frames, more_body=True)
         if self.heartbeat is not None:
             self.heartbeat.sent()
 
@@ -442,10 +448,6 @@ class MessagesConsumer(ApiConsumer):
         if self.reframer is not None and self.reframer.started:
             record.input_tokens = self.reframer.input_tokens
             record.output_tokens = self.reframer.output_tokens
-
-
-def encode_events(events: list[dict[str, Any]]) -> bytes:
-    return b"".join(map(encode_event, events))
 
 
 def new_message_id() -> str:
