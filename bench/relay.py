@@ -359,9 +359,14 @@ def _paced_summary(responses: list[h.Response], window: tuple[float, float]) -> 
     lo, hi = window
     in_window = sum(1 for r in responses for t in (r.count_times or ()) if lo <= t < hi)
     ok = [r for r in responses if r.status == 200 and not r.error and r.first_count_at is not None]
+    ok_ids = {id(r) for r in ok}
+    failed = [r for r in responses if id(r) not in ok_ids]
     return {
         "streams_run": len(responses),
         "failures": len(responses) - len(ok),
+        # What failed, for a look at the gateway's log (--keep): status, client-side error, and
+        # whether any content arrived.
+        "failure_examples": [{"status": r.status, "error": r.error, "events": r.count} for r in failed[:5]],
         "events": sum(r.count for r in responses),
         "window_events_per_s": in_window / (hi - lo) if hi > lo else float("nan"),
         "status_line_s": h.distribution(r.status_at - r.sent_at for r in ok if r.status_at is not None),
