@@ -7,7 +7,7 @@ import socket
 import sys
 
 from django.core.asgi import get_asgi_application
-from prometheus_client import Gauge, Info
+from prometheus_client import Gauge
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "disagg_project.settings")
 django_asgi_app = get_asgi_application()
@@ -27,7 +27,6 @@ def _start_services_with_daphne() -> None:
     if reactor is None or type(reactor).__name__ != "AsyncioSelectorReactor":
         return
     loop = reactor._asyncioEventloop  # the loop daphne runs
-    _EVENT_LOOP.info({"loop": f"{type(loop).__module__}.{type(loop).__qualname__}"})
     loop.call_soon(lambda: loop.create_task(_start()))
     loop.call_soon(_no_delay_on_listening_sockets, reactor)
     # Close the worker connection pools while the loop still runs (after daphne has stopped the
@@ -36,11 +35,6 @@ def _start_services_with_daphne() -> None:
     from messages_api import drain
 
     drain.install(reactor)
-
-
-# uvloop's loop when daphne was started through disagg_project/daphne.py (GATEWAY_UVLOOP, on by
-# default); asyncio's own with plain `daphne`.
-_EVENT_LOOP = Info("gateway_event_loop", "The event loop daphne runs the gateway on.")
 
 
 def _close_worker_transport() -> object:

@@ -76,9 +76,7 @@ class Gateway:
         log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             [
-                # daphne's command line through the project's launcher: on uvloop, as deployed
-                # (GATEWAY_UVLOOP=0 in `env` for asyncio's own loop).
-                sys.executable, "-m", "disagg_project.daphne",
+                sys.executable, "-m", "daphne",
                 "--fd", str(self.sock.fileno()),
                 "--application-close-timeout", "5",
                 "disagg_project.asgi:application",

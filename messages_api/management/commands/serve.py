@@ -124,8 +124,7 @@ class Supervisor:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         fd = self.listener.fileno()
-        # daphne's command line, on uvloop unless GATEWAY_UVLOOP=0 (disagg_project/daphne.py).
-        command = [sys.executable, "-m", "disagg_project.daphne", "--fd", str(fd), *self.daphne_args, APPLICATION]
+        command = [sys.executable, "-m", "daphne", "--fd", str(fd), *self.daphne_args, APPLICATION]
         # Children do not inherit LISTEN_PID/LISTEN_FDS: they are told the descriptor explicitly.
         env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")}
         return subprocess.Popen(command, pass_fds=(fd,), env=env)
