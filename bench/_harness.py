@@ -342,7 +342,7 @@ class Stack:
         """daphne on a socket bound here and passed with `--fd`; waits until /ready lists the pools.
 
         `root`: run the gateway from another checkout of the project (an A/B comparison with
-        another commit, on the same database and workers); its own launcher is used.
+        another commit, on the same database and workers).
 
         daphne (Twisted) leaves Nagle's algorithm on for the connections it accepts; `nodelay`
         (default: the Stack's `gateway_nodelay`) sets TCP_NODELAY on the listening socket, which
@@ -360,13 +360,9 @@ class Stack:
             env[key] = str(value)
         log_path = self.tmp / f"daphne-{port}.log"
         log = open(log_path, "wb")
-        root = root or PROJECT_ROOT
-        # daphne's command line through the project's launcher (which picks the event loop) when
-        # the checkout has one; an older checkout is started with plain daphne.
-        launcher = "disagg_project.daphne" if (root / "disagg_project" / "daphne.py").exists() else "daphne"
         process = subprocess.Popen(
-            [PYTHON, "-m", launcher, "--fd", str(sock.fileno()), "disagg_project.asgi:application"],
-            cwd=root,
+            [PYTHON, "-m", "daphne", "--fd", str(sock.fileno()), "disagg_project.asgi:application"],
+            cwd=root or PROJECT_ROOT,
             env=env,
             pass_fds=[sock.fileno()],
             stdout=log,
