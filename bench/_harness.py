@@ -108,6 +108,14 @@ def wait_for_quiet(max_wait: float, busy_below: float = 0.15, hold: float = 3.0)
     return note
 
 
+def proc_sys_cpu_seconds(pid: int) -> float:
+    """The system (kernel) part of `proc_cpu_seconds`: system calls, and on loopback the
+    receiving side's TCP processing that a send runs."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return int(fields[12]) / CLK_TCK
+
+
 def thread_cpu_seconds(pid: int, tid: int | None = None) -> float:
     """CPU seconds of one thread (the main thread, where the event loop runs, by default)."""
     tid = pid if tid is None else tid
@@ -156,6 +164,7 @@ class CpuMeter:
             if name.startswith("gateway"):
                 # The event loop's own thread; the rest is the audit writer and executor threads.
                 out[f"{name}:loop-thread"] = thread_cpu_seconds(pid)
+                out[f"{name}:kernel"] = proc_sys_cpu_seconds(pid)
         out["loadgen"] = self_cpu_seconds()
         return out
 
@@ -323,9 +332,17 @@ class Stack:
     # -- gateways --
 
     def start_gateway(
-        self, settings: dict[str, Any] | None = None, *, expect_pools: Iterable[str] = (), nodelay: bool | None = None
+        self,
+        settings: dict[str, Any] | None = None,
+        *,
+        expect_pools: Iterable[str] = (),
+        nodelay: bool | None = None,
+        root: Path | None = None,
     ) -> GatewayProc:
         """daphne on a socket bound here and passed with `--fd`; waits until /ready lists the pools.
+
+        `root`: run the gateway from another checkout of the project (an A/B comparison with
+        another commit, on the same database and workers).
 
         daphne (Twisted) leaves Nagle's algorithm on for the connections it accepts; `nodelay`
         (default: the Stack's `gateway_nodelay`) sets TCP_NODELAY on the listening socket, which
@@ -345,7 +362,7 @@ class Stack:
         log = open(log_path, "wb")
         process = subprocess.Popen(
             [PYTHON, "-m", "daphne", "--fd", str(sock.fileno()), "disagg_project.asgi:application"],
-            cwd=PROJECT_ROOT,
+            cwd=root or PROJECT_ROOT,
             env=env,
             pass_fds=[sock.fileno()],
             stdout=log,

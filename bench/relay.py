@@ -81,6 +81,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ms-per-token", type=float, default=20.0, help="paced: ms between two tokens of a stream (default 20)")
     parser.add_argument("--paced-tokens", type=int, help="paced: tokens per stream (default 256; --quick 64)")
     parser.add_argument("--paced-seconds", type=float, help="paced: seconds per load level and target (default 25; --quick 5)")
+    parser.add_argument("--b-root", type=Path,
+                        help="paced: A/B, a second gateway ('gateway B') run from this checkout of the project (another "
+                        "commit), in front of the same workers and database; measured right after gateway A at every level")
+    parser.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="paced: A/B, a setting of gateway B (repeatable); with no --b-root, B runs from this checkout")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="paced: run every level this many times (A and B alternate which goes first; default 1)")
     h.add_common_arguments(parser)
     args = parser.parse_args()
     h.resolve(
@@ -352,9 +359,14 @@ def _paced_summary(responses: list[h.Response], window: tuple[float, float]) -> 
     lo, hi = window
     in_window = sum(1 for r in responses for t in (r.count_times or ()) if lo <= t < hi)
     ok = [r for r in responses if r.status == 200 and not r.error and r.first_count_at is not None]
+    ok_ids = {id(r) for r in ok}
+    failed = [r for r in responses if id(r) not in ok_ids]
     return {
         "streams_run": len(responses),
         "failures": len(responses) - len(ok),
+        # What failed, for a look at the gateway's log (--keep): status, client-side error, and
+        # whether any content arrived.
+        "failure_examples": [{"status": r.status, "error": r.error, "events": r.count} for r in failed[:5]],
         "events": sum(r.count for r in responses),
         "window_events_per_s": in_window / (hi - lo) if hi > lo else float("nan"),
         "status_line_s": h.distribution(r.status_at - r.sent_at for r in ok if r.status_at is not None),
@@ -363,23 +375,34 @@ def _paced_summary(responses: list[h.Response], window: tuple[float, float]) -> 
     }
 
 
-async def paced(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, pids: dict[str, int]) -> dict[str, Any]:
-    gport = gateway.port
+async def paced(
+    args: argparse.Namespace, gateways: dict[str, h.GatewayProc], key: str, gen: h.SimProc
+) -> dict[str, Any]:
+    """`gateways`: "gateway" and, for an A/B, "gateway B"."""
     dport = h.port_of(gen.url)
     directive = f"[sim tokens={args.paced_tokens}]"
-    gw_wire = h.gateway_request(gport, key, h.messages_body(directive, stream=True, model=PACED_MODEL))
     direct_wire = h.worker_request(dport, {**direct_payload(directive), "model": h.MODEL})
     stream_s = args.paced_tokens * args.ms_per_token / 1000
     ramp = min(stream_s, args.paced_seconds / 3)
     loads = [int(x) for x in str(args.paced_loads).split(",") if x.strip()]
-    # Warm the gateway's pools and code paths.
-    await _drive(gport, h.gateway_request(gport, key, h.messages_body("[sim tokens=4]", stream=True, model=PACED_MODEL)), GATEWAY_CONTENT, 8, 1)
+    targets: dict[str, tuple[int, bytes, bytes, dict[str, int]]] = {}
+    for label, gateway in gateways.items():
+        gport = gateway.port
+        gw_wire = h.gateway_request(gport, key, h.messages_body(directive, stream=True, model=PACED_MODEL))
+        targets[label] = (gport, gw_wire, GATEWAY_CONTENT, {"gateway": gateway.pid, "sim-generation": gen.pid})
+        # Warm the gateway's pools and code paths.
+        await _drive(gport, h.gateway_request(gport, key, h.messages_body("[sim tokens=4]", stream=True, model=PACED_MODEL)), GATEWAY_CONTENT, 8, 1)
+    targets["direct"] = (dport, direct_wire, DIRECT_CONTENT, {"gateway": next(iter(gateways.values())).pid, "sim-generation": gen.pid})
     levels: list[dict[str, Any]] = []
     rows = []
-    for load in loads:
+    for load, repetition in ((load, r) for load in loads for r in range(args.repeat)):
         streams = max(1, round(load * args.ms_per_token / 1000))
-        level: dict[str, Any] = {"offered_events_per_s": load, "streams": streams}
-        for label, port, wire, pattern in (("gateway", gport, gw_wire, GATEWAY_CONTENT), ("direct", dport, direct_wire, DIRECT_CONTENT)):
+        level: dict[str, Any] = {"offered_events_per_s": load, "streams": streams, "repetition": repetition}
+        order = [label for label in gateways]
+        if repetition % 2:
+            order.reverse()  # A/B: each goes first as often as the other
+        for label in order + ["direct"]:
+            port, wire, pattern, pids = targets[label]
             meter = h.CpuMeter(pids).start()
             run = await _drive_paced(port, wire, pattern, streams, args.paced_seconds, ramp)
             cpu = meter.stop()
@@ -391,9 +414,11 @@ async def paced(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen:
             summary["machine"] = meter.machine_note()
             level[label] = summary
             rows.append([
-                f"{load:,} ev/s, {label}",
+                f"{load:,} ev/s, {label}" + (f" #{repetition + 1}" if args.repeat > 1 else ""),
                 summary["window_events_per_s"],
-                summary["gateway_cpu_us_per_event"] if label == "gateway" else float("nan"),
+                summary["gateway_cpu_us_per_event"] if label != "direct" else float("nan"),
+                cpu["gateway:kernel"] / summary["events"] * 1e6 if label != "direct" and summary["events"] else float("nan"),
+                cpu["gateway:loop-thread"] / summary["events"] * 1e6 if label != "direct" and summary["events"] else float("nan"),
                 summary["cpu_util"]["gateway"] * 100,
                 summary["status_line_s"].get("p50", float("nan")) * 1000,
                 summary["status_line_s"].get("p99", float("nan")) * 1000,
@@ -401,25 +426,30 @@ async def paced(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen:
                 summary["first_content_s"].get("p99", float("nan")) * 1000,
                 summary["max_gap_s"].get("p99", float("nan")) * 1000,
                 summary["failures"],
+                cpu["others"] / meter.wall,
             ])
         target = PACED_TARGETS.get(load)
         if target is not None:
-            g = level["gateway"]
-            cpu_target, p99_target = target
-            p99 = max(g["status_line_s"].get("p99", float("inf")), g["first_content_s"].get("p99", float("inf"))) * 1000
-            level["checks"] = {
-                "gateway_cpu_us_per_event": {"value": g["gateway_cpu_us_per_event"], "target": cpu_target,
-                                             "ok": g["gateway_cpu_us_per_event"] <= cpu_target},
-                "status_and_first_content_p99_ms": {"value": p99, "target": p99_target, "ok": p99 <= p99_target},
-                "delivered_vs_direct": {"value": g["window_events_per_s"], "target": level["direct"]["window_events_per_s"],
-                                        "ok": g["failures"] == 0 and g["window_events_per_s"] >= 0.97 * level["direct"]["window_events_per_s"]},
-            }
+            level["checks"] = {}
+            for label in gateways:
+                g = level[label]
+                prefix = "" if label == "gateway" else f"{label}: "
+                cpu_target, p99_target = target
+                p99 = max(g["status_line_s"].get("p99", float("inf")), g["first_content_s"].get("p99", float("inf"))) * 1000
+                level["checks"].update({
+                    prefix + "gateway_cpu_us_per_event": {"value": g["gateway_cpu_us_per_event"], "target": cpu_target,
+                                                          "ok": g["gateway_cpu_us_per_event"] <= cpu_target},
+                    prefix + "status_and_first_content_p99_ms": {"value": p99, "target": p99_target, "ok": p99 <= p99_target},
+                    prefix + "delivered_vs_direct": {
+                        "value": g["window_events_per_s"], "target": level["direct"]["window_events_per_s"],
+                        "ok": g["failures"] == 0 and g["window_events_per_s"] >= 0.97 * level["direct"]["window_events_per_s"]},
+                })
         levels.append(level)
     h.print_table(
         f"(c) paced: one token every {args.ms_per_token:g} ms per stream, {args.paced_tokens}-token streams, "
         f"{args.paced_seconds:g} s per run (steady window after a {ramp:.1f} s ramp)",
-        ("", "events/s delivered", "gw CPU µs/event", "gw CPU %", "status p50 ms", "status p99 ms",
-         "first content p50 ms", "first content p99 ms", "max gap p99 ms", "failures"),
+        ("", "events/s delivered", "gw CPU µs/event", "of which kernel", "of which loop thread", "gw CPU %", "status p50 ms", "status p99 ms",
+         "first content p50 ms", "first content p99 ms", "max gap p99 ms", "failures", "others' cores"),
         rows,
         digits=1,
     )
@@ -430,12 +460,15 @@ async def paced(args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen:
     if check_rows:
         h.print_table("(c) targets", ("", "measured", "target", ""), check_rows, digits=1)
     for level in levels:
-        print(f"({level['offered_events_per_s']:,} ev/s, gateway: {level['gateway']['machine']})")
-    return {"ms_per_token": args.ms_per_token, "tokens": args.paced_tokens, "seconds": args.paced_seconds, "levels": levels}
+        for label in gateways:
+            print(f"({level['offered_events_per_s']:,} ev/s, {label}: {level[label]['machine']})")
+    return {"ms_per_token": args.ms_per_token, "tokens": args.paced_tokens, "seconds": args.paced_seconds,
+            "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "levels": levels}
 
 
 async def run(
-    args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc], paced_gen: h.SimProc | None
+    args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc],
+    paced_gen: h.SimProc | None, gateway_b: h.GatewayProc | None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"config": { "gateway_nodelay": args.gateway_nodelay}}
     out["quiet"] = h.wait_for_quiet(args.quiet_wait)
@@ -444,8 +477,8 @@ async def run(
     if args.part in ("both", "all", "throughput"):
         out["throughput"] = await throughput(args, gateway, key, gen, sims)
     if paced_gen is not None:
-        pids = {"gateway": gateway.pid, "sim-generation": paced_gen.pid}
-        out["paced"] = await paced(args, gateway, key, paced_gen, pids)
+        gateways = {"gateway": gateway, **({"gateway B": gateway_b} if gateway_b is not None else {})}
+        out["paced"] = await paced(args, gateways, key, paced_gen)
     out["gateway_peak_rss_mib"] = h.hwm_mib(gateway.pid)
     print(f"\ngateway peak RSS (VmHWM): {out['gateway_peak_rss_mib']:.1f} MiB")
     return out
@@ -482,8 +515,12 @@ def main() -> None:
             pools_expected.append("bench-paced")
         key = stack.create_api_key("bench")
         gateway = stack.start_gateway({}, expect_pools=pools_expected)
+        gateway_b = None
+        if paced_gen is not None and (args.b_root or args.b_env):
+            b_env = dict(item.split("=", 1) for item in args.b_env)
+            gateway_b = stack.start_gateway(b_env, expect_pools=pools_expected, root=args.b_root)
         with h.profiled([gateway.pid], h.result_name(args, "relay") + "-gateway", args.profile):
-            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen], paced_gen))
+            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen], paced_gen, gateway_b))
     h.write_result(h.result_name(args, "relay"), result)
 
 

@@ -32,6 +32,7 @@ from messages_api.accumulate import accumulate_message
 from messages_api.arrival import seconds_since_received
 from messages_api.audit import AuditRecord, sample_unauthenticated
 from messages_api.auth import Principal, key_cache, key_from_headers
+from messages_api.body_writer import BodyWriter, body_writer
 from messages_api.convert import to_chat_request
 from messages_api.errors import (
     AnthropicError,
@@ -45,7 +46,7 @@ from messages_api.request_context import current_request_id
 from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
-from messages_api.sse import PING_FRAME, encode_event
+from messages_api.sse import PING_FRAME, encode_events
 from messages_api.validation import (
     validate_count_tokens_request,
     validate_messages_request,
@@ -76,6 +77,8 @@ class ApiConsumer(AsyncHttpConsumer):
         self.response_started = False
         self.response_finished = False
         self.sent_status: int | None = None  # the status line sent, once it was
+        self._body_writer: BodyWriter | None = None  # see send_body
+        self._body_writer_looked_for = False
 
     # Channels' stubs type every consumer's scope as a websocket scope (`_ChannelScope`); this
     # HTTP consumer reads HTTP keys from it and passes it on unchanged.
@@ -139,6 +142,16 @@ class ApiConsumer(AsyncHttpConsumer):
     async def send_body(self, body: bytes, *, more_body: bool = False) -> None:
         if not more_body:
             self.response_finished = True
+        else:
+            # A middle frame (an SSE event, a ping): straight to daphne's request when this is
+            # daphne (messages_api/body_writer.py); the last one goes through `send`, which ends it.
+            if not self._body_writer_looked_for:
+                self._body_writer_looked_for = True
+                self._body_writer = body_writer(self.base_send)
+            writer = self._body_writer
+            if writer is not None:
+                writer(body)
+                return
         await super().send_body(body, more_body=more_body)
 
     def _refuse_too_large(self) -> None:
@@ -362,9 +375,15 @@ class MessagesConsumer(ApiConsumer):
             if not self.sse_started:
                 await self.start_sse(first_frame=False)
             async for chunk in run.chunks():
-                events = reframer.feed(chunk)
-                if events:
-                    await self.send_frames(events)
+                # A text token on the open block (nearly every chunk) is framed without the event
+                # dict; anything else goes through the reframer's general path.
+                frames = reframer.text_frame(chunk)
+                if frames is None:
+                    events = reframer.feed(chunk)
+                    if not events:
+                        continue
+                    frames = encode_events(events)
+                await self.send_frames(frames)
             closing = encode_events(reframer.finish())
             await self.stop_heartbeat()
             await self.send_body(closing, more_body=False)
@@ -412,8 +431,8 @@ class MessagesConsumer(ApiConsumer):
     async def _send_ping(self) -> None:
         await self.send_body(PING_FRAME, more_body=True)
 
-    async def send_frames(self, events: list[dict[str, Any]]) -> None:
-        await self.send_body(encode_events(events), more_body=True)
+    async def send_frames(self, frames: bytes) -> None:
+        await self.send_body(frames, more_body=True)
         if self.heartbeat is not None:
             self.heartbeat.sent()
 
@@ -432,10 +451,6 @@ class MessagesConsumer(ApiConsumer):
         if self.reframer is not None and self.reframer.started:
             record.input_tokens = self.reframer.input_tokens
             record.output_tokens = self.reframer.output_tokens
-
-
-def encode_events(events: list[dict[str, Any]]) -> bytes:
-    return b"".join(map(encode_event, events))
 
 
 def new_message_id() -> str:

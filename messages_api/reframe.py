@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 
 from messages_api.errors import AnthropicError
+from messages_api.sse import text_delta_frame
 
 __all__ = ["StreamReframer"]
 
@@ -205,6 +206,30 @@ class StreamReframer:
                 self._on_finish_reason(finish_reason, choice)
         self._out = None
         return out
+
+    def text_frame(self, chunk: dict[str, Any]) -> bytes | None:
+        """The SSE frame for `chunk` when it is one more text token on the open text block (the
+        chunk of almost every generated token), with the state `feed` would leave; None for any
+        other chunk, which `feed` takes instead.
+
+        The frame is what `encode_event` gives for the `content_block_delta` `feed` would return,
+        built without the event dict (sse.text_delta_frame)."""
+        if self._open != TEXT or self._done:
+            return None
+        choices = chunk.get("choices")
+        if not choices:
+            return None
+        choice = choices[0]
+        delta = choice.get("delta")
+        if not delta or choice.get("finish_reason"):
+            return None
+        text = delta.get("content")
+        if not text or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
+            return None
+        usage = chunk.get("usage")
+        if usage:
+            self._usage = usage
+        return text_delta_frame(self._index, text)
 
     def finish(self) -> list[dict[str, Any]]:
         """Upstream sent `[DONE]`: close the open block, then `message_delta` and `message_stop`."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["PING_FRAME", "encode_event"]
+__all__ = ["PING_FRAME", "encode_event", "encode_events", "text_delta_frame"]
 
 # Byte-for-byte what the real API sends (note the space after the colon: it is not orjson output).
 PING_FRAME: bytes = b'event: ping\ndata: {"type": "ping"}\n\n'
@@ -21,3 +21,20 @@ def encode_event(event: dict[str, Any]) -> bytes:
     """One SSE frame for one Anthropic stream event (a dict with a string `type`)."""
     kind: str = event["type"]
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+def encode_events(events: list[dict[str, Any]]) -> bytes:
+    """The frames of several events, as one bytes object (one write)."""
+    return b"".join(map(encode_event, events))
+
+
+# `encode_event` of {"type": "content_block_delta", "index": i, "delta": {"type": "text_delta",
+# "text": t}}, around the index and the JSON string of the text (tests/test_sse_frames.py checks
+# the two agree).
+_TEXT_DELTA_HEAD = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":'
+_TEXT_DELTA_TAIL = b"}}\n\n"
+
+
+def text_delta_frame(index: int, text: str) -> bytes:
+    """The frame of one text delta, without building the event: one per generated token."""
+    return (_TEXT_DELTA_HEAD % index) + orjson.dumps(text) + _TEXT_DELTA_TAIL

@@ -25,7 +25,7 @@ import functools
 import logging
 import re
 import weakref
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -47,7 +47,7 @@ from workers.errors import (
 )
 from workers.shapes import ShapeError, check_chunk, check_completion
 from workers.sse import Event, SSEDecoder, SSELineTooLong
-from workers.transport import MalformedResponse, WorkerTransport
+from workers.transport import MalformedResponse, WorkerTransport, body_reader
 
 logger = logging.getLogger(__name__)
 
@@ -496,7 +496,7 @@ class ChunkStream:
 
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
-        raw_chunks = self._response.aiter_raw()
+        read = body_reader(self._response)
         deadline = self._deadline = _StreamDeadline(asyncio.get_running_loop())
         # One boundary around the whole loop: only GeneratorExit can reach a suspended `yield`,
         # and it passes through.
@@ -504,12 +504,12 @@ class ChunkStream:
         with boundary(self._stage, streaming=True):
             try:
                 while True:
-                    events, ended = await self._next_events(decoder, raw_chunks, deadline)
+                    events, ended = await self._next_events(decoder, read, deadline)
                     for event in events:
                         chunk = self._chunk(event)
                         if chunk is None:
                             deadline.close()
-                            await self._drain(raw_chunks)
+                            await self._drain(read)
                             return
                         yield chunk
                         relayed += 1
@@ -529,7 +529,7 @@ class ChunkStream:
                 deadline.close()
 
     async def _next_events(
-        self, decoder: SSEDecoder, raw_chunks: AsyncIterator[bytes], deadline: _StreamDeadline
+        self, decoder: SSEDecoder, read: Callable[[], Awaitable[bytes]], deadline: _StreamDeadline
     ) -> tuple[list[Event], bool]:
         """Read until at least one whole event (or the end), within the deadlines: the first
         byte's, then the idle gap counted from now; bytes that complete no event do not reset it."""
@@ -542,7 +542,7 @@ class ChunkStream:
                 raise TimeoutError
             deadline.watch(task)
             try:
-                data = await anext(raw_chunks, b"")
+                data = await read()
             except asyncio.CancelledError:
                 if deadline.timed_out(task):
                     raise TimeoutError from None
@@ -570,12 +570,12 @@ class ChunkStream:
             raise self._error_frame(data.encode())
         return check_chunk(chunk)
 
-    async def _drain(self, raw_chunks: AsyncIterator[bytes]) -> None:
+    async def _drain(self, read: Callable[[], Awaitable[bytes]]) -> None:
         """Read the body's end after `[DONE]` (the chunked terminator follows at once) so the
         connection goes back to the pool instead of being closed half-read."""
         try:
             async with asyncio.timeout(DRAIN_TIMEOUT_S):
-                async for _ in raw_chunks:
+                while await read():
                     pass
         except (TimeoutError, httpx.HTTPError):
             pass  # the connection is closed instead of reused; the answer is complete anyway

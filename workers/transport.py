@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -103,13 +103,21 @@ class _ResponseStream(httpx.AsyncByteStream):
     def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
         self._response = response
         self._request = request
+        self._content = response.content
+        self._failed: httpx.TransportError | None = None  # raised by the next read()
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        content = self._response.content
-        readany = content.readany  # whatever arrived, joined: fewer, larger chunks
+    async def read(self) -> bytes:
+        """The body's next bytes as they arrived, joined (b"" at its end); httpx's mapped error
+        when the connection failed, after the bytes that arrived before it.
+
+        What `__aiter__` does, as one call: a stream read one token at a time spends most of its
+        Python time per token in the layers between the socket and the reader (httpx's
+        `aiter_raw` and this class's generator are two of them), so ChunkStream calls this."""
+        if self._failed is not None:
+            raise self._failed
+        content = self._content
         try:
-            while chunk := await readany():
-                yield chunk
+            return await content.readany()  # whatever arrived, joined: fewer, larger chunks
         except Exception as exc:
             mapped = _mapped(exc)
             if mapped is None:
@@ -121,12 +129,32 @@ class _ResponseStream(httpx.AsyncByteStream):
             # (tests/test_transport.py fails if they change).
             leftover = content._read_nowait(-1) if content._buffer else b""
             if leftover:
-                yield leftover
+                self._failed = mapped
+                return leftover
             raise mapped from None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while chunk := await self.read():
+            yield chunk
 
     async def aclose(self) -> None:
         # Back to the pool if the body was read to its end, closed otherwise (aiohttp's rule).
         self._response.release()
+
+
+def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
+    """A function returning the next raw bytes of `response`'s body (b"" at its end): the
+    transport's own read for its responses, else one step of `aiter_raw()` (another transport,
+    in tests)."""
+    stream = response.stream
+    if isinstance(stream, _ResponseStream):
+        return stream.read
+    chunks = response.aiter_raw()
+
+    async def next_chunk() -> bytes:
+        return await anext(chunks, b"")
+
+    return next_chunk
 
 
 class WorkerTransport(AiohttpTransport):
@@ -221,4 +249,4 @@ class WorkerTransport(AiohttpTransport):
         )
 
 
-__all__ = ["WorkerTransport"]
+__all__ = ["WorkerTransport", "body_reader"]

@@ -1,0 +1,77 @@
+"""A streamed response's middle frames written to daphne's request in one call, not four.
+
+Under daphne, a consumer's `send_body(frame, more_body=True)` goes through Channels'
+`AsyncHttpConsumer.send_body` (a message dict), `AsyncConsumer.send`, daphne's
+`Server.handle_reply` (a coroutine: is the connection still there?) and `WebRequest.handle_reply`
+(which kind of message is it? log it at debug level) before it reaches
+`twisted.web.http.Request.write`, which frames the bytes as an HTTP chunk and hands them to the
+connection in three pieces. For a stream that relays one token per frame that is six Python
+frames, a dict and two tuples per token, for checks whose answer cannot change in the middle of a
+body. `body_writer(send)` returns a function that makes daphne's own checks (the request not
+finished, the connection not gone, the response started) and then, once the head is out, does what
+`Request.write` does (count the bytes, frame the chunk) in one write to the connection; the first
+frame (`Request.write` itself: it writes the head), the last one (`more_body=False`: daphne
+finishes the request and logs it) and every other message still go through `send`.
+
+It reads what daphne's `Server.create_application` binds into the application's `send`
+(`functools.partial(server.handle_reply, request)`, as messages_api/arrival.py does) and the
+request and server attributes named in `RELIED_ON`; tests/test_body_writer.py checks them against
+daphne's own classes and the bytes against daphne's path. Any other server: None, and the
+consumer sends as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from twisted.web import http
+
+# The daphne and Twisted names read here (tests/test_body_writer.py checks them).
+RELIED_ON_SERVER = ("handle_reply", "connections")
+RELIED_ON_REQUEST = ("finished", "channel", "_response_started", "server")
+RELIED_ON_TWISTED = ("write", "startedWriting", "chunked", "sentLength", "_disconnected", "channel")
+
+BodyWriter = Callable[[bytes], None]
+
+
+def body_writer(send: Any) -> BodyWriter | None:
+    """The direct writer for the request `send` answers, or None when `send` is not daphne's."""
+    if not isinstance(send, functools.partial) or len(send.args) != 1 or send.keywords:
+        return None
+    handle_reply = send.func
+    server: Any = getattr(handle_reply, "__self__", None)
+    request: Any = send.args[0]
+    if (
+        getattr(handle_reply, "__name__", None) != "handle_reply"
+        or type(server).__module__ != "daphne.server"
+        or not isinstance(send.args[0], http.Request)
+        or getattr(request, "server", None) is not server
+    ):
+        return None
+    connections: dict[Any, dict[str, Any]] = getattr(server, "connections")
+    write: Callable[[Any, bytes], None] = http.Request.write
+
+    def write_body(body: bytes) -> None:
+        # daphne's Server.handle_reply: nothing for a connection it no longer serves.
+        connection = connections.get(request)
+        if connection is None or connection.get("disconnected"):
+            return
+        # WebRequest.handle_reply: nothing for a finished request; a body needs a started response.
+        if request.finished or request.channel is None:
+            return
+        if not request._response_started:
+            raise ValueError("HTTP response has not yet been started but got http.response.body")
+        if request.startedWriting and request.chunked and not request._disconnected and body:
+            # What Request.write does once the head is out, in one piece: the chunk's framing
+            # (twisted.web.http.toChunk) around the body, one write to the connection.
+            request.sentLength += len(body)
+            request.channel.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            return
+        write(request, body)  # the first frame (it writes the head), HTTP/1.0, the rare rest
+
+    return write_body
+
+
+__all__ = ["BodyWriter", "body_writer"]

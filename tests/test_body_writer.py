@@ -1,0 +1,147 @@
+"""messages_api/body_writer.py: a stream's middle frames written to daphne's request directly give
+the bytes daphne's own path gives, and nothing once the client is gone. Run against daphne's real
+Server, HTTP factory and request (on a Twisted test transport), so a daphne or Twisted upgrade that
+changes what the writer relies on fails here."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import pytest
+from daphne.http_protocol import HTTPFactory, WebRequest
+from daphne.server import Server
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.web import http
+
+from messages_api import body_writer as body_writer_module
+from messages_api.body_writer import body_writer
+
+REQUEST = b"POST /v1/messages HTTP/1.1\r\nhost: gateway\r\ncontent-length: 2\r\n\r\n{}"
+START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+FRAMES = [b"event: ping\ndata: {}\n\n", b"event: a\ndata: {\"x\":1}\n\n", b"x" * 70_000]
+
+
+async def daphne_request() -> tuple[Any, WebRequest, StringTransport, Server]:
+    """A request parsed by daphne's own protocol; returns the `send` daphne gave the application."""
+    captured: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        captured.set_result(send)
+        await asyncio.sleep(3600)  # the test answers through `send`
+
+    server = Server(application=application, endpoints=["tcp:port=0:interface=127.0.0.1"], signal_handlers=False)  # never run
+    server.connections = {}  # what Server.run() would have set up
+    protocol = HTTPFactory(server).buildProtocol(("127.0.0.1", 1))
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    protocol.dataReceived(REQUEST)
+    send = await asyncio.wait_for(captured, 5)
+    request = send.args[0]
+    assert isinstance(request, WebRequest)
+    return send, request, transport, server
+
+
+def stop(server: Server) -> None:
+    for details in server.connections.values():
+        task = details.get("application_instance")
+        if task is not None:
+            task.cancel()
+
+
+def without_date(data: bytes) -> bytes:
+    return re.sub(rb"(?im)^date: [^\r]*\r\n", b"", data)
+
+
+async def test_middle_frames_give_the_bytes_daphnes_path_gives() -> None:
+    send_a, _, transport_a, server_a = await daphne_request()
+    send_b, _, transport_b, server_b = await daphne_request()
+    try:
+        await send_a(START)
+        for frame in FRAMES:
+            await send_a({"type": "http.response.body", "body": frame, "more_body": True})
+        await send_a({"type": "http.response.body", "body": b"end", "more_body": False})
+
+        await send_b(START)
+        write = body_writer(send_b)
+        assert write is not None
+        for frame in FRAMES:
+            write(frame)
+        await send_b({"type": "http.response.body", "body": b"end", "more_body": False})
+
+        daphnes, ours = transport_a.value(), transport_b.value()
+        assert ours.startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in ours.lower()
+        assert ours.endswith(b"3\r\nend\r\n0\r\n\r\n")
+        assert without_date(ours) == without_date(daphnes)
+    finally:
+        stop(server_a)
+        stop(server_b)
+
+
+async def test_nothing_is_written_once_the_client_is_gone_or_the_response_finished() -> None:
+    send, request, transport, server = await daphne_request()
+    try:
+        await send(START)
+        write = body_writer(send)
+        assert write is not None
+        write(b"first")
+        sent = transport.value()
+        request.connectionLost(Failure(ConnectionError("gone")))  # daphne marks it disconnected
+        assert server.connections[request].get("disconnected")
+        write(b"second")
+        assert transport.value() == sent
+    finally:
+        stop(server)
+
+    send, request, transport, server = await daphne_request()
+    try:
+        await send(START)
+        write = body_writer(send)
+        assert write is not None
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        sent = transport.value()
+        write(b"late")  # daphne ignores a reply to a finished request; so does the writer
+        assert transport.value() == sent
+    finally:
+        stop(server)
+
+
+async def test_a_body_before_the_response_started_is_refused_as_daphne_refuses_it() -> None:
+    send, _, _, server = await daphne_request()
+    try:
+        write = body_writer(send)
+        assert write is not None
+        with pytest.raises(ValueError, match="not yet been started"):
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        with pytest.raises(ValueError, match="not yet been started"):
+            write(b"x")
+    finally:
+        stop(server)
+
+
+async def test_any_other_send_has_no_writer() -> None:
+    async def plain_send(message: dict[str, Any]) -> None: ...
+
+    assert body_writer(plain_send) is None
+    assert body_writer(asyncio.Queue().put) is None
+
+
+def test_the_daphne_and_twisted_names_relied_on_exist() -> None:
+    # `send` is daphne's Server.handle_reply bound to the request (checked above with a real one);
+    # the checks the writer repeats are daphne's own, on these names.
+    for name in body_writer_module.RELIED_ON_SERVER:
+        assert name in Server.handle_reply.__code__.co_names or name == "handle_reply", name
+    assert "handle_reply" in vars(Server)
+    for name in ("finished", "channel", "_response_started"):
+        assert name in WebRequest.handle_reply.__code__.co_names, name
+    # WebRequest writes a body with exactly the call the writer makes.
+    assert "write" in WebRequest.handle_reply.__code__.co_names
+    assert "Request" in WebRequest.handle_reply.__code__.co_names
+    # ... and, once the head is out, does what Request.write does with them (the bytes are
+    # compared with daphne's path above).
+    names = http.Request.write.__code__.co_names
+    for name in body_writer_module.RELIED_ON_TWISTED:
+        assert name in vars(http.Request) or name in names, name
+    assert {"toChunk", "writeSequence", "sentLength", "chunked", "startedWriting", "_disconnected", "finished"} <= set(names)
