@@ -8,16 +8,16 @@ Routing reads only memory: the registry snapshot and this process's open reserva
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from django.conf import settings
 
 from workers.errors import NoEndpointAvailable
 from workers.health import health
-from workers.models import Role, RoutingPolicy
-from workers.prefix_index import PromptKey, get_index, prompt_key
+from workers.models import Role, RoutingPolicy, ScheduleStyle
+from workers.prefix_index import Prompt, PromptKey, get_index
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation, ledger
 
@@ -75,8 +75,8 @@ POLICIES: dict[str, Policy] = {
     RoutingPolicy.ROUND_ROBIN: _round_robin,
     RoutingPolicy.LEAST_LOADED: _least_loaded,
     RoutingPolicy.SESSION_AFFINITY: _session_affinity,
-    # Generation goes through `place_generation`; the context phase (stateless between requests
-    # as far as the gateway knows) goes to the least loaded.
+    # Generation goes through `place_generation`, the context phase by the placement's
+    # `context_matches` (`reserve(..., matches=)`); without them, the least loaded.
     RoutingPolicy.CACHE_AWARE: _least_loaded,
 }
 
@@ -91,6 +91,9 @@ class Placement:
     matched_bytes: int = 0
     prompt_bytes: int = 0
     key: PromptKey | None = None
+    #: Per context endpoint id, bytes of the prompt it was sent: where the context phase goes,
+    #: should it run (its workers cache prefixes too).
+    context_matches: Mapping[int, int] = field(default_factory=dict)
 
     def match_length(self, prompt_tokens: int) -> int:
         """The match in tokens, scaled from bytes to the prompt's (estimated) token count."""
@@ -106,22 +109,28 @@ def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, s
         return Placement(reserve(pool, Role.GENERATION, request_id, session=session))
     usable = _usable(pool, Role.GENERATION, ())
     index = get_index()
-    index.retain(pool.name, (e.id for e in pool.endpoints_for(Role.GENERATION) if _keeps_cache(e)))
-    key = prompt_key(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
-    matches = {e.id: index.match(e.id, key) for e in usable}
-    endpoint = _cache_aware(pool, usable, matches, key, session)
-    held = index.held(endpoint.id, key)
+    keeping = [e.id for e in pool.endpoints if _keeps_cache(e)]
+    index.retain(pool.name, keeping)
+    prompt = Prompt(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
+    matches = index.matches([e.id for e in usable], prompt)
+    endpoint = _cache_aware(pool, usable, matches, prompt, session)
+    held = index.held(endpoint.id, prompt)
+    key = prompt.key
     index.record(endpoint.id, pool.name, key)
     health.on_routed(endpoint.id)
     reservation = Reservation.take(request_id, endpoint, Role.GENERATION)
-    return Placement(reservation, min(held * key.chunk_bytes, key.size), key.size, key)
+    context_matches: Mapping[int, int] = {}
+    if pool.schedule_style != ScheduleStyle.AGGREGATED:
+        contexts = [e.id for e in pool.endpoints if e.role == Role.CONTEXT and e.id in keeping]
+        context_matches = index.matches(contexts, prompt)
+    return Placement(reservation, held, key.size, key, context_matches)
 
 
 def _cache_aware(
-    pool: PoolInfo, usable: list[EndpointInfo], matches: dict[int, int], key: PromptKey, session: str | None
+    pool: PoolInfo, usable: list[EndpointInfo], matches: Mapping[int, int], prompt: Prompt, session: str | None
 ) -> EndpointInfo:
     best = max(matches.values())
-    if best > key.shared_chunks:
+    if best > prompt.shared_bytes:
         # This conversation has been here: the endpoint holding the most of it (ties: the least
         # loaded, then round robin).
         chosen = _least_loaded(pool, Role.GENERATION, [e for e in usable if matches[e.id] == best], None)
@@ -130,15 +139,27 @@ def _cache_aware(
         # two rendezvous endpoints (two choices, as the power-of-two policy: sessions spread
         # evenly, and gateway processes agree whenever the two are equally loaded, and always
         # on which two).
-        ranked = _rendezvous_ranked(session.encode() if session else key.root, usable)
+        ranked = _rendezvous_ranked(session.encode() if session else prompt.root, usable)
         chosen = ranked[0] if len(ranked) == 1 or _load(ranked[0]) <= _load(ranked[1]) else ranked[1]
-    # SGLang's load guard, applied to the chosen endpoint: a cache hit is not worth queueing
-    # behind a much busier worker.
+    return _guarded(pool, Role.GENERATION, usable, chosen)
+
+
+def _guarded(pool: PoolInfo, role: str, usable: list[EndpointInfo], chosen: EndpointInfo) -> EndpointInfo:
+    """SGLang's load guard, applied to the chosen endpoint: a cache hit is not worth queueing
+    behind a much busier worker."""
     lowest = min(_load(e) for e in usable)
     load = _load(chosen)
     if load - lowest > settings.PREFIX_BALANCE_ABS_THRESHOLD and load > settings.PREFIX_BALANCE_REL_THRESHOLD * lowest:
-        return _least_loaded(pool, Role.GENERATION, usable, None)
+        return _least_loaded(pool, role, usable, None)
     return chosen
+
+
+def _by_cache(pool: PoolInfo, role: str, usable: list[EndpointInfo], matches: Mapping[int, int]) -> EndpointInfo:
+    """The endpoint that was sent the most of the prompt (ties and no match: the least loaded),
+    under the load guard."""
+    best = max(matches.get(e.id, 0) for e in usable)
+    tied = [e for e in usable if matches.get(e.id, 0) == best]
+    return _guarded(pool, role, usable, _least_loaded(pool, role, tied, None))
 
 
 def _keeps_cache(endpoint: EndpointInfo) -> bool:
@@ -161,17 +182,26 @@ def reserve(
     *,
     session: str | None = None,
     exclude: Iterable[str] = (),
+    placement: Placement | None = None,
 ) -> Reservation:
-    """Reserve a routable endpoint of `role` in `pool`, or raise NoEndpointAvailable."""
+    """Reserve a routable endpoint of `role` in `pool`, or raise NoEndpointAvailable.
+
+    With the request's generation `placement` from a `cache_aware` pool, the context phase goes
+    where the most of its prompt was sent (its KV may still be there), and the index records it."""
     usable = _usable(pool, role, exclude)
+    key = placement.key if placement is not None and role == Role.CONTEXT else None
     if exclude:
         # A retry: the least loaded of the others, leaving the policy's rotation untouched so
         # that a failing endpoint does not shift every later request's turn.
         endpoint = min(usable, key=_load)
+    elif key is not None and placement is not None:
+        endpoint = _by_cache(pool, role, usable, placement.context_matches)
     else:
         policy = POLICIES.get(pool.routing, _round_robin)
         # Affinity matters for generation (its prefix cache); the context phase is stateless.
         endpoint = policy(pool, role, usable, session if role == "generation" else None)
+    if key is not None:
+        get_index().record(endpoint.id, pool.name, key)
     health.on_routed(endpoint.id)
     return Reservation.take(request_id, endpoint, role)
 
