@@ -67,7 +67,7 @@ lookup was not worth it here.
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, bisect_right
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -193,13 +193,6 @@ class PrefixIndex:
     def matches(self, endpoint_ids: Iterable[int], prompt: Prompt, *, held_only: bool = False) -> dict[int, int]:
         """`match` (or `held`) for each of the endpoints, in one pass."""
         oldest = self._clock() - self.ttl_s
-        # A mark counts when recorded and not aged out, and for `held` when answered (sent-only
-        # marks are stored negated).
-        present: Callable[[float | None], bool]
-        if held_only:
-            present = lambda at: at is not None and at > 0 and at >= oldest  # noqa: E731
-        else:
-            present = lambda at: at is not None and abs(at) >= oldest  # noqa: E731
         chunk_marks, candidates, digests, ends = prompt.chunk_marks, prompt.candidates, prompt.digests, prompt.ends
         found: dict[int, int] = {}
         for endpoint_id in endpoint_ids:
@@ -208,13 +201,16 @@ class PrefixIndex:
                 found[endpoint_id] = 0
                 continue
             get = entries.marks.get
-            # An endpoint's marks of one chain are prefix-closed (recorded together, touched
-            # tail-first so evicted tail-first, aged head-last): the longest matched chunk mark
-            # is found by bisection, a few lookups however long the prompt.
+            # A mark counts when recorded and not aged out, and for `held` when answered
+            # (sent-only marks are stored negated). An endpoint's marks of one chain are
+            # prefix-closed (recorded together, touched tail-first so evicted tail-first, aged
+            # head-last): the longest matched chunk mark is found by bisection, a few lookups
+            # however long the prompt.
             low, high = 0, len(chunk_marks)
             while low < high:
                 middle = (low + high + 1) // 2
-                if present(get(digests[chunk_marks[middle - 1]])):
+                at = get(digests[chunk_marks[middle - 1]])
+                if at is not None and (at if held_only else abs(at)) >= oldest and (at > 0 or not held_only):
                     low = middle
                 else:
                     high = middle - 1
@@ -222,8 +218,9 @@ class PrefixIndex:
             # Up to the next chunk mark (known missing), where an earlier prompt ended: the
             # longest one recorded.
             limit = chunk_marks[low] if low < len(chunk_marks) else len(ends)
-            for part in reversed(candidates[bisect.bisect_right(candidates, matched) : bisect.bisect_left(candidates, limit)]):
-                if present(get(digests[part])):
+            for part in reversed(candidates[bisect_right(candidates, matched) : bisect_left(candidates, limit)]):
+                at = get(digests[part])
+                if at is not None and (at if held_only else abs(at)) >= oldest and (at > 0 or not held_only):
                     matched = part
                     break
             found[endpoint_id] = ends[matched] if matched >= 0 else 0
