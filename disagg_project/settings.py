@@ -301,3 +301,7 @@ PREFIX_INDEX_TTL_S = env_float("PREFIX_INDEX_TTL_S", 1800.0)
 # factor of more than REL.
 PREFIX_BALANCE_ABS_THRESHOLD = env_int("PREFIX_BALANCE_ABS_THRESHOLD", 4)
 PREFIX_BALANCE_REL_THRESHOLD = env_float("PREFIX_BALANCE_REL_THRESHOLD", 1.5)
+# A new conversation goes to the one of its two rendezvous endpoints serving fewer conversations:
+# those with a turn sent there within this window (Claude Code's turns come seconds to minutes
+# apart).
+PREFIX_BALANCE_WINDOW_S = env_float("PREFIX_BALANCE_WINDOW_S", 300.0)

@@ -244,25 +244,39 @@ def test_a_conversation_stays_where_its_prefix_is(placed: list[Reservation]) -> 
         assert later.match_length(1000) == 1000 * later.matched_bytes // later.prompt_bytes
 
 
-def test_new_conversations_spread_by_rendezvous_and_every_process_agrees(placed: list[Reservation]) -> None:
+def test_new_conversations_spread_evenly_and_processes_agree_on_the_pair(placed: list[Reservation]) -> None:
     chosen = {}
     for session in range(40):
+        prompt = Prompt(conversation(session, 1), 2048)
         chosen[session] = place(placed, conversation(session, 1)).reservation.endpoint.url
         placed[-1].release("success")
-    assert len(set(chosen.values())) == 4
-    # A second process (an empty index) sends each conversation's next turn to the same place.
+        # One of the conversation's two rendezvous endpoints: the same two in every process.
+        assert chosen[session] in [e.url for e in router._rendezvous_ranked(prompt.root, list(GEN))[:2]]
+    # Two choices by the conversations each serves: even, not as uneven as a hash alone.
+    served = [list(chosen.values()).count(e.url) for e in GEN]
+    assert max(served) - min(served) <= 2, served
+    # A second process that saw the same conversations makes the same choices.
     get_index().retain("ca", [])
+    for session in range(40):
+        assert place(placed, conversation(session, 1)).reservation.endpoint.url == chosen[session]
+        placed[-1].release("success")
+    # ...and, having seen them, sends each next turn where it is.
     for session in range(40):
         assert place(placed, conversation(session, 2)).reservation.endpoint.url == chosen[session]
         placed[-1].release("success")
 
 
-def test_with_a_session_header_the_first_turn_goes_where_session_affinity_would(placed: list[Reservation]) -> None:
-    for n in range(10):
-        session = f"session-{n}"
-        expected = router._session_affinity(pool(), "generation", list(GEN), session)
-        assert place(placed, conversation(n, 1), session=session).reservation.endpoint == expected
-        placed[-1].release("success")
+def test_a_new_conversation_goes_to_the_rendezvous_endpoint_serving_fewer_conversations(placed: list[Reservation]) -> None:
+    session = "session-x"
+    first, second = router._rendezvous_ranked(session.encode(), list(GEN))[:2]
+    # An empty index: where session_affinity would send it.
+    assert place(placed, conversation(50, 1), session=session).reservation.endpoint == first
+    placed[-1].release("success")
+    # Its first choice now serves one conversation more than its second: the next session of the
+    # same pair goes to the second.
+    get_index().retain("ca", [])
+    get_index().record(first.id, "ca", Prompt(conversation(51, 1), 2048).key)
+    assert place(placed, conversation(50, 1), session=session).reservation.endpoint == second
 
 
 @override_settings(PREFIX_BALANCE_ABS_THRESHOLD=2, PREFIX_BALANCE_REL_THRESHOLD=1.5)

@@ -71,7 +71,7 @@ from bisect import bisect_left, bisect_right
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -88,6 +88,8 @@ class PromptKey:
     marks: tuple[int, ...]
     #: Length of the rendered prompt, in bytes.
     size: int
+    #: The conversation: the digest of the prompt up to the end of its first user message.
+    root: int = 0
     #: The end mark of the turn this prompt extends (the last place before its end where a prompt
     #: ended): once the endpoint holds this one, that one is redundant and dropped, so about one
     #: end mark per conversation stays, and an endpoint's marks stay about proportional to the
@@ -99,7 +101,7 @@ class Prompt:
     """A prompt rendered for one routing decision: the tools, then each message, serialized as
     the worker will receive them, each part's digest chained over every part before it."""
 
-    __slots__ = ("ends", "digests", "chunk_marks", "candidates", "shared", "_root", "key")
+    __slots__ = ("ends", "digests", "chunk_marks", "candidates", "shared", "key")
 
     def __init__(self, chat: dict[str, Any], chunk_bytes: int) -> None:
         dumps = orjson.dumps
@@ -148,11 +150,10 @@ class Prompt:
         #: message): a match no longer than this is only what every conversation of an
         #: application shares.
         self.shared = shared
-        self._root = root
         marks = sorted({*chunk_marks, shared, last})
         previous = candidates[-2] if len(candidates) > 1 else shared
         supersedes = None if previous in marks else digests[previous]
-        self.key = PromptKey(tuple(digests[i] for i in marks), size, supersedes)
+        self.key = PromptKey(tuple(digests[i] for i in marks), size, digests[root], supersedes)
 
     @property
     def size(self) -> int:
@@ -166,7 +167,7 @@ class Prompt:
     def root(self) -> bytes:
         """Stable across processes: the conversation's root (the prompt up to the end of its
         first user message), for rendezvous hashing when no index knows the conversation."""
-        return self.digests[self._root].to_bytes(8, "little")
+        return self.key.root.to_bytes(8, "little")
 
 
 @dataclass(slots=True)
@@ -174,15 +175,23 @@ class _EndpointEntries:
     pool: str
     # mark -> when it was last sent there (monotonic), negated while only sent (not yet known to
     # be held); least recent first.
-    marks: OrderedDict[int, float]
+    marks: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    # conversation (`PromptKey.root`) -> when a turn of it was last sent there; least recent first.
+    conversations: OrderedDict[int, float] = field(default_factory=OrderedDict)
 
 
 class PrefixIndex:
     def __init__(
-        self, capacity_marks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        capacity_marks: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        conversation_window_s: float = 300.0,
     ) -> None:
         self.capacity_marks = capacity_marks
         self.ttl_s = ttl_s
+        self.conversation_window_s = conversation_window_s
         self._clock = clock
         self._endpoints: dict[int, _EndpointEntries] = {}
 
@@ -235,7 +244,7 @@ class PrefixIndex:
         """The prompt was sent to the endpoint: it will hold its prefix (`confirm` once it does)."""
         entries = self._endpoints.get(endpoint_id)
         if entries is None:
-            entries = self._endpoints[endpoint_id] = _EndpointEntries(pool, OrderedDict())
+            entries = self._endpoints[endpoint_id] = _EndpointEntries(pool)
         marks = entries.marks
         now = self._clock()
         for mark in reversed(key.marks):
@@ -243,6 +252,25 @@ class PrefixIndex:
             marks[mark] = now if at is not None and at > 0 else -now
             marks.move_to_end(mark)
         self._evict(marks, now)
+        conversations = entries.conversations
+        conversations[key.root] = now
+        conversations.move_to_end(key.root)
+        self._expire(conversations, now)
+
+    def conversations(self, endpoint_id: int) -> int:
+        """How many conversations had a turn sent to the endpoint in the last
+        `conversation_window_s`: the load a new conversation adds to (sticky conversations keep
+        coming back, so the open requests of the moment say little of it)."""
+        entries = self._endpoints.get(endpoint_id)
+        if entries is None:
+            return 0
+        self._expire(entries.conversations, self._clock())
+        return len(entries.conversations)
+
+    def _expire(self, conversations: OrderedDict[int, float], now: float) -> None:
+        oldest = now - self.conversation_window_s
+        while conversations and (len(conversations) > self.capacity_marks or next(iter(conversations.values())) < oldest):
+            conversations.popitem(last=False)
 
     def confirm(self, endpoint_id: int, key: PromptKey) -> None:
         """The endpoint answered the prompt: it holds the prefix now."""
@@ -291,7 +319,11 @@ def get_index() -> PrefixIndex:
     if _index is None:
         from django.conf import settings
 
-        _index = PrefixIndex(settings.PREFIX_INDEX_CHUNKS_PER_ENDPOINT, settings.PREFIX_INDEX_TTL_S)
+        _index = PrefixIndex(
+            settings.PREFIX_INDEX_CHUNKS_PER_ENDPOINT,
+            settings.PREFIX_INDEX_TTL_S,
+            conversation_window_s=settings.PREFIX_BALANCE_WINDOW_S,
+        )
     return _index
 
 

@@ -135,12 +135,13 @@ def _cache_aware(
         # loaded, then round robin).
         chosen = _least_loaded(pool, Role.GENERATION, [e for e in usable if matches[e.id] == best], None)
     else:
-        # Nothing beyond what every conversation shares: the less loaded of the conversation's
-        # two rendezvous endpoints (two choices, as the power-of-two policy: sessions spread
-        # evenly, and gateway processes agree whenever the two are equally loaded, and always
-        # on which two).
-        ranked = _rendezvous_ranked(session.encode() if session else prompt.root, usable)
-        chosen = ranked[0] if len(ranked) == 1 or _load(ranked[0]) <= _load(ranked[1]) else ranked[1]
+        # Nothing beyond what every conversation shares: a new conversation (or one no longer
+        # held anywhere) goes to the less busy of its two rendezvous endpoints, busy meaning the
+        # conversations it serves, then its open requests (two choices, as the power-of-two
+        # policy: conversations spread evenly, and gateway processes always agree on which two).
+        ranked = _rendezvous_ranked(session.encode() if session else prompt.root, usable)[:2]
+        index = get_index()
+        chosen = min(ranked, key=lambda e: (index.conversations(e.id), _load(e)))
     return _guarded(pool, Role.GENERATION, usable, chosen)
 
 
