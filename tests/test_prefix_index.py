@@ -320,7 +320,6 @@ CTX = [EndpointInfo(id=9200 + i, pool_name="ca", role="context", url=f"http://c{
 def test_the_context_phase_goes_where_the_conversation_was_prefilled(placed: list[Reservation]) -> None:
     cluster = pool(*GEN, *CTX)
     first = place(placed, conversation(5, 1), cluster=cluster)
-    assert dict(first.context_matches) == {c.id: 0 for c in CTX}
     context = router.reserve(cluster, "context", "req-c", placement=first)
     placed.append(context)
     home, other = context.endpoint, next(c for c in CTX if c != context.endpoint)
@@ -330,14 +329,16 @@ def test_the_context_phase_goes_where_the_conversation_was_prefilled(placed: lis
         # The conversation's context worker stays busier than the other (its earlier phase is
         # still open), within the load guard: the cache wins over the load.
         later = place(placed, conversation(5, turns), cluster=cluster)
-        assert later.context_matches[home.id] == Prompt(conversation(5, turns - 1), 2048).size
-        assert later.context_matches[other.id] == 0
+        assert later.prompt is not None
+        matches = get_index().matches([home.id, other.id], later.prompt)
+        assert matches == {home.id: Prompt(conversation(5, turns - 1), 2048).size, other.id: 0}
         again = router.reserve(cluster, "context", f"req-c{turns}", placement=later)
         placed.append(again)
         assert again.endpoint == home
     # Another conversation with the same head: its context phase goes where the head is too.
     fresh = place(placed, conversation(6, 1), cluster=cluster)
-    assert fresh.context_matches[home.id] == fresh.prompt_bytes - len(orjson.dumps(conversation(6, 1)["messages"][-1]))
+    assert fresh.prompt is not None
+    assert get_index().match(home.id, fresh.prompt) == fresh.prompt_bytes - len(orjson.dumps(conversation(6, 1)["messages"][-1]))
     head = router.reserve(cluster, "context", "req-c6", placement=fresh)
     placed.append(head)
     assert head.endpoint == home

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.conf import settings
 
 from workers.errors import NoEndpointAvailable
 from workers.health import health
-from workers.models import Role, RoutingPolicy, ScheduleStyle
+from workers.models import Role, RoutingPolicy
 from workers.prefix_index import Prompt, PromptKey, get_index
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation, ledger
@@ -75,8 +75,8 @@ POLICIES: dict[str, Policy] = {
     RoutingPolicy.ROUND_ROBIN: _round_robin,
     RoutingPolicy.LEAST_LOADED: _least_loaded,
     RoutingPolicy.SESSION_AFFINITY: _session_affinity,
-    # Generation goes through `place_generation`, the context phase by the placement's
-    # `context_matches` (`reserve(..., matches=)`); without them, the least loaded.
+    # Generation goes through `place_generation`, the context phase by cache when given the
+    # placement (`reserve(..., placement=)`); without it, the least loaded.
     RoutingPolicy.CACHE_AWARE: _least_loaded,
 }
 
@@ -90,10 +90,13 @@ class Placement:
     #: `prompt_bytes` (0 of 0 when the pool does not route by prefix).
     matched_bytes: int = 0
     prompt_bytes: int = 0
-    key: PromptKey | None = None
-    #: Per context endpoint id, bytes of the prompt it was sent: where the context phase goes,
-    #: should it run (its workers cache prefixes too).
-    context_matches: Mapping[int, int] = field(default_factory=dict)
+    #: The prompt as the index sees it: where the context phase goes, should it run (context
+    #: workers cache prefixes too). Digests and offsets only, not the prompt's text.
+    prompt: Prompt | None = None
+
+    @property
+    def key(self) -> PromptKey | None:
+        return self.prompt.key if self.prompt is not None else None
 
     def match_length(self, prompt_tokens: int) -> int:
         """The match in tokens, scaled from bytes to the prompt's (estimated) token count."""
@@ -109,21 +112,15 @@ def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, s
         return Placement(reserve(pool, Role.GENERATION, request_id, session=session))
     usable = _usable(pool, Role.GENERATION, ())
     index = get_index()
-    keeping = [e.id for e in pool.endpoints if _keeps_cache(e)]
-    index.retain(pool.name, keeping)
+    index.retain(pool.name, [e.id for e in pool.endpoints if _keeps_cache(e)])
     prompt = Prompt(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
     matches = index.matches([e.id for e in usable], prompt)
     endpoint = _cache_aware(pool, usable, matches, prompt, session)
     held = index.held(endpoint.id, prompt)
-    key = prompt.key
-    index.record(endpoint.id, pool.name, key)
+    index.record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
     reservation = Reservation.take(request_id, endpoint, Role.GENERATION)
-    context_matches: Mapping[int, int] = {}
-    if pool.schedule_style != ScheduleStyle.AGGREGATED:
-        contexts = [e.id for e in pool.endpoints if e.role == Role.CONTEXT and e.id in keeping]
-        context_matches = index.matches(contexts, prompt)
-    return Placement(reservation, held, key.size, key, context_matches)
+    return Placement(reservation, held, prompt.size, prompt)
 
 
 def _cache_aware(
@@ -155,11 +152,12 @@ def _guarded(pool: PoolInfo, role: str, usable: list[EndpointInfo], chosen: Endp
     return chosen
 
 
-def _by_cache(pool: PoolInfo, role: str, usable: list[EndpointInfo], matches: Mapping[int, int]) -> EndpointInfo:
+def _by_cache(pool: PoolInfo, role: str, usable: list[EndpointInfo], prompt: Prompt) -> EndpointInfo:
     """The endpoint that was sent the most of the prompt (ties and no match: the least loaded),
     under the load guard."""
-    best = max(matches.get(e.id, 0) for e in usable)
-    tied = [e for e in usable if matches.get(e.id, 0) == best]
+    matches = get_index().matches([e.id for e in usable], prompt)
+    best = max(matches.values())
+    tied = [e for e in usable if matches[e.id] == best]
     return _guarded(pool, role, usable, _least_loaded(pool, role, tied, None))
 
 
@@ -190,19 +188,19 @@ def reserve(
     With the request's generation `placement` from a `cache_aware` pool, the context phase goes
     where the most of its prompt was sent (its KV may still be there), and the index records it."""
     usable = _usable(pool, role, exclude)
-    key = placement.key if placement is not None and role == Role.CONTEXT else None
+    prompt = placement.prompt if placement is not None and role == Role.CONTEXT else None
     if exclude:
         # A retry: the least loaded of the others, leaving the policy's rotation untouched so
         # that a failing endpoint does not shift every later request's turn.
         endpoint = min(usable, key=_load)
-    elif key is not None and placement is not None:
-        endpoint = _by_cache(pool, role, usable, placement.context_matches)
+    elif prompt is not None:
+        endpoint = _by_cache(pool, role, usable, prompt)
     else:
         policy = POLICIES.get(pool.routing, _round_robin)
         # Affinity matters for generation (its prefix cache); the context phase is stateless.
         endpoint = policy(pool, role, usable, session if role == "generation" else None)
-    if key is not None:
-        get_index().record(endpoint.id, pool.name, key)
+    if prompt is not None:
+        get_index().record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
     return Reservation.take(request_id, endpoint, role)
 
