@@ -238,9 +238,11 @@ class Oracle:
         chat = to_chat_request(body)
         probe = {"messages": chat["messages"], "tools": chat.get("tools")}
         answers = await asyncio.gather(
-            *(self.client.post(g.url + "/sim/prefix_cache/match", json=probe) for g in self.generation)
+            *(self.client.post(g.url + "/sim/prefix_cache/match", json=probe) for g in self.generation),
+            return_exceptions=True,
         )
-        cached = [a.json()["cached_tokens"] for a in answers]
+        # A probe that failed counts as nothing cached there (the turn itself will say more).
+        cached = [a.json()["cached_tokens"] if isinstance(a, httpx.Response) and a.status_code == 200 else 0 for a in answers]
         best = max(cached)
         chosen = min((i for i, c in enumerate(cached) if c == best), key=lambda i: self.open[i])
         lowest = min(self.open)

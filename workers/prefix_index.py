@@ -54,10 +54,13 @@ The index is per gateway process; nothing is shared between processes. They agre
 coordination on where a conversation goes when their own index knows nothing of it beyond the
 shared system prompt and tools (its first turn, or a later turn reaching a process that has not
 seen it): rendezvous hashing over the conversation's root (its session id when the client sends
-one, else the hash of the tools and messages up to the first user message) ranks the endpoints
-the same way in every process, and the conversation takes the first of the top two unless the
-second is less loaded (two choices, so that new conversations spread). Processes therefore agree
-on the endpoint while those two are equally loaded, and always on the pair. Once a process has
+one, else the digest of the tools and messages up to the first user message) ranks the endpoints
+the same way in every process, and the conversation takes the one of the top two that serves
+fewer conversations (`conversations`: those with a turn sent there within
+`PREFIX_BALANCE_WINDOW_S`), then has fewer open requests, then the first (two choices, so that
+conversations spread evenly: the hash alone left 1.8x more open requests on the busiest of 4
+endpoints than on the mean, with 16 sessions). Processes therefore agree on the endpoint when
+they count the same conversations there, and always on the pair. Once a process has
 sent a conversation somewhere, it follows its index. So one conversation can be prefilled twice,
 on two endpoints, when its turns reach two processes that saw different loads, or when the load
 guard moves it: the cost is one extra prefill, never a wrong answer. Sharing the index (Redis,
