@@ -287,15 +287,21 @@ GATEWAY_DEAD_AFTER_S = env_float("GATEWAY_DEAD_AFTER_S", 3 * GATEWAY_HEARTBEAT_I
 METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")
 
 # Prefix-cache-aware routing (`cache_aware`, workers/prefix_index.py). The gateway's index of what
-# each generation endpoint holds: prompts rendered and cut into chunks of this many bytes (about
-# a quarter as many tokens), at most this many chunks per endpoint (LRU; size it like the
-# worker's KV cache: 16384 chunks of 2 KiB is about 8M tokens), a chunk not sent for the TTL
+# each endpoint holds: prompts digested part by part (tools, then each message), with a mark kept
+# about every CHUNK_BYTES of prompt (about a quarter as many tokens) plus one at the shared head's
+# end and one at the prompt's end; at most CHUNKS_PER_ENDPOINT marks per endpoint (LRU; size it
+# like the worker's KV cache: 8192 marks of 16 KiB is about 32M tokens of prompt, more than any
+# one worker holds, so lower it to the workers' KV capacity), a mark not sent for the TTL
 # counting as evicted.
-PREFIX_INDEX_CHUNK_BYTES = env_int("PREFIX_INDEX_CHUNK_BYTES", 2048)
-PREFIX_INDEX_CHUNKS_PER_ENDPOINT = env_int("PREFIX_INDEX_CHUNKS_PER_ENDPOINT", 16384)
+PREFIX_INDEX_CHUNK_BYTES = env_int("PREFIX_INDEX_CHUNK_BYTES", 16384)
+PREFIX_INDEX_CHUNKS_PER_ENDPOINT = env_int("PREFIX_INDEX_CHUNKS_PER_ENDPOINT", 8192)
 PREFIX_INDEX_TTL_S = env_float("PREFIX_INDEX_TTL_S", 1800.0)
 # Load guard (SGLang's cache-aware policy): the endpoint with the longest match is skipped for the
 # least loaded one when its open requests exceed the least loaded's by more than ABS and by a
 # factor of more than REL.
 PREFIX_BALANCE_ABS_THRESHOLD = env_int("PREFIX_BALANCE_ABS_THRESHOLD", 4)
 PREFIX_BALANCE_REL_THRESHOLD = env_float("PREFIX_BALANCE_REL_THRESHOLD", 1.5)
+# A new conversation goes to the one of its two rendezvous endpoints serving fewer conversations:
+# those with a turn sent there within this window (Claude Code's turns come seconds to minutes
+# apart).
+PREFIX_BALANCE_WINDOW_S = env_float("PREFIX_BALANCE_WINDOW_S", 300.0)

@@ -6,13 +6,14 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
+import orjson
 import pytest
 from django.test import override_settings
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers import router
-from workers.prefix_index import PrefixIndex, get_index, prompt_key
+from workers.prefix_index import PrefixIndex, Prompt, get_index
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation
 from workers.writer import get_writer
@@ -41,28 +42,75 @@ class Clock:
 
 # --- the prompt key --------------------------------------------------------------------------------
 
-
-def test_a_later_turn_extends_the_earlier_turns_chunks() -> None:
-    first, second = prompt_key(conversation(1, 1), 256), prompt_key(conversation(1, 3), 256)
-    assert second.chunks[: len(first.chunks)] == first.chunks
-    assert len(second.chunks) > len(first.chunks)
-    assert first.root == second.root  # same conversation, same rendezvous key
-    assert prompt_key(conversation(2, 1), 256).root != first.root
-    # The shared system prompt and tools: the same leading chunks for every conversation.
-    other = prompt_key(conversation(2, 1), 256)
-    shared = sum(1 for a, b in zip(first.chunks, other.chunks) if a == b)
-    assert shared == first.shared_chunks > 0
+CHUNK = 1024
 
 
-def test_the_key_ignores_dict_order() -> None:
-    chat = conversation(1, 2)
-    reordered = {**chat, "messages": [dict(reversed(list(m.items()))) for m in chat["messages"]]}
-    assert prompt_key(chat, 256) == prompt_key(reordered, 256)
+def test_a_later_turn_matches_exactly_up_to_the_earlier_turns_end() -> None:
+    index = PrefixIndex(10000, ttl_s=1e9)
+    for turns in range(1, 6):
+        earlier, later = Prompt(conversation(1, turns), CHUNK), Prompt(conversation(1, turns + 1), CHUNK)
+        assert later.root == earlier.root  # same conversation, same rendezvous key
+        index.record(1, "p", earlier.key)
+        # To the byte: the previous turn's end, not the chunk mark before it.
+        assert index.match(1, later) == earlier.size < later.size
+        assert earlier.size % CHUNK  # (a match cut to chunks would have been shorter)
+    assert Prompt(conversation(2, 1), CHUNK).root != Prompt(conversation(1, 1), CHUNK).root
+
+
+def test_a_shared_head_matches_another_conversation_exactly() -> None:
+    index = PrefixIndex(10000, ttl_s=1e9)
+    one, other = Prompt(conversation(1, 3), CHUNK), Prompt(conversation(2, 2), CHUNK)
+    index.record(1, "p", one.key)
+    # The system prompt and tools, no more: both conversations differ from the first user message.
+    assert index.match(1, other) == other.shared_bytes == one.shared_bytes > CHUNK
+    assert other.shared_bytes % CHUNK
+
+
+def test_a_changed_message_stops_the_match() -> None:
+    index = PrefixIndex(10000, ttl_s=1e9)
+    chat = conversation(1, 4)
+    index.record(1, "p", Prompt(chat, CHUNK).key)
+    for changed in range(1, len(chat["messages"])):
+        messages = [dict(m) for m in chat["messages"]]
+        messages[changed]["content"] += "!"
+        edited = Prompt({**chat, "messages": messages}, CHUNK)
+        # Never past the changed message's start (the digest chain covers every byte before).
+        assert index.match(1, edited) <= edited.ends[changed]
+    tools = [dict(t) for t in chat["tools"]]
+    tools[-1] = {**tools[-1], "type": "other"}
+    assert index.match(1, Prompt({**chat, "tools": tools}, CHUNK)) == 0
+
+
+def test_positions_matter() -> None:
+    index = PrefixIndex(10000, ttl_s=1e9)
+    chat = conversation(1, 3)
+    index.record(1, "p", Prompt(chat, CHUNK).key)
+    messages = chat["messages"]
+    # The same messages in another order, or the same turn behind an extra message: a mark is
+    # the digest of everything before it, so nothing past the first difference matches.
+    swapped = Prompt({**chat, "messages": [messages[0], messages[3], messages[2], messages[1], *messages[4:]]}, CHUNK)
+    assert index.match(1, swapped) <= swapped.ends[1]
+    shifted = Prompt({**chat, "messages": [messages[0], {"role": "user", "content": "hi"}, *messages[1:]]}, CHUNK)
+    assert index.match(1, shifted) <= shifted.ends[1]
+    # The same bytes split otherwise between tools and messages are another prompt too.
+    moved = Prompt({"messages": [{"role": "tools", "content": chat["tools"]}, *messages]}, CHUNK)
+    assert index.match(1, moved) == 0
+
+
+def test_marks_are_few_and_bounded_by_the_chunk_size() -> None:
+    chat = conversation(1, 12)
+    for chunk in (512, 2048, 16384):
+        prompt = Prompt(chat, chunk)
+        # One per chunk at most, plus the shared head's end and the prompt's end.
+        assert len(prompt.key.marks) <= prompt.size // chunk + 2
+    assert len(Prompt(chat, 16384).key.marks) < len(chat["messages"]) // 4
 
 
 # --- the index: bounded, LRU, aged, monotone ---------------------------------------------------------
 
 
+# No deadline: the machine is shared, and a slow example is not a wrong one.
+@settings(deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 4)), min_size=1, max_size=30),
     st.integers(1, 60),
@@ -70,65 +118,72 @@ def test_the_key_ignores_dict_order() -> None:
 def test_memory_stays_bounded_per_endpoint(sends: list[tuple[int, int, int]], capacity: int) -> None:
     index = PrefixIndex(capacity, ttl_s=1e9)
     for endpoint, session, turns in sends:
-        index.record(endpoint, "p", prompt_key(conversation(session, turns), 512))
-        assert all(index.chunks_held(e) <= capacity for e in range(4))
+        index.record(endpoint, "p", Prompt(conversation(session, turns), 512).key)
+        assert all(index.marks_held(e) <= capacity for e in range(4))
     endpoint, session, turns = sends[-1]
-    last = prompt_key(conversation(session, turns), 512)
-    if len(last.chunks) <= capacity:
-        assert index.match(endpoint, last) == len(last.chunks)
+    last = Prompt(conversation(session, turns), 512)
+    if len(last.key.marks) <= capacity:
+        assert index.match(endpoint, last) == last.size
 
 
-@given(st.integers(0, 6), st.integers(1, 6))
-def test_match_is_monotone_over_the_turns(session: int, turns: int) -> None:
+@settings(deadline=None)
+@given(st.integers(0, 6), st.integers(1, 6), st.sampled_from([256, 1024, 4096]))
+def test_match_is_monotone_over_the_turns(session: int, turns: int, chunk: int) -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
-    key = prompt_key(conversation(session, turns), 512)
-    index.record(1, "p", key)
-    # Any earlier turn of the conversation matches whole; any later one at least as far as
-    # this one; the match of a later turn never exceeds the recorded chunks.
+    prompt = Prompt(conversation(session, turns), chunk)
+    index.record(1, "p", prompt.key)
+    # An earlier turn of the conversation matches up to its last chunk mark at least (its own
+    # end was not recorded); a later one exactly as far as this one; held counts nothing until
+    # the endpoint answered.
     for earlier in range(1, turns + 1):
-        previous = prompt_key(conversation(session, earlier), 512)
-        assert index.match(1, previous) == len(previous.chunks)
-    later = prompt_key(conversation(session, turns + 2), 512)
-    assert len(key.chunks) == index.match(1, later) <= len(later.chunks)
+        previous = Prompt(conversation(session, earlier), chunk)
+        assert 0 <= previous.size - index.match(1, previous) < chunk
+    later = Prompt(conversation(session, turns + 2), chunk)
+    assert index.match(1, later) == prompt.size
+    assert index.held(1, later) == 0
+    index.confirm(1, prompt.key)
+    assert index.held(1, later) == prompt.size
 
 
 def test_lru_drops_the_least_recent_conversation_first() -> None:
-    a, b, c = (prompt_key({"messages": [{"role": "user", "content": f"{n} " * 2000}]}, 256) for n in "abc")
-    index = PrefixIndex(len(a.chunks) * 2, ttl_s=1e9)
-    index.record(1, "p", a)
-    index.record(1, "p", b)
-    assert index.match(1, a) == len(a.chunks)
-    index.record(1, "p", a)  # a is now the most recent
-    index.record(1, "p", c)
-    assert index.match(1, a) == len(a.chunks)
-    assert index.match(1, b) == 0
-    assert index.match(1, c) == len(c.chunks)
+    a, b, c = (Prompt({"messages": [{"role": "user", "content": f"{n} " * 2000}]}, 256) for n in "abc")
+    # Room for two of them: each has its own end mark and shares the head's (no tools).
+    index = PrefixIndex(3, ttl_s=1e9)
+    index.record(1, "p", a.key)
+    index.record(1, "p", b.key)
+    assert index.match(1, a) == a.size
+    index.record(1, "p", a.key)  # a is now the most recent
+    index.record(1, "p", c.key)
+    assert index.match(1, a) == a.size
+    assert index.match(1, b) == b.shared_bytes < b.size
+    assert index.match(1, c) == c.size
 
 
 def test_entries_age_out() -> None:
     clock = Clock()
     index = PrefixIndex(10000, ttl_s=60, clock=clock)
-    key = prompt_key(conversation(1, 2), 256)
-    index.record(1, "p", key)
+    prompt = Prompt(conversation(1, 2), 256)
+    index.record(1, "p", prompt.key)
     clock.now = 59
-    assert index.match(1, key) == len(key.chunks)
+    assert index.match(1, prompt) == prompt.size
     clock.now = 61
-    assert index.match(1, key) == 0
-    index.record(2, "p", key)  # any write sweeps what has aged out at the old end
-    index.record(1, "p", prompt_key(conversation(2, 1), 256))
-    assert index.chunks_held(1) == len(prompt_key(conversation(2, 1), 256).chunks)
+    assert index.match(1, prompt) == 0
+    index.record(2, "p", prompt.key)  # any write sweeps what has aged out at the old end
+    other = Prompt(conversation(2, 1), 256)
+    index.record(1, "p", other.key)
+    assert index.marks_held(1) == len(other.key.marks)
 
 
 def test_forget_and_retain() -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
-    key = prompt_key(conversation(1, 2), 256)
+    prompt = Prompt(conversation(1, 2), 256)
     for endpoint in (1, 2, 3):
-        index.record(endpoint, "p", key)
-    index.record(9, "other", key)
+        index.record(endpoint, "p", prompt.key)
+    index.record(9, "other", prompt.key)
     index.forget(1)
     index.retain("p", [3])
-    assert index.match(1, key) == index.match(2, key) == 0
-    assert index.match(3, key) == index.match(9, key) == len(key.chunks)
+    assert index.match(1, prompt) == index.match(2, prompt) == 0
+    assert index.match(3, prompt) == index.match(9, prompt) == prompt.size
 
 
 # --- the cache_aware policy ------------------------------------------------------------------------
@@ -183,31 +238,45 @@ def test_a_conversation_stays_where_its_prefix_is(placed: list[Reservation]) -> 
         answered(later)
         placed[-1].release("success")
         assert later.reservation.endpoint == first.reservation.endpoint
-        # The previous turn is held: everything but the new messages (and a partial chunk).
-        earlier = prompt_key(conversation(1, turns - 1), 2048)
-        assert later.matched_bytes == len(earlier.chunks) * 2048
+        # The previous turn is held: everything but the new messages.
+        earlier = Prompt(conversation(1, turns - 1), 2048)
+        assert later.matched_bytes == earlier.size
         assert later.match_length(1000) == 1000 * later.matched_bytes // later.prompt_bytes
 
 
-def test_new_conversations_spread_by_rendezvous_and_every_process_agrees(placed: list[Reservation]) -> None:
+def test_new_conversations_spread_evenly_and_processes_agree_on_the_pair(placed: list[Reservation]) -> None:
     chosen = {}
     for session in range(40):
+        prompt = Prompt(conversation(session, 1), 2048)
         chosen[session] = place(placed, conversation(session, 1)).reservation.endpoint.url
         placed[-1].release("success")
-    assert len(set(chosen.values())) == 4
-    # A second process (an empty index) sends each conversation's next turn to the same place.
+        # One of the conversation's two rendezvous endpoints: the same two in every process.
+        assert chosen[session] in [e.url for e in router._rendezvous_ranked(prompt.root, list(GEN))[:2]]
+    # Two choices by the conversations each serves: even, not as uneven as a hash alone.
+    served = [list(chosen.values()).count(e.url) for e in GEN]
+    assert max(served) - min(served) <= 2, served
+    # A second process that saw the same conversations makes the same choices.
     get_index().retain("ca", [])
+    for session in range(40):
+        assert place(placed, conversation(session, 1)).reservation.endpoint.url == chosen[session]
+        placed[-1].release("success")
+    # ...and, having seen them, sends each next turn where it is.
     for session in range(40):
         assert place(placed, conversation(session, 2)).reservation.endpoint.url == chosen[session]
         placed[-1].release("success")
 
 
-def test_with_a_session_header_the_first_turn_goes_where_session_affinity_would(placed: list[Reservation]) -> None:
-    for n in range(10):
-        session = f"session-{n}"
-        expected = router._session_affinity(pool(), "generation", list(GEN), session)
-        assert place(placed, conversation(n, 1), session=session).reservation.endpoint == expected
-        placed[-1].release("success")
+def test_a_new_conversation_goes_to_the_rendezvous_endpoint_serving_fewer_conversations(placed: list[Reservation]) -> None:
+    session = "session-x"
+    first, second = router._rendezvous_ranked(session.encode(), list(GEN))[:2]
+    # An empty index: where session_affinity would send it.
+    assert place(placed, conversation(50, 1), session=session).reservation.endpoint == first
+    placed[-1].release("success")
+    # Its first choice now serves one conversation more than its second: the next session of the
+    # same pair goes to the second.
+    get_index().retain("ca", [])
+    get_index().record(first.id, "ca", Prompt(conversation(51, 1), 2048).key)
+    assert place(placed, conversation(50, 1), session=session).reservation.endpoint == second
 
 
 @override_settings(PREFIX_BALANCE_ABS_THRESHOLD=2, PREFIX_BALANCE_REL_THRESHOLD=1.5)
@@ -225,10 +294,10 @@ def test_an_overloaded_holder_is_skipped_for_the_least_loaded(placed: list[Reser
 def test_an_endpoint_that_leaves_or_fails_its_probe_is_forgotten(placed: list[Reservation]) -> None:
     home = place(placed, conversation(3, 1)).reservation.endpoint
     placed[-1].release("success")
-    assert get_index().chunks_held(home.id) > 0
+    assert get_index().marks_held(home.id) > 0
     others = tuple(e for e in GEN if e != home)
     place(placed, conversation(4, 1), cluster=pool(*others))
-    assert get_index().chunks_held(home.id) == 0
+    assert get_index().marks_held(home.id) == 0
     # Back in the pool, it holds nothing as far as the index knows: the next turn matches none of it.
     placed[-1].release("success")
     again = place(placed, conversation(3, 2))
@@ -242,4 +311,72 @@ def test_other_policies_do_not_touch_the_index(placed: list[Reservation]) -> Non
     )
     placement = place(placed, conversation(1, 1), cluster=round_robin)
     assert placement.key is None and placement.match_length(5000) == 0
-    assert get_index().chunks_held(placement.reservation.endpoint.id) == 0
+    assert get_index().marks_held(placement.reservation.endpoint.id) == 0
+
+
+CTX = [EndpointInfo(id=9200 + i, pool_name="ca", role="context", url=f"http://c{i}", enabled=True, draining=False, healthy=True) for i in range(2)]
+
+
+def test_the_context_phase_goes_where_the_conversation_was_prefilled(placed: list[Reservation]) -> None:
+    cluster = pool(*GEN, *CTX)
+    first = place(placed, conversation(5, 1), cluster=cluster)
+    context = router.reserve(cluster, "context", "req-c", placement=first)
+    placed.append(context)
+    home, other = context.endpoint, next(c for c in CTX if c != context.endpoint)
+    assert first.key is not None
+    get_index().confirm(home.id, first.key)  # what the pipeline does on the context answer
+    for turns in (2, 3, 4):
+        # The conversation's context worker stays busier than the other (its earlier phase is
+        # still open), within the load guard: the cache wins over the load.
+        later = place(placed, conversation(5, turns), cluster=cluster)
+        assert later.prompt is not None
+        matches = get_index().matches([home.id, other.id], later.prompt)
+        assert matches == {home.id: Prompt(conversation(5, turns - 1), 2048).size, other.id: 0}
+        again = router.reserve(cluster, "context", f"req-c{turns}", placement=later)
+        placed.append(again)
+        assert again.endpoint == home
+    # Another conversation with the same head: its context phase goes where the head is too.
+    fresh = place(placed, conversation(6, 1), cluster=cluster)
+    assert fresh.prompt is not None
+    assert get_index().match(home.id, fresh.prompt) == fresh.prompt_bytes - len(orjson.dumps(conversation(6, 1)["messages"][-1]))
+    head = router.reserve(cluster, "context", "req-c6", placement=fresh)
+    placed.append(head)
+    assert head.endpoint == home
+
+
+@override_settings(PREFIX_BALANCE_ABS_THRESHOLD=1, PREFIX_BALANCE_REL_THRESHOLD=1.0)
+def test_an_overloaded_context_holder_is_skipped(placed: list[Reservation]) -> None:
+    cluster = pool(*GEN, *CTX)
+    first = place(placed, conversation(8, 1), cluster=cluster)
+    home = router.reserve(cluster, "context", "req-c", placement=first)
+    placed.append(home)
+    busy = router.reserve(cluster, "context", "req-busy", exclude=[c.url for c in CTX if c != home.endpoint])
+    placed.append(busy)
+    assert busy.endpoint == home.endpoint  # two open on home, none on the other: over the guard
+    later = place(placed, conversation(8, 2), cluster=cluster)
+    moved = router.reserve(cluster, "context", "req-c2", placement=later)
+    placed.append(moved)
+    assert moved.endpoint != home.endpoint
+
+
+def test_without_a_placement_the_context_phase_goes_to_the_least_loaded(placed: list[Reservation]) -> None:
+    cluster = pool(*GEN, *CTX)
+    first = place(placed, conversation(9, 1), cluster=cluster)
+    home = router.reserve(cluster, "context", "req-c", placement=first)
+    placed.append(home)
+    plain = router.reserve(cluster, "context", "req-plain")  # load 1 against 0
+    placed.append(plain)
+    assert plain.endpoint != home.endpoint
+
+
+def test_a_conversation_keeps_one_end_mark_per_endpoint() -> None:
+    index = PrefixIndex(10000, ttl_s=1e9)
+    for turns in range(1, 9):
+        key = Prompt(conversation(1, turns), 16384).key
+        index.record(1, "p", key)
+        index.confirm(1, key)
+    last = Prompt(conversation(1, 8), 16384)
+    # Each turn's end mark replaced the one before: what is kept is this prompt's marks (its
+    # chunk marks, the head's end and its end), not one per turn.
+    assert index.marks_held(1) == len(last.key.marks) < 8
+    assert index.match(1, Prompt(conversation(1, 9), 16384)) == last.size

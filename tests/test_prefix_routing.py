@@ -19,8 +19,6 @@ CACHED_SIM = {
     "tokens_per_second": 2000, "prefill_tokens_per_second": 200000, "max_context_tokens": 32768,
     "kv_timeout": 30, "kv_block_tokens": 16, "kv_cache_blocks": 8192,
 }
-# Above one chunk of the index (2 KiB, ~500 tokens): the match is counted in whole chunks, so up to
-# a chunk of what the worker holds counts as uncached (the conservative side).
 LOCAL_PREFILL_LIMIT = 1000
 SYSTEM = "You are a careful coding agent working in a large repository. " * 150  # ~1,500 tokens
 
@@ -29,6 +27,7 @@ SYSTEM = "You are a careful coding agent working in a large repository. " * 150 
 def sims() -> Iterator[dict[str, SimWorker]]:
     started = {
         "context": start_simworker("context", **CACHED_SIM),
+        "context_b": start_simworker("context", **CACHED_SIM),
         "gen_a": start_simworker("generation", **CACHED_SIM),
         "gen_b": start_simworker("generation", **CACHED_SIM),
     }
@@ -37,7 +36,9 @@ def sims() -> Iterator[dict[str, SimWorker]]:
         worker.stop()
 
 
-def register_cache_aware(gateway: Gateway, context: SimWorker, *generations: SimWorker) -> Cluster:
+def register_cache_aware(
+    gateway: Gateway, context: SimWorker, *generations: SimWorker, more_contexts: tuple[SimWorker, ...] = ()
+) -> Cluster:
     """A `cache_aware` pool of these sims (as `register_cluster`, which makes round-robin pools:
     changing the policy afterwards would race the gateway's registry refresh)."""
     from messages_api.auth import create_api_key
@@ -46,8 +47,9 @@ def register_cache_aware(gateway: Gateway, context: SimWorker, *generations: Sim
     pool = WorkerPool.objects.create(
         name=f"pool-{MODEL}", model=MODEL, routing="cache_aware", max_local_prefill_tokens=LOCAL_PREFILL_LIMIT
     )
-    WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url)
-    for worker in (context, *generations):
+    for worker in (context, *more_contexts):
+        WorkerEndpoint.objects.create(pool=pool, role="context", url=worker.url)
+    for worker in (context, *more_contexts, *generations):
         worker.reset()
     for worker in generations:
         WorkerEndpoint.objects.create(pool=pool, role="generation", url=worker.url)
@@ -80,6 +82,10 @@ class Session:
         answer = response.json()
         self.messages.append({"role": "assistant", "content": answer["content"]})
         return response, audit_row(response.headers["request-id"])
+
+
+def prefix_cache(worker: SimWorker) -> Any:
+    return httpx.get(worker.url + "/sim/prefix_cache", timeout=10).json()
 
 
 def generation_urls(sims: dict[str, SimWorker]) -> dict[str, str]:
@@ -183,3 +189,25 @@ def test_a_silent_restart_is_learnt_from_the_workers_cached_tokens(
     _, row_a = a.turn(30)
     assert row_a.context_endpoint == ""
     wait_until(lambda: restarted.stats()["active"] == 0)
+
+
+def test_a_context_phase_goes_to_the_context_worker_holding_the_conversation(
+    transactional_db: Any, gateway: Gateway, sims: dict[str, SimWorker]
+) -> None:
+    """Each turn with many new tokens needs a context phase; it goes where the conversation's
+    earlier context phases went, which prefills only the new tokens."""
+    cluster = register_cache_aware(gateway, sims["context"], sims["gen_a"], more_contexts=(sims["context_b"],))
+    contexts = {sims["context"].url: sims["context"], sims["context_b"].url: sims["context_b"]}
+    session = Session(gateway, cluster, "long-turns", header=False)
+    _, first = session.turn(LOCAL_PREFILL_LIMIT * 2)
+    home = first.context_endpoint
+    assert home in contexts
+    for _ in range(3):
+        before = prefix_cache(contexts[home])
+        answer, row = session.turn(LOCAL_PREFILL_LIMIT * 2)
+        assert row.context_endpoint == home
+        after = prefix_cache(contexts[home])
+        # The context worker reused the conversation so far: it computed about the new turn only.
+        computed = after["computed_tokens"] - before["computed_tokens"]
+        assert after["cached_tokens"] - before["cached_tokens"] >= row.input_tokens + answer.json()["usage"]["cache_read_input_tokens"] - LOCAL_PREFILL_LIMIT * 3
+        assert computed < LOCAL_PREFILL_LIMIT * 3

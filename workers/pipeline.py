@@ -315,6 +315,7 @@ class ChatRun:
                 raise
             self._report(reservation.endpoint.id, None)
             handoff = protocol.read_context_answer(response)
+            self._prefix_held(reservation.endpoint.id)
             reservation.release(Outcome.SUCCESS)
             self._handoff_issued = handoff.generation_pending
             self._note(context_done_at=time.monotonic())
@@ -365,7 +366,7 @@ class ChatRun:
                 if first:
                     first = False
                     self._note(first_chunk_at=time.monotonic())
-                    self._prefix_held()
+                    self._prefix_held(self._generation_endpoint_id)
                 if not self._cache_checked and "usage" in chunk:
                     self._check_cached_tokens(chunk["usage"])
                 yield chunk
@@ -385,11 +386,12 @@ class ChatRun:
             # prefix cache, so what the index says it holds is forgotten.
             get_index().forget(endpoint_id)
 
-    def _prefix_held(self) -> None:
-        """The generation worker answered: it holds the prompt's prefix now."""
+    def _prefix_held(self, endpoint_id: int) -> None:
+        """The endpoint answered (a context answer, or the generation's first token): it holds
+        the prompt's prefix now."""
         placement = self._placement
         if placement is not None and placement.key is not None:
-            get_index().confirm(self._generation_endpoint_id, placement.key)
+            get_index().confirm(endpoint_id, placement.key)
 
     def _check_cached_tokens(self, usage: Any) -> None:
         """A worker that reports no cached tokens for a prompt the index expected it to hold
@@ -411,7 +413,7 @@ class ChatRun:
 
     def _reserve(self, role: str, exclude: list[str] | tuple[str, ...] = ()) -> Reservation:
         reservation = router.reserve(
-            self.pool, role, self.request_id, session=self.session, exclude=exclude
+            self.pool, role, self.request_id, session=self.session, exclude=exclude, placement=self._placement
         )
         self._reservations.append(reservation)
         return reservation

@@ -1,25 +1,44 @@
-"""What each generation endpoint probably holds in its prefix cache, as this process has seen it.
+"""What each endpoint probably holds in its prefix cache, as this process has seen it.
 
 The gateway routes before any worker has tokenized the prompt, so the index keys prompts by their
-rendered form: the OpenAI chat body's tools and messages, each serialized canonically (sorted
-keys) one after another, cut into `PREFIX_INDEX_CHUNK_BYTES` chunks, each chunk's hash chained
-over every chunk before it (as engines chain KV block hashes over token ids: here CRC-32, which
-chains by construction and is the cheapest hash in the standard library, tagged with the chunk's
-position; a collision costs one wrong routing guess, never a wrong answer). An endpoint matches
-a prompt up to its first chunk it has not been sent. Matches are in bytes; the pipeline scales
-them to the prompt's estimated token count.
+rendered form: the OpenAI chat body's tools (one part), then each message (one part each),
+serialized as they go to the worker. Each part's digest is xxh3-64 seeded with the digest of the
+parts before it, so a digest stands for the whole prompt up to that part's end (as engines chain
+KV block hashes over token ids; a collision costs one wrong routing guess, never a wrong answer).
+A recorded prompt leaves a few *marks* (digests) per endpoint, not one per part:
+- a chunk mark about every `PREFIX_INDEX_CHUNK_BYTES` (the part that reaches past each multiple):
+  an endpoint's chunk marks of one chain are prefix-closed, so the longest match is found by
+  bisection, a few lookups however long the prompt;
+- the end of the shared head (the parts before the first user message), so that a new
+  conversation matches exactly what every conversation of its application shares;
+- the prompt's end, so that the next turn, which extends it, matches exactly up to it: beyond the
+  last chunk mark an endpoint holds, the lookup tries the places where an earlier prompt may have
+  ended (each part followed by an assistant message: a prompt ends where its answer begins),
+  longest first.
+Matches are in bytes; the pipeline scales them to the prompt's estimated token count.
+
+Cost (bench/sessions.py, a 184 KB Claude Code-shaped prompt, 4 generation endpoints, on a loaded
+2-core machine): 26 µs of CPU per request, 17 µs of it the key, mostly orjson serializing the
+prompt; the index work itself is a handful of dictionary operations per endpoint. CRC-32 over
+2 KiB chunks of a joined, key-sorted rendering (the previous scheme) took ~400 µs there, most of
+it in the hash and in page faults of the prompt-sized buffer.
 
 A prompt is recorded when it is routed, as *sent*: routing follows it at once (the next turn,
 or another conversation with the same head, goes where it went), but the endpoint does not hold
 its KV until it has prefilled it. It becomes *held* when the endpoint's first token arrives.
-Conditional disaggregation counts only held chunks: a conversation that starts while another
+Conditional disaggregation counts only held marks: a conversation that starts while another
 with the same system prompt is still in its context phase must not be sent without one to a
 worker that has nothing yet.
 
-Bounded and aged like the worker's own cache: per endpoint, least recently used chunks beyond
-`PREFIX_INDEX_CHUNKS_PER_ENDPOINT` are dropped, and a chunk not sent for `PREFIX_INDEX_TTL_S`
-counts as evicted. A prompt's chunks are touched last-chunk-first, so the shared head of a
-conversation outlives its tail, as in the simulated (and vLLM's) cache.
+Bounded and aged like the worker's own cache: per endpoint, least recently used marks beyond
+`PREFIX_INDEX_CHUNKS_PER_ENDPOINT` are dropped (a mark stands for about a chunk of prompt), and a
+mark not sent for `PREFIX_INDEX_TTL_S` counts as evicted. A prompt's marks are touched
+last-first, so the shared head of a conversation outlives its tail, as in the simulated (and
+vLLM's) cache.
+
+Context endpoints are indexed too: a context phase goes where the most of its prompt was sent
+(`workers.router.reserve` with the placement), and a context worker holds the prefix once it has
+answered.
 
 An endpoint's entries are dropped when its cache is probably gone:
 - it leaves the pool, is disabled, or its health probe marks it unhealthy (`retain`, called at
@@ -28,18 +47,21 @@ An endpoint's entries are dropped when its cache is probably gone:
 - a request to it fails in a way that says the endpoint itself failed (refused, reset or cut
   connection, timeout; `workers.health.failure_scope` ENDPOINT): the process may have died, and
   a restart between two probes would otherwise go unnoticed;
-- the worker itself reports fewer cached tokens than expected for a prompt (`correct`): the index
-  is cut back to what the worker said it held, which also heals a silent restart, one
-  conversation at a time.
+- the worker itself reports no cached tokens for a prompt the index expected it to hold (the
+  pipeline's `_check_cached_tokens`): its entries are dropped and that prompt recorded anew,
+  which heals a silent restart.
 
 The index is per gateway process; nothing is shared between processes. They agree without
 coordination on where a conversation goes when their own index knows nothing of it beyond the
 shared system prompt and tools (its first turn, or a later turn reaching a process that has not
 seen it): rendezvous hashing over the conversation's root (its session id when the client sends
-one, else the hash of the tools and messages up to the first user message) ranks the endpoints
-the same way in every process, and the conversation takes the first of the top two unless the
-second is less loaded (two choices, so that new conversations spread). Processes therefore agree
-on the endpoint while those two are equally loaded, and always on the pair. Once a process has
+one, else the digest of the tools and messages up to the first user message) ranks the endpoints
+the same way in every process, and the conversation takes the one of the top two that serves
+fewer conversations (`conversations`: those with a turn sent there within
+`PREFIX_BALANCE_WINDOW_S`), then has fewer open requests, then the first (two choices, so that
+conversations spread evenly: the hash alone left 1.8x more open requests on the busiest of 4
+endpoints than on the mean, with 16 sessions). Processes therefore agree on the endpoint when
+they count the same conversations there, and always on the pair. Once a process has
 sent a conversation somewhere, it follows its index. So one conversation can be prefilled twice,
 on two endpoints, when its turns reach two processes that saw different loads, or when the load
 guard moves it: the cost is one extra prefill, never a wrong answer. Sharing the index (Redis,
@@ -49,129 +71,223 @@ lookup was not worth it here.
 
 from __future__ import annotations
 
-import hashlib
+from bisect import bisect_left, bisect_right
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from xxhash import xxh3_64_intdigest
 
-_OPTIONS = orjson.OPT_SORT_KEYS
 
 
 @dataclass(frozen=True, slots=True)
 class PromptKey:
-    """A prompt as the index sees it."""
+    """What the index records of a prompt: its marks, each the chained digest of the prompt up to
+    an offset, in offset order (every full chunk's end, the shared head's end, the prompt's end).
+    Small: a request keeps it until its worker answers."""
 
-    #: Chained hash of each full chunk of the rendered prompt.
-    chunks: tuple[int, ...]
-    chunk_bytes: int
+    marks: tuple[int, ...]
     #: Length of the rendered prompt, in bytes.
     size: int
-    #: Stable across processes: the conversation's root (tools and messages up to the first user
-    #: message), for rendezvous hashing when no index knows the conversation.
-    root: bytes
-    #: Chunks that lie wholly before the first user message: a match no longer than this is only
-    #: what every conversation of an application shares (system prompt, tools).
-    shared_chunks: int
+    #: The conversation: the digest of the prompt up to the end of its first user message.
+    root: int = 0
+    #: The end mark of the turn this prompt extends (the last place before its end where a prompt
+    #: ended): once the endpoint holds this one, that one is redundant and dropped, so about one
+    #: end mark per conversation stays, and an endpoint's marks stay about proportional to the
+    #: prompt text it holds.
+    supersedes: int | None = None
 
 
-def prompt_key(chat: dict[str, Any], chunk_bytes: int) -> PromptKey:
-    """The rendered prompt's chunk hashes and root."""
-    parts: list[bytes] = [orjson.dumps(tool, option=_OPTIONS) for tool in chat.get("tools") or ()]
-    shared_end = root_end = -1
-    for message in chat.get("messages") or ():
-        if root_end < 0 and isinstance(message, dict) and message.get("role") == "user":
-            shared_end = sum(len(p) for p in parts)
-            parts.append(orjson.dumps(message, option=_OPTIONS))
-            root_end = shared_end + len(parts[-1])
-        else:
-            parts.append(orjson.dumps(message, option=_OPTIONS))
-    rendered = b"".join(parts)
-    if root_end < 0:
-        shared_end = root_end = len(rendered)
-    view = memoryview(rendered)
-    crc32 = zlib.crc32
-    # The CRC of each whole prefix (crc32(chunk, previous) continues the previous one), tagged
-    # with the chunk's number: small ints, the cheapest key a dict holds.
-    chunks: list[int] = []
-    crc = 0
-    for number, start in enumerate(range(0, len(rendered) - chunk_bytes + 1, chunk_bytes)):
-        crc = crc32(view[start : start + chunk_bytes], crc)
-        chunks.append(number << 32 | crc)
-    root_chunks = root_end // chunk_bytes
-    head = chunks[root_chunks - 1] if root_chunks else 0
-    # Rendezvous wants a well-mixed key; this hashes at most one chunk.
-    root = hashlib.blake2b(view[root_chunks * chunk_bytes : root_end], key=head.to_bytes(8, "little"), digest_size=16).digest()
-    return PromptKey(tuple(chunks), chunk_bytes, len(rendered), root, shared_end // chunk_bytes)
+class Prompt:
+    """A prompt rendered for one routing decision: the tools, then each message, serialized as
+    the worker will receive them, each part's digest chained over every part before it."""
+
+    __slots__ = ("ends", "digests", "chunk_marks", "candidates", "shared", "key")
+
+    def __init__(self, chat: dict[str, Any], chunk_bytes: int) -> None:
+        dumps = orjson.dumps
+        # Part 0 is the tools (one part: they all lie in the shared head), then one per message.
+        # Not key-sorted: an engine renders the JSON as it is sent, so a reordered schema is
+        # another prompt to its cache as well.
+        part = dumps(chat.get("tools") or [])
+        size = len(part)
+        digest = xxh3_64_intdigest(part)
+        ends, digests = [size], [digest]
+        chunk_marks = [0] if size >= chunk_bytes else []
+        candidates: list[int] = []
+        shared = root = -1
+        for number, message in enumerate(chat.get("messages") or (), 1):
+            is_dict = isinstance(message, dict)
+            role = message.get("role") if is_dict else None
+            if role == "assistant" and shared >= 0:
+                # A prompt ends where its answer begins: here an earlier request of this
+                # conversation probably ended.
+                candidates.append(number - 1)
+            elif role == "user" and shared < 0:
+                shared, root = number - 1, number
+                candidates.append(shared)
+            part = dumps(message)
+            digest = xxh3_64_intdigest(part, digest)
+            if (size + len(part)) // chunk_bytes > size // chunk_bytes:
+                chunk_marks.append(number)
+            size += len(part)
+            ends.append(size)
+            digests.append(digest)
+        last = len(ends) - 1
+        if shared < 0:
+            shared = root = last
+        if not candidates or candidates[-1] != last:
+            candidates.append(last)
+        #: Offset of each part's end, and the digest of the prompt up to it (xxh3-64, each part
+        #: seeded with the digest before it: a chain, as engines chain KV block hashes).
+        self.ends, self.digests = ends, digests
+        #: Parts that reach past a multiple of `chunk_bytes`: the marks every recording keeps,
+        #: about one per chunk however the prompt is cut into messages.
+        self.chunk_marks = chunk_marks
+        #: Parts where an earlier prompt may have ended (before an answer; the shared head;
+        #: this prompt's end), for a match exact to the message rather than cut to a chunk.
+        self.candidates = candidates
+        #: The part that ends the shared head (tools and messages before the first user
+        #: message): a match no longer than this is only what every conversation of an
+        #: application shares.
+        self.shared = shared
+        marks = sorted({*chunk_marks, shared, last})
+        previous = candidates[-2] if len(candidates) > 1 else shared
+        supersedes = None if previous in marks else digests[previous]
+        self.key = PromptKey(tuple(digests[i] for i in marks), size, digests[root], supersedes)
+
+    @property
+    def size(self) -> int:
+        return self.key.size
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.ends[self.shared]
+
+    @property
+    def root(self) -> bytes:
+        """Stable across processes: the conversation's root (the prompt up to the end of its
+        first user message), for rendezvous hashing when no index knows the conversation."""
+        return self.key.root.to_bytes(8, "little")
 
 
 @dataclass(slots=True)
 class _EndpointEntries:
     pool: str
-    # chunk hash -> when it was last sent there (monotonic), negated while only sent (not yet
-    # known to be held); least recent first.
-    chunks: OrderedDict[int, float]
+    # mark -> when it was last sent there (monotonic), negated while only sent (not yet known to
+    # be held); least recent first.
+    marks: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    # conversation (`PromptKey.root`) -> when a turn of it was last sent there; least recent first.
+    conversations: OrderedDict[int, float] = field(default_factory=OrderedDict)
 
 
 class PrefixIndex:
     def __init__(
-        self, capacity_chunks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        capacity_marks: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        conversation_window_s: float = 300.0,
     ) -> None:
-        self.capacity_chunks = capacity_chunks
+        self.capacity_marks = capacity_marks
         self.ttl_s = ttl_s
+        self.conversation_window_s = conversation_window_s
         self._clock = clock
         self._endpoints: dict[int, _EndpointEntries] = {}
 
-    def match(self, endpoint_id: int, key: PromptKey) -> int:
-        """How many leading chunks of the prompt were sent to the endpoint (for routing)."""
-        return self._match(endpoint_id, key, held_only=False)
+    def match(self, endpoint_id: int, prompt: Prompt) -> int:
+        """How many leading bytes of the prompt were sent to the endpoint (for routing)."""
+        return self.matches((endpoint_id,), prompt)[endpoint_id]
 
-    def held(self, endpoint_id: int, key: PromptKey) -> int:
-        """How many leading chunks of the prompt the endpoint is known to hold (its first token
-        for them came back)."""
-        return self._match(endpoint_id, key, held_only=True)
-
-    def _match(self, endpoint_id: int, key: PromptKey, *, held_only: bool) -> int:
-        entries = self._endpoints.get(endpoint_id)
-        if entries is None:
-            return 0
-        chunks = entries.chunks
+    def matches(self, endpoint_ids: Iterable[int], prompt: Prompt, *, held_only: bool = False) -> dict[int, int]:
+        """`match` (or `held`) for each of the endpoints, in one pass."""
         oldest = self._clock() - self.ttl_s
-        matched = 0
-        for chunk in key.chunks:
-            at = chunks.get(chunk)
-            if at is None or abs(at) < oldest or (held_only and at < 0):
-                break
-            matched += 1
-        return matched
+        chunk_marks, candidates, digests, ends = prompt.chunk_marks, prompt.candidates, prompt.digests, prompt.ends
+        found: dict[int, int] = {}
+        for endpoint_id in endpoint_ids:
+            entries = self._endpoints.get(endpoint_id)
+            if entries is None:
+                found[endpoint_id] = 0
+                continue
+            get = entries.marks.get
+            # A mark counts when recorded and not aged out, and for `held` when answered
+            # (sent-only marks are stored negated). An endpoint's marks of one chain are
+            # prefix-closed (recorded together, touched tail-first so evicted tail-first, aged
+            # head-last): the longest matched chunk mark is found by bisection, a few lookups
+            # however long the prompt.
+            low, high = 0, len(chunk_marks)
+            while low < high:
+                middle = (low + high + 1) // 2
+                at = get(digests[chunk_marks[middle - 1]])
+                if at is not None and (at if held_only else abs(at)) >= oldest and (at > 0 or not held_only):
+                    low = middle
+                else:
+                    high = middle - 1
+            matched = chunk_marks[low - 1] if low else -1
+            # Up to the next chunk mark (known missing), where an earlier prompt ended: the
+            # longest one recorded.
+            limit = chunk_marks[low] if low < len(chunk_marks) else len(ends)
+            for part in reversed(candidates[bisect_right(candidates, matched) : bisect_left(candidates, limit)]):
+                at = get(digests[part])
+                if at is not None and (at if held_only else abs(at)) >= oldest and (at > 0 or not held_only):
+                    matched = part
+                    break
+            found[endpoint_id] = ends[matched] if matched >= 0 else 0
+        return found
+
+    def held(self, endpoint_id: int, prompt: Prompt) -> int:
+        """How many leading bytes of the prompt the endpoint is known to hold (its first token
+        for them came back)."""
+        return self.matches((endpoint_id,), prompt, held_only=True)[endpoint_id]
 
     def record(self, endpoint_id: int, pool: str, key: PromptKey) -> None:
         """The prompt was sent to the endpoint: it will hold its prefix (`confirm` once it does)."""
         entries = self._endpoints.get(endpoint_id)
         if entries is None:
-            entries = self._endpoints[endpoint_id] = _EndpointEntries(pool, OrderedDict())
-        chunks = entries.chunks
+            entries = self._endpoints[endpoint_id] = _EndpointEntries(pool)
+        marks = entries.marks
         now = self._clock()
-        for chunk in reversed(key.chunks):
-            at = chunks.get(chunk)
-            chunks[chunk] = now if at is not None and at > 0 else -now
-            chunks.move_to_end(chunk)
-        self._evict(chunks, now)
+        for mark in reversed(key.marks):
+            at = marks.get(mark)
+            marks[mark] = now if at is not None and at > 0 else -now
+            marks.move_to_end(mark)
+        self._evict(marks, now)
+        conversations = entries.conversations
+        conversations[key.root] = now
+        conversations.move_to_end(key.root)
+        self._expire(conversations, now)
+
+    def conversations(self, endpoint_id: int) -> int:
+        """How many conversations had a turn sent to the endpoint in the last
+        `conversation_window_s`: the load a new conversation adds to (sticky conversations keep
+        coming back, so the open requests of the moment say little of it)."""
+        entries = self._endpoints.get(endpoint_id)
+        if entries is None:
+            return 0
+        self._expire(entries.conversations, self._clock())
+        return len(entries.conversations)
+
+    def _expire(self, conversations: OrderedDict[int, float], now: float) -> None:
+        oldest = now - self.conversation_window_s
+        while conversations and (len(conversations) > self.capacity_marks or next(iter(conversations.values())) < oldest):
+            conversations.popitem(last=False)
 
     def confirm(self, endpoint_id: int, key: PromptKey) -> None:
         """The endpoint answered the prompt: it holds the prefix now."""
         entries = self._endpoints.get(endpoint_id)
         if entries is None:
             return
-        chunks = entries.chunks
+        marks = entries.marks
         now = self._clock()
-        for chunk in key.chunks:
-            if chunk in chunks:
-                chunks[chunk] = now
+        for mark in key.marks:
+            if mark in marks:
+                marks[mark] = now
+        if key.supersedes is not None and key.marks[-1] in marks:
+            marks.pop(key.supersedes, None)
 
     def forget(self, endpoint_id: int) -> None:
         """The endpoint's cache is gone (it restarted, failed, or left)."""
@@ -183,19 +299,19 @@ class PrefixIndex:
         for endpoint_id in [i for i, e in self._endpoints.items() if e.pool == pool and i not in kept]:
             del self._endpoints[endpoint_id]
 
-    def chunks_held(self, endpoint_id: int | None = None) -> int:
+    def marks_held(self, endpoint_id: int | None = None) -> int:
         if endpoint_id is not None:
             entries = self._endpoints.get(endpoint_id)
-            return len(entries.chunks) if entries is not None else 0
-        return sum(len(e.chunks) for e in self._endpoints.values())
+            return len(entries.marks) if entries is not None else 0
+        return sum(len(e.marks) for e in self._endpoints.values())
 
     def endpoints(self) -> list[int]:
         return list(self._endpoints)
 
-    def _evict(self, chunks: OrderedDict[int, float], now: float) -> None:
+    def _evict(self, marks: OrderedDict[int, float], now: float) -> None:
         oldest = now - self.ttl_s
-        while chunks and (len(chunks) > self.capacity_chunks or abs(next(iter(chunks.values()))) < oldest):
-            chunks.popitem(last=False)
+        while marks and (len(marks) > self.capacity_marks or abs(next(iter(marks.values()))) < oldest):
+            marks.popitem(last=False)
 
 
 _index: PrefixIndex | None = None
@@ -207,8 +323,12 @@ def get_index() -> PrefixIndex:
     if _index is None:
         from django.conf import settings
 
-        _index = PrefixIndex(settings.PREFIX_INDEX_CHUNKS_PER_ENDPOINT, settings.PREFIX_INDEX_TTL_S)
+        _index = PrefixIndex(
+            settings.PREFIX_INDEX_CHUNKS_PER_ENDPOINT,
+            settings.PREFIX_INDEX_TTL_S,
+            conversation_window_s=settings.PREFIX_BALANCE_WINDOW_S,
+        )
     return _index
 
 
-__all__ = ["PrefixIndex", "PromptKey", "get_index", "prompt_key"]
+__all__ = ["PrefixIndex", "Prompt", "PromptKey", "get_index"]

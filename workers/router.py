@@ -8,7 +8,7 @@ Routing reads only memory: the registry snapshot and this process's open reserva
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,7 +17,7 @@ from django.conf import settings
 from workers.errors import NoEndpointAvailable
 from workers.health import health
 from workers.models import Role, RoutingPolicy
-from workers.prefix_index import PromptKey, get_index, prompt_key
+from workers.prefix_index import Prompt, PromptKey, get_index
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation, ledger
 
@@ -75,8 +75,8 @@ POLICIES: dict[str, Policy] = {
     RoutingPolicy.ROUND_ROBIN: _round_robin,
     RoutingPolicy.LEAST_LOADED: _least_loaded,
     RoutingPolicy.SESSION_AFFINITY: _session_affinity,
-    # Generation goes through `place_generation`; the context phase (stateless between requests
-    # as far as the gateway knows) goes to the least loaded.
+    # Generation goes through `place_generation`, the context phase by cache when given the
+    # placement (`reserve(..., placement=)`); without it, the least loaded.
     RoutingPolicy.CACHE_AWARE: _least_loaded,
 }
 
@@ -90,7 +90,13 @@ class Placement:
     #: `prompt_bytes` (0 of 0 when the pool does not route by prefix).
     matched_bytes: int = 0
     prompt_bytes: int = 0
-    key: PromptKey | None = None
+    #: The prompt as the index sees it: where the context phase goes, should it run (context
+    #: workers cache prefixes too). Digests and offsets only, not the prompt's text.
+    prompt: Prompt | None = None
+
+    @property
+    def key(self) -> PromptKey | None:
+        return self.prompt.key if self.prompt is not None else None
 
     def match_length(self, prompt_tokens: int) -> int:
         """The match in tokens, scaled from bytes to the prompt's (estimated) token count."""
@@ -106,39 +112,53 @@ def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, s
         return Placement(reserve(pool, Role.GENERATION, request_id, session=session))
     usable = _usable(pool, Role.GENERATION, ())
     index = get_index()
-    index.retain(pool.name, (e.id for e in pool.endpoints_for(Role.GENERATION) if _keeps_cache(e)))
-    key = prompt_key(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
-    matches = {e.id: index.match(e.id, key) for e in usable}
-    endpoint = _cache_aware(pool, usable, matches, key, session)
-    held = index.held(endpoint.id, key)
-    index.record(endpoint.id, pool.name, key)
+    index.retain(pool.name, [e.id for e in pool.endpoints if _keeps_cache(e)])
+    prompt = Prompt(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
+    matches = index.matches([e.id for e in usable], prompt)
+    endpoint = _cache_aware(pool, usable, matches, prompt, session)
+    held = index.held(endpoint.id, prompt)
+    index.record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
     reservation = Reservation.take(request_id, endpoint, Role.GENERATION)
-    return Placement(reservation, min(held * key.chunk_bytes, key.size), key.size, key)
+    return Placement(reservation, held, prompt.size, prompt)
 
 
 def _cache_aware(
-    pool: PoolInfo, usable: list[EndpointInfo], matches: dict[int, int], key: PromptKey, session: str | None
+    pool: PoolInfo, usable: list[EndpointInfo], matches: Mapping[int, int], prompt: Prompt, session: str | None
 ) -> EndpointInfo:
     best = max(matches.values())
-    if best > key.shared_chunks:
+    if best > prompt.shared_bytes:
         # This conversation has been here: the endpoint holding the most of it (ties: the least
         # loaded, then round robin).
         chosen = _least_loaded(pool, Role.GENERATION, [e for e in usable if matches[e.id] == best], None)
     else:
-        # Nothing beyond what every conversation shares: the less loaded of the conversation's
-        # two rendezvous endpoints (two choices, as the power-of-two policy: sessions spread
-        # evenly, and gateway processes agree whenever the two are equally loaded, and always
-        # on which two).
-        ranked = _rendezvous_ranked(session.encode() if session else key.root, usable)
-        chosen = ranked[0] if len(ranked) == 1 or _load(ranked[0]) <= _load(ranked[1]) else ranked[1]
-    # SGLang's load guard, applied to the chosen endpoint: a cache hit is not worth queueing
-    # behind a much busier worker.
+        # Nothing beyond what every conversation shares: a new conversation (or one no longer
+        # held anywhere) goes to the less busy of its two rendezvous endpoints, busy meaning the
+        # conversations it serves, then its open requests (two choices, as the power-of-two
+        # policy: conversations spread evenly, and gateway processes always agree on which two).
+        ranked = _rendezvous_ranked(session.encode() if session else prompt.root, usable)[:2]
+        index = get_index()
+        chosen = min(ranked, key=lambda e: (index.conversations(e.id), _load(e)))
+    return _guarded(pool, Role.GENERATION, usable, chosen)
+
+
+def _guarded(pool: PoolInfo, role: str, usable: list[EndpointInfo], chosen: EndpointInfo) -> EndpointInfo:
+    """SGLang's load guard, applied to the chosen endpoint: a cache hit is not worth queueing
+    behind a much busier worker."""
     lowest = min(_load(e) for e in usable)
     load = _load(chosen)
     if load - lowest > settings.PREFIX_BALANCE_ABS_THRESHOLD and load > settings.PREFIX_BALANCE_REL_THRESHOLD * lowest:
-        return _least_loaded(pool, Role.GENERATION, usable, None)
+        return _least_loaded(pool, role, usable, None)
     return chosen
+
+
+def _by_cache(pool: PoolInfo, role: str, usable: list[EndpointInfo], prompt: Prompt) -> EndpointInfo:
+    """The endpoint that was sent the most of the prompt (ties and no match: the least loaded),
+    under the load guard."""
+    matches = get_index().matches([e.id for e in usable], prompt)
+    best = max(matches.values())
+    tied = [e for e in usable if matches[e.id] == best]
+    return _guarded(pool, role, usable, _least_loaded(pool, role, tied, None))
 
 
 def _keeps_cache(endpoint: EndpointInfo) -> bool:
@@ -161,17 +181,26 @@ def reserve(
     *,
     session: str | None = None,
     exclude: Iterable[str] = (),
+    placement: Placement | None = None,
 ) -> Reservation:
-    """Reserve a routable endpoint of `role` in `pool`, or raise NoEndpointAvailable."""
+    """Reserve a routable endpoint of `role` in `pool`, or raise NoEndpointAvailable.
+
+    With the request's generation `placement` from a `cache_aware` pool, the context phase goes
+    where the most of its prompt was sent (its KV may still be there), and the index records it."""
     usable = _usable(pool, role, exclude)
+    prompt = placement.prompt if placement is not None and role == Role.CONTEXT else None
     if exclude:
         # A retry: the least loaded of the others, leaving the policy's rotation untouched so
         # that a failing endpoint does not shift every later request's turn.
         endpoint = min(usable, key=_load)
+    elif prompt is not None:
+        endpoint = _by_cache(pool, role, usable, prompt)
     else:
         policy = POLICIES.get(pool.routing, _round_robin)
         # Affinity matters for generation (its prefix cache); the context phase is stateless.
         endpoint = policy(pool, role, usable, session if role == "generation" else None)
+    if prompt is not None:
+        get_index().record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
     return Reservation.take(request_id, endpoint, role)
 
