@@ -282,6 +282,9 @@ BREAKER_KEY_WINDOW_S = env_float("BREAKER_KEY_WINDOW_S", 60.0)
 # reservations and in-progress audit rows are closed by the next live process that sweeps.
 GATEWAY_HEARTBEAT_INTERVAL_S = env_float("GATEWAY_HEARTBEAT_INTERVAL_S", 5.0)
 GATEWAY_DEAD_AFTER_S = env_float("GATEWAY_DEAD_AFTER_S", 3 * GATEWAY_HEARTBEAT_INTERVAL_S)
+# A process on the same host is judged by its PID instead (workers/recovery.py), and counted as
+# hung, hence dead, only when its heartbeat is this old: a starved host delays heartbeats.
+GATEWAY_HUNG_AFTER_S = env_float("GATEWAY_HUNG_AFTER_S", 300.0)
 
 # /metrics is served to loopback clients, or to any client presenting this bearer token.
 METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")

@@ -1,10 +1,15 @@
 """Closing what dead gateway processes left open.
 
-Each process announces itself with a heartbeat row (`GatewayProcess`). A process is dead when its
-heartbeat is older than `GATEWAY_DEAD_AFTER_S`, or at once when it ran on this host and its PID
-is gone (a restart after a crash notices its predecessor immediately). Its open reservations are
-closed as `abandoned`; `process_abandoned` tells other apps (the audit) to close their rows too.
-Closing is idempotent, so several live processes sweeping at once do no harm.
+Each process announces itself with a heartbeat row (`GatewayProcess`). A process on another host
+is dead when its heartbeat is older than `GATEWAY_DEAD_AFTER_S`. A process on this host is
+judged by its PID, which does not lag: dead at once when the PID is gone, a zombie, or taken by a
+later process (a restart after a crash notices its predecessor immediately), alive while it runs
+even when its heartbeat is late (a starved host — seen here: every process unscheduled for up to
+10 s — delays heartbeats, and a live process's reservations and audit rows must not be closed
+under its running requests), unless its heartbeat is older than `GATEWAY_HUNG_AFTER_S` (hung).
+Its open reservations are closed as `abandoned`; `process_abandoned` tells other apps (the audit)
+to close their rows too. Closing is idempotent, so several live processes sweeping at once do no
+harm.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import logging
 import os
 import socket
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
+from django.conf import settings
 from django.db import close_old_connections
 from django.dispatch import Signal
 
@@ -38,23 +45,58 @@ def heartbeat() -> None:
         close_old_connections()
 
 
-def _pid_gone_on_this_host(instance: str) -> bool:
+def _pid_on_this_host(instance: str) -> int | None:
+    """The PID an instance name (`host:pid:nonce`) gives, when the host is this one."""
     host, _, rest = instance.partition(":")
     pid_text = rest.partition(":")[0]
     if host != socket.gethostname() or not pid_text.isdigit():
-        return False
+        return None
+    return int(pid_text)
+
+
+def _boot_time() -> float | None:
     try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _runs(pid: int, started_at: datetime | None) -> bool:
+    """Whether the process that wrote `started_at` still runs as `pid` on this host: not gone,
+    not a zombie (a killed child its parent has not reaped), not another process that was given
+    the same PID later (it started after `started_at`). Without /proc: whether the PID exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    if fields[0] in ("Z", "X"):  # field 3, the state
+        return False
+    boot = _boot_time()
+    if started_at is not None and boot is not None:
+        began = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+        # The row's started_at is taken after the process began; a PID given to a process that
+        # began later belongs to another process (2 s: btime is whole seconds).
+        if began > started_at.timestamp() + 2.0:
+            return False
+    return True
 
 
-def dead_instances(dead_after: float) -> list[str]:
+def dead_instances(dead_after: float, hung_after: float | None = None) -> list[str]:
     now = datetime.now(timezone.utc)
     stale_before = now - timedelta(seconds=dead_after)
+    hung_before = now - timedelta(seconds=hung_after if hung_after is not None else settings.GATEWAY_HUNG_AFTER_S)
     known = {p.instance: p for p in GatewayProcess.objects.filter(recovered_at__isnull=True)}
     # A process can die before its first heartbeat reached the database: its open rows name it.
     with_open_rows = set(
@@ -65,8 +107,12 @@ def dead_instances(dead_after: float) -> list[str]:
         if not instance or instance == GATEWAY_INSTANCE:
             continue
         process = known.get(instance)
-        if _pid_gone_on_this_host(instance):
-            dead.append(instance)
+        pid = _pid_on_this_host(instance)
+        if pid is not None:
+            if not _runs(pid, process.started_at if process is not None else None):
+                dead.append(instance)
+            elif process is not None and process.last_seen_at < hung_before:
+                dead.append(instance)
         elif process is not None:
             if process.last_seen_at < stale_before:
                 dead.append(instance)
