@@ -234,6 +234,14 @@ def reservations_closed(request_id: str, timeout: float = 10.0) -> list[Any]:
     return wait_until(find, timeout, message=f"reservations of {request_id} not all released")
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `runs_last` go at the end of the run. The prefill/decode pair of real vLLM
+    servers (tests/test_vllm_pd_real.py) starts, decodes and stops two engines on this 2-core
+    machine, which leaves every process unscheduled for seconds at a time; a timing-sensitive
+    test that ran next failed waiting 10 s for an audit row (CI, 2026-12-03)."""
+    items.sort(key=lambda item: item.get_closest_marker("runs_last") is not None)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Remove this run's SQLite side files, and the gateways' logs when everything passed."""
     import os

@@ -8,8 +8,9 @@ as `bench/pd_vllm.py --no-progress-thread` starts them (tests/realvllm/pd.py): w
 busy-polling progress thread on, each idle server spins a core and on these 2 cores 4 of 5
 decodes stalled 13-33 s; without it, every decode in the benchmark started within ~1 s.
 
-The module runs after every other real-engine module (file order) and stops the shared server
-first: three servers at once would pass the 4 GB the real-engine part may take.
+The module runs after every other test (`runs_last`, tests/conftest.py) and stops the shared server
+first: three servers at once would take ~7 GB where the real-engine part should stay near 4 GB,
+and the pair's start and stop stall this 2-core machine for seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from tests.gateway import Gateway
 from tests.rawclient import RawStream
 from tests.realvllm.pd import LATE_READ, NO_KV_TRANSFER, prompt, require_nixl, start_pair
 from tests.realvllm.server import RealVllm, stop_shared
+
+pytestmark = pytest.mark.runs_last
 
 STREAM_EVENTS = re.compile(r"^message_start content_block_start (content_block_delta )+content_block_stop message_delta message_stop$")
 
