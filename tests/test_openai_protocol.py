@@ -77,7 +77,11 @@ def plain_pool(transactional_db: Any, gateway: Gateway, plain_worker: SimWorker)
     pool = WorkerPool.objects.get(name="plain")
     _, key = create_api_key(f"plain-{time.monotonic_ns()}")
     plain_worker.reset()
-    wait_until(lambda: ready(gateway)[1].get("plain", {}).get("id") == pool.id, message="gateway never saw the plain pool")
+    # Routable, not only listed: a request in between is answered 529 (seen in CI, 2026-12-03).
+    wait_until(
+        lambda: (seen := ready(gateway)[1].get("plain", {})).get("id") == pool.id and seen["generation"]["routable"] == 1,
+        message="gateway never routed to the plain pool",
+    )
     return {"x-api-key": key, "anthropic-version": "2023-06-01", "content-type": "application/json"}
 
 
