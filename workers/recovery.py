@@ -2,9 +2,9 @@
 
 Each process announces itself with a heartbeat row (`GatewayProcess`). A process on another host
 is dead when its heartbeat is older than `GATEWAY_DEAD_AFTER_S`. A process on this host is
-judged by its PID, which does not lag: dead at once when the PID is gone, a zombie, or taken by a
-later process (a restart after a crash notices its predecessor immediately), alive while it runs
-even when its heartbeat is late (a starved host — seen here: every process unscheduled for up to
+judged by its PID, which does not lag: dead at once when the PID is gone or a zombie (a restart
+after a crash notices its predecessor immediately), alive while it runs even when its heartbeat
+is late (a starved host — seen here: every process unscheduled for up to
 10 s — delays heartbeats, and a live process's reservations and audit rows must not be closed
 under its running requests), unless its heartbeat is older than `GATEWAY_HUNG_AFTER_S` (hung).
 Its open reservations are closed as `abandoned`; `process_abandoned` tells other apps (the audit)
@@ -54,20 +54,11 @@ def _pid_on_this_host(instance: str) -> int | None:
     return int(pid_text)
 
 
-def _boot_time() -> float | None:
-    try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _runs(pid: int, started_at: datetime | None) -> bool:
-    """Whether the process that wrote `started_at` still runs as `pid` on this host: not gone,
-    not a zombie (a killed child its parent has not reaped), not another process that was given
-    the same PID later (it started after `started_at`). Without /proc: whether the PID exists."""
+def _runs(pid: int) -> bool:
+    """Whether `pid` is a running process on this host: not gone, not a zombie (a killed child
+    its parent has not reaped). A PID given to another process after the gateway died looks
+    alive here; the hung limit recovers that case. (Comparing start times would catch it at
+    once, but needs the wall clock, which a paused VM moves under a live process.)"""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -80,17 +71,8 @@ def _runs(pid: int, started_at: datetime | None) -> bool:
         except PermissionError:
             pass
         return True
-    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
-    if fields[0] in ("Z", "X"):  # field 3, the state
-        return False
-    boot = _boot_time()
-    if started_at is not None and boot is not None:
-        began = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
-        # The row's started_at is taken after the process began; a PID given to a process that
-        # began later belongs to another process (2 s: btime is whole seconds).
-        if began > started_at.timestamp() + 2.0:
-            return False
-    return True
+    state = stat.rpartition(")")[2].split()[0]  # after the command name, which may hold spaces
+    return state not in ("Z", "X")
 
 
 def dead_instances(dead_after: float, hung_after: float | None = None) -> list[str]:
@@ -109,7 +91,7 @@ def dead_instances(dead_after: float, hung_after: float | None = None) -> list[s
         process = known.get(instance)
         pid = _pid_on_this_host(instance)
         if pid is not None:
-            if not _runs(pid, process.started_at if process is not None else None):
+            if not _runs(pid):
                 dead.append(instance)
             elif process is not None and process.last_seen_at < hung_before:
                 dead.append(instance)
