@@ -92,7 +92,8 @@ class ApiConsumer(AsyncHttpConsumer):
             # the same path as a client disconnect: the request's task is cancelled and awaited.
             # Once: a task already cancelled (the client left first) is in its cleanup, and a
             # second cancellation would cut that short. Cancelled again while waiting, this
-            # returns and the task finishes its cleanup on its own.
+            # raises at once and the task finishes its cleanup on its own (asyncio.wait never
+            # cancels what it waits for).
             task = self._task
             if task is not None and not task.done():
                 if not task.cancelling():
