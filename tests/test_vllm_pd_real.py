@@ -9,8 +9,9 @@ busy-polling progress thread on, each idle server spins a core and on these 2 co
 decodes stalled 13-33 s; without it, every decode in the benchmark started within ~1 s.
 
 The module runs after every other test (`runs_last`, tests/conftest.py) and stops the shared server
-first: three servers at once would take ~7 GB where the real-engine part should stay near 4 GB,
-and the pair's start and stop stall this 2-core machine for seconds.
+first: the pair alone peaks at 3.5 GB (bench/vllm_memory.py --pair), three servers at once would
+pass the real-engine part's 4 GB budget, and the pair's start and stop stall this 2-core machine
+for seconds.
 """
 
 from __future__ import annotations

