@@ -91,7 +91,8 @@ class Placement:
     matched_bytes: int = 0
     prompt_bytes: int = 0
     #: The prompt as the index sees it: where the context phase goes, should it run (context
-    #: workers cache prefixes too). Digests and offsets only, not the prompt's text.
+    #: workers cache prefixes too). Digests and offsets; its rendered text goes to the worker
+    #: bodies (`Prompt.sent_chat`).
     prompt: Prompt | None = None
 
     @property
@@ -116,7 +117,7 @@ def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, s
     prompt = Prompt(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
     matches = index.matches([e.id for e in usable], prompt)
     endpoint = _cache_aware(pool, usable, matches, prompt, session)
-    held = index.held(endpoint.id, prompt)
+    held = index.held(endpoint.id, prompt, sent=matches[endpoint.id])
     index.record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
     reservation = Reservation.take(request_id, endpoint, Role.GENERATION)
