@@ -97,8 +97,7 @@ def test_positions_matter() -> None:
     assert index.match(1, moved) == 0
 
 
-# Chat requests as the gateway may send them: any JSON in the contents and tools (the bodies must
-# not depend on what the index understands of them), text with escapes and non-ASCII.
+# Messages as the gateway may send them: any JSON in the contents, text with escapes and non-ASCII.
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -108,34 +107,6 @@ _message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": st.text() | st.lists(_json, max_size=3)},
     optional={"name": st.text(max_size=8), "tool_calls": st.lists(_json, max_size=2)},
 )
-_chat = st.fixed_dictionaries(
-    {"model": st.text(max_size=8), "messages": st.lists(_message, max_size=6)},
-    optional={"tools": st.none() | st.lists(_json, max_size=3), "max_tokens": st.integers(1, 10**6), "temperature": st.floats(0, 2)},
-)
-
-
-@settings(deadline=None)
-@given(_chat)
-def test_worker_bodies_built_from_the_rendered_prompt_are_byte_identical(chat: dict[str, Any]) -> None:
-    # The index's rendering goes to the wire: every protocol's body must serialize exactly as if
-    # it had been built from the chat itself.
-    from workers.protocols import PROTOCOLS
-    from workers.protocols.base import Call
-    from workers.protocols.trtllm import context_request
-    from workers.protocols.vllm import prefill_request
-
-    prompt = Prompt(chat, CHUNK)
-    sent = prompt.sent_chat(chat)
-    assert orjson.dumps(sent) == orjson.dumps(chat)
-    call = Call(request_id="r")
-    for protocol in PROTOCOLS.values():
-        assert orjson.dumps(protocol.aggregated_request(sent, call)) == orjson.dumps(protocol.aggregated_request(chat, call))
-    assert orjson.dumps(context_request(sent, 7, "context_first")) == orjson.dumps(context_request(chat, 7, "context_first"))
-    assert orjson.dumps(prefill_request(sent)) == orjson.dumps(prefill_request(chat))
-    # The parts went to the bodies; the prompt keeps its key.
-    assert prompt.parts is None and prompt.key == Prompt(chat, CHUNK).key
-    with pytest.raises(RuntimeError):
-        prompt.sent_chat(chat)
 
 
 @settings(deadline=None)

@@ -83,9 +83,6 @@ class ChatRun:
         `tenant` names the API key, so a worker failure that may follow this client's request
         content counts against the endpoint only with other keys' (see `workers.health`)."""
         self.chat = chat
-        # What the worker bodies are built from: `chat`, or while the bodies are being sent,
-        # `chat` with the prompt as the prefix index rendered it (`Prompt.sent_chat`).
-        self._worker_chat = chat
         self.pool = pool
         self.request_id = request_id
         self.session = session
@@ -201,25 +198,13 @@ class ChatRun:
         pool = self.pool
         protocol = self._protocol = _protocol_for(pool)
         placement = self._placement = router.place_generation(pool, self.request_id, self.chat, session=self.session)
-        if placement.prompt is not None:
-            # The worker bodies carry the prompt as the index rendered it: serialized once for
-            # both, not twice.
-            self._worker_chat = placement.prompt.sent_chat(self.chat)
-        try:
-            await self._open_placed(protocol, placement)
-        finally:
-            # Every body that carries the prompt has been sent: its rendered copy can go.
-            self._worker_chat = self.chat
-
-    async def _open_placed(self, protocol: WorkerProtocol, placement: Placement) -> None:
-        pool = self.pool
         generation = placement.reservation
         self._reservations.append(generation)
         self._generation_url = generation.endpoint.url
         self._note(generation_endpoint=generation.endpoint.url)
         self._generation_endpoint_id = generation.endpoint.id
         if pool.schedule_style == ScheduleStyle.AGGREGATED or self._prefill_locally(placement):
-            await self._open_generation(protocol.aggregated_request(self._worker_chat, self._call))
+            await self._open_generation(protocol.aggregated_request(self.chat, self._call))
             return
         # Pairs the two legs of the request on the workers (the protocol puts it where its
         # engine expects it): random, so that gateway processes need not coordinate.
@@ -248,7 +233,7 @@ class ChatRun:
             self._complete_response = complete
             self._release_stage(Role.GENERATION, Outcome.SUCCESS)
             return
-        body = self._protocol.generation_request_after_context(self._worker_chat, self._call, handoff)
+        body = self._protocol.generation_request_after_context(self.chat, self._call, handoff)
         await self._open_generation(body)
 
     async def _generation_first(self, pair_id: int) -> None:
@@ -263,7 +248,7 @@ class ChatRun:
             context.release(Outcome.CANCELLED if isinstance(exc, asyncio.CancelledError) else Outcome.FAILURE)
             raise
         body = self._protocol.generation_request_first(
-            self._worker_chat, self._call, pair_id=pair_id, context=peer, schedule_style=ScheduleStyle.GENERATION_FIRST
+            self.chat, self._call, pair_id=pair_id, context=peer, schedule_style=ScheduleStyle.GENERATION_FIRST
         )
         generation_open = self._generation_open = asyncio.create_task(
             self._stream_from_generation(body, waits_for_context=True)
@@ -304,7 +289,7 @@ class ChatRun:
             url = reservation.endpoint.url
             self._note(context_endpoint=url)
             body = protocol.context_request(
-                self._worker_chat,
+                self.chat,
                 self._call,
                 pair_id=pair_id,
                 schedule_style=self.pool.schedule_style,

@@ -77,11 +77,9 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any, NamedTuple
 
 import orjson
-from orjson import Fragment
 from xxhash import xxh3_64_intdigest
 
 
@@ -106,46 +104,44 @@ class PromptKey(NamedTuple):
 
 class Prompt:
     """A prompt rendered for one routing decision: the tools, then each message, serialized as
-    the worker will receive them, each part's digest chained over every part before it.
+    the worker will receive them, each part's digest chained over every part before it."""
 
-    The rendered parts are the ones the worker bodies carry (`sent_chat`): the gateway serializes
-    the prompt once, for the index and the wire together."""
-
-    __slots__ = ("ends", "digests", "chunk_marks", "chunk_digests", "candidates", "shared", "key", "parts")
+    __slots__ = ("ends", "digests", "chunk_marks", "chunk_digests", "candidates", "shared", "key")
 
     def __init__(self, chat: dict[str, Any], chunk_bytes: int) -> None:
+        dumps = orjson.dumps
         # Part 0 is the tools (one part: they all lie in the shared head), then one per message.
         # Not key-sorted: an engine renders the JSON as it is sent, so a reordered schema is
-        # another prompt to its cache as well. Built with C-level loops where there is a choice
-        # (map, accumulate, list.index): a Python loop over the messages cost as much as
-        # hashing the whole prompt.
-        messages = chat.get("messages") or ()
-        parts = [orjson.dumps(chat.get("tools") or [])]
-        parts += map(orjson.dumps, messages)
-        ends = list(accumulate(map(len, parts)))
-        digest = 0
-        digests = []
-        for part in parts:
+        # another prompt to its cache as well.
+        part = dumps(chat.get("tools") or [])
+        size = len(part)
+        digest = xxh3_64_intdigest(part)
+        ends, digests = [size], [digest]
+        chunk_marks = [0] if size >= chunk_bytes else []
+        candidates: list[int] = []
+        shared = root = -1
+        for number, message in enumerate(chat.get("messages") or (), 1):
+            is_dict = isinstance(message, dict)
+            role = message.get("role") if is_dict else None
+            if role == "assistant" and shared >= 0:
+                # A prompt ends where its answer begins: here an earlier request of this
+                # conversation probably ended.
+                candidates.append(number - 1)
+            elif role == "user" and shared < 0:
+                shared, root = number - 1, number
+                candidates.append(shared)
+            part = dumps(message)
             digest = xxh3_64_intdigest(part, digest)
+            if (size + len(part)) // chunk_bytes > size // chunk_bytes:
+                chunk_marks.append(number)
+            size += len(part)
+            ends.append(size)
             digests.append(digest)
-        # The parts that reach past a multiple of `chunk_bytes` (part 0 from offset 0).
-        chunk_marks = [number for number, (start, end) in enumerate(zip([0, *ends], ends)) if end // chunk_bytes > start // chunk_bytes]
-        # Message k is part k + 1.
-        roles = [message.get("role") if isinstance(message, dict) else None for message in messages]
-        last = len(parts) - 1
-        if "user" in roles:
-            # The shared head ends before the first user message; the conversation is the
-            # prompt up to that message's end.
-            shared = roles.index("user")
-            root = shared + 1
-            # A prompt ends where its answer begins: before each later assistant message, an
-            # earlier request of this conversation probably ended.
-            candidates = [shared, *(k for k in range(root, len(roles)) if roles[k] == "assistant")]
-            if candidates[-1] != last:
-                candidates.append(last)
-        else:
+        last = len(ends) - 1
+        if shared < 0:
             shared = root = last
-            candidates = [last]
+        if not candidates or candidates[-1] != last:
+            candidates.append(last)
         #: Offset of each part's end, and the digest of the prompt up to it (xxh3-64, each part
         #: seeded with the digest before it: a chain, as engines chain KV block hashes).
         self.ends, self.digests = ends, digests
@@ -164,28 +160,6 @@ class Prompt:
         previous = candidates[-2] if len(candidates) > 1 else shared
         supersedes = None if previous in marks else digests[previous]
         self.key = PromptKey(tuple(digests[i] for i in marks), ends[-1], digests[root], supersedes)
-        #: The rendered parts, until `sent_chat` hands them to the worker bodies.
-        self.parts: list[bytes] | None = parts
-
-    def sent_chat(self, chat: dict[str, Any]) -> dict[str, Any]:
-        """`chat` (the one this prompt was rendered from, unchanged since) with its tools and
-        messages replaced by their rendered bytes as orjson fragments: a worker body built from it
-        serializes to the same bytes as one built from `chat`, but copies the prompt instead of
-        serializing it again (about a third of the cost on a long prompt).
-
-        The parts move to the returned chat (call once): the prompt stays with the request's
-        placement until its worker answers, and need not keep a copy of the text."""
-        parts, self.parts = self.parts, None
-        if parts is None:
-            raise RuntimeError("the prompt's parts were already handed over")
-        sent = dict(chat)
-        # Only where the parts render what is there: no tools key (or empty tools) stays as is,
-        # the key hashed `[]` for it.
-        if chat.get("tools"):
-            sent["tools"] = Fragment(parts[0])
-        if chat.get("messages"):
-            sent["messages"] = [Fragment(part) for part in parts[1:]]
-        return sent
 
     @property
     def size(self) -> int:

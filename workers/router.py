@@ -91,8 +91,7 @@ class Placement:
     matched_bytes: int = 0
     prompt_bytes: int = 0
     #: The prompt as the index sees it: where the context phase goes, should it run (context
-    #: workers cache prefixes too). Digests and offsets; its rendered text goes to the worker
-    #: bodies (`Prompt.sent_chat`).
+    #: workers cache prefixes too). Digests and offsets only, not the prompt's text.
     prompt: Prompt | None = None
 
     @property
