@@ -17,11 +17,13 @@ A recorded prompt leaves a few *marks* (digests) per endpoint, not one per part:
   longest first.
 Matches are in bytes; the pipeline scales them to the prompt's estimated token count.
 
-Cost (bench/sessions.py, a 184 KB Claude Code-shaped prompt, 4 generation endpoints, on a loaded
-2-core machine): 26 µs of CPU per request, 17 µs of it the key, mostly orjson serializing the
-prompt; the index work itself is a handful of dictionary operations per endpoint. CRC-32 over
-2 KiB chunks of a joined, key-sorted rendering (the previous scheme) took ~400 µs there, most of
-it in the hash and in page faults of the prompt-sized buffer.
+Cost (bench/sessions.py, a 184 KB Claude Code-shaped prompt, 4 generation endpoints, 2-core
+VM): 26 µs of CPU per request on one day's machine, 50 µs on a slower one, about 70 % of it the
+key (orjson serializing the prompt, then xxh3); the index work itself is a handful of dictionary
+operations per endpoint. CRC-32 over 2 KiB chunks of a joined, key-sorted rendering (the previous
+scheme) took ~400 µs there, most of it in the hash and in page faults of the prompt-sized buffer.
+The parts are serialized and hashed one at a time and not kept: holding them while the worker
+body is serialized (to build it from them) made glibc trim and re-fault the heap per request.
 
 A prompt is recorded when it is routed, as *sent*: routing follows it at once (the next turn,
 or another conversation with the same head, goes where it went), but the endpoint does not hold
