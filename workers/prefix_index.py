@@ -182,9 +182,8 @@ class Prompt:
 _MISSING = math.nan
 # Added to a held mark's time (when it was last sent), so that one comparison answers both
 # questions: sent and fresh (>= now - ttl), held and fresh (>= now - ttl + _HELD). 2**40 s is
-# beyond any monotonic clock, and keeps the time to ~0.1 ms.
+# beyond any monotonic clock, and keeps the time to ~0.25 ms.
 _HELD = 2.0**40
-
 
 
 def _sent_at(value: float) -> float:
