@@ -97,6 +97,70 @@ def test_positions_matter() -> None:
     assert index.match(1, moved) == 0
 
 
+# Messages as the gateway may send them: any JSON in the contents, text with escapes and non-ASCII.
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": st.text() | st.lists(_json, max_size=3)},
+    optional={"name": st.text(max_size=8), "tool_calls": st.lists(_json, max_size=2)},
+)
+
+
+@settings(deadline=None)
+@given(st.lists(_message, min_size=1, max_size=8), st.data())
+def test_prompts_share_a_match_up_to_their_shared_parts_and_none_past_a_difference(
+    messages: list[dict[str, Any]], data: st.DataObject
+) -> None:
+    # Two prompts equal up to message `k` and differing in it (anywhere: one character of its
+    # text, or its role), followed by anything.
+    k = data.draw(st.integers(0, len(messages) - 1))
+    original = messages[k]
+    changed = data.draw(
+        st.one_of(
+            st.text().map(lambda text: {**original, "content": text}),
+            st.sampled_from(["system", "user", "assistant", "tool"]).map(lambda role: {**original, "role": role}),
+        ).filter(lambda message: orjson.dumps(message) != orjson.dumps(original))
+    )
+    tail = data.draw(st.lists(_message, max_size=3))
+    chunk = data.draw(st.sampled_from([16, 64, 256]))
+    one = Prompt({"messages": messages, "tools": TOOLS}, chunk)
+    other = Prompt({"messages": [*messages[:k], changed, *tail], "tools": TOOLS}, chunk)
+    # Parts 0..k (the tools and the first k messages) are the same, and so are their digests;
+    # from the changed part on, every digest differs (each covers every byte before it).
+    assert one.digests[: k + 1] == other.digests[: k + 1]
+    assert not set(one.digests[k + 1 :]) & set(other.digests[k + 1 :])
+    index = PrefixIndex(10000, ttl_s=1e9)
+    index.record(1, "p", one.key)
+    index.confirm(1, one.key)
+    # Every chunk mark within the shared parts matches (they are the same marks), nothing past
+    # the difference does; held says the same once confirmed.
+    shared_chunks = max((other.ends[i] for i in other.chunk_marks if i <= k), default=0)
+    assert shared_chunks <= index.match(1, other) <= other.ends[k]
+    assert index.held(1, other) == index.match(1, other)
+
+
+@settings(deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["record", "confirm"]), st.integers(0, 2), st.integers(0, 2), st.integers(1, 5)), max_size=20))
+def test_held_from_the_sent_match_is_the_held_match(steps: list[tuple[str, int, int, int]]) -> None:
+    # The router passes the endpoint's sent match to `held` to skip the search: it must answer
+    # as the search does, whatever was recorded and confirmed before.
+    index = PrefixIndex(12, ttl_s=1e9)
+    for step, endpoint, session, turns in steps:
+        key = Prompt(conversation(session, turns), 512).key
+        if step == "record":
+            index.record(endpoint, "p", key)
+        else:
+            index.confirm(endpoint, key)
+    for session in range(3):
+        for turns in range(1, 7):
+            prompt = Prompt(conversation(session, turns), 512)
+            for endpoint, sent in index.matches(range(3), prompt).items():
+                assert index.held(endpoint, prompt, sent=sent) == index.held(endpoint, prompt) <= sent
+
+
 def test_marks_are_few_and_bounded_by_the_chunk_size() -> None:
     chat = conversation(1, 12)
     for chunk in (512, 2048, 16384):

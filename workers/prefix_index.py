@@ -17,11 +17,13 @@ A recorded prompt leaves a few *marks* (digests) per endpoint, not one per part:
   longest first.
 Matches are in bytes; the pipeline scales them to the prompt's estimated token count.
 
-Cost (bench/sessions.py, a 184 KB Claude Code-shaped prompt, 4 generation endpoints, on a loaded
-2-core machine): 26 µs of CPU per request, 17 µs of it the key, mostly orjson serializing the
-prompt; the index work itself is a handful of dictionary operations per endpoint. CRC-32 over
-2 KiB chunks of a joined, key-sorted rendering (the previous scheme) took ~400 µs there, most of
-it in the hash and in page faults of the prompt-sized buffer.
+Cost (bench/sessions.py, a 184 KB Claude Code-shaped prompt, 4 generation endpoints, 2-core
+VM): 26 µs of CPU per request on one day's machine, 50 µs on a slower one, about 70 % of it the
+key (orjson serializing the prompt, then xxh3); the index work itself is a handful of dictionary
+operations per endpoint. CRC-32 over 2 KiB chunks of a joined, key-sorted rendering (the previous
+scheme) took ~400 µs there, most of it in the hash and in page faults of the prompt-sized buffer.
+The parts are serialized and hashed one at a time and not kept: holding them while the worker
+body is serialized (to build it from them) made glibc trim and re-fault the heap per request.
 
 A prompt is recorded when it is routed, as *sent*: routing follows it at once (the next turn,
 or another conversation with the same head, goes where it went), but the endpoint does not hold
@@ -71,23 +73,24 @@ lookup was not worth it here.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+import math
 import time
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from xxhash import xxh3_64_intdigest
 
 
 
-@dataclass(frozen=True, slots=True)
-class PromptKey:
+class PromptKey(NamedTuple):
     """What the index records of a prompt: its marks, each the chained digest of the prompt up to
     an offset, in offset order (every full chunk's end, the shared head's end, the prompt's end).
-    Small: a request keeps it until its worker answers."""
+    Small: a request keeps it until its worker answers. (A named tuple: one is built per
+    request, and a frozen dataclass takes ~0.7 µs to build.)"""
 
     marks: tuple[int, ...]
     #: Length of the rendered prompt, in bytes.
@@ -105,7 +108,7 @@ class Prompt:
     """A prompt rendered for one routing decision: the tools, then each message, serialized as
     the worker will receive them, each part's digest chained over every part before it."""
 
-    __slots__ = ("ends", "digests", "chunk_marks", "candidates", "shared", "key")
+    __slots__ = ("ends", "digests", "chunk_marks", "chunk_digests", "candidates", "shared", "key")
 
     def __init__(self, chat: dict[str, Any], chunk_bytes: int) -> None:
         dumps = orjson.dumps
@@ -145,8 +148,9 @@ class Prompt:
         #: seeded with the digest before it: a chain, as engines chain KV block hashes).
         self.ends, self.digests = ends, digests
         #: Parts that reach past a multiple of `chunk_bytes`: the marks every recording keeps,
-        #: about one per chunk however the prompt is cut into messages.
+        #: about one per chunk however the prompt is cut into messages; and their digests.
         self.chunk_marks = chunk_marks
+        self.chunk_digests = [digests[i] for i in chunk_marks]
         #: Parts where an earlier prompt may have ended (before an answer; the shared head;
         #: this prompt's end), for a match exact to the message rather than cut to a chunk.
         self.candidates = candidates
@@ -157,7 +161,7 @@ class Prompt:
         marks = sorted({*chunk_marks, shared, last})
         previous = candidates[-2] if len(candidates) > 1 else shared
         supersedes = None if previous in marks else digests[previous]
-        self.key = PromptKey(tuple(digests[i] for i in marks), size, digests[root], supersedes)
+        self.key = PromptKey(tuple(digests[i] for i in marks), ends[-1], digests[root], supersedes)
 
     @property
     def size(self) -> int:
@@ -174,11 +178,24 @@ class Prompt:
         return self.key.root.to_bytes(8, "little")
 
 
+# What a missing mark reads as: NaN compares false, so a lookup needs no None test.
+_MISSING = math.nan
+# Added to a held mark's time (when it was last sent), so that one comparison answers both
+# questions: sent and fresh (>= now - ttl), held and fresh (>= now - ttl + _HELD). 2**40 s is
+# beyond any monotonic clock, and keeps the time to ~0.25 ms.
+_HELD = 2.0**40
+
+
+def _sent_at(value: float) -> float:
+    """When a mark was last sent, from its stored value."""
+    return value - _HELD if value >= _HELD else value
+
+
 @dataclass(slots=True)
 class _EndpointEntries:
     pool: str
-    # mark -> when it was last sent there (monotonic), negated while only sent (not yet known to
-    # be held); least recent first.
+    # mark -> when it was last sent there (monotonic), plus _HELD once known to be held; least
+    # recent first.
     marks: OrderedDict[int, float] = field(default_factory=OrderedDict)
     # conversation (`PromptKey.root`) -> when a turn of it was last sent there; least recent first.
     conversations: OrderedDict[int, float] = field(default_factory=OrderedDict)
@@ -203,46 +220,55 @@ class PrefixIndex:
         """How many leading bytes of the prompt were sent to the endpoint (for routing)."""
         return self.matches((endpoint_id,), prompt)[endpoint_id]
 
-    def matches(self, endpoint_ids: Iterable[int], prompt: Prompt, *, held_only: bool = False) -> dict[int, int]:
-        """`match` (or `held`) for each of the endpoints, in one pass."""
+    def matches(self, endpoint_ids: Iterable[int], prompt: Prompt) -> dict[int, int]:
+        """`match` for each of the endpoints, in one pass."""
         oldest = self._clock() - self.ttl_s
-        chunk_marks, candidates, digests, ends = prompt.chunk_marks, prompt.candidates, prompt.digests, prompt.ends
-        found: dict[int, int] = {}
-        for endpoint_id in endpoint_ids:
-            entries = self._endpoints.get(endpoint_id)
-            if entries is None:
-                found[endpoint_id] = 0
-                continue
-            get = entries.marks.get
-            # A mark counts when recorded and not aged out, and for `held` when answered
-            # (sent-only marks are stored negated). An endpoint's marks of one chain are
-            # prefix-closed (recorded together, touched tail-first so evicted tail-first, aged
-            # head-last): the longest matched chunk mark is found by bisection, a few lookups
-            # however long the prompt.
-            low, high = 0, len(chunk_marks)
-            while low < high:
-                middle = (low + high + 1) // 2
-                at = get(digests[chunk_marks[middle - 1]])
-                if at is not None and (at if held_only else abs(at)) >= oldest and (at > 0 or not held_only):
-                    low = middle
-                else:
-                    high = middle - 1
-            matched = chunk_marks[low - 1] if low else -1
-            # Up to the next chunk mark (known missing), where an earlier prompt ended: the
-            # longest one recorded.
-            limit = chunk_marks[low] if low < len(chunk_marks) else len(ends)
-            for part in reversed(candidates[bisect_right(candidates, matched) : bisect_left(candidates, limit)]):
-                at = get(digests[part])
-                if at is not None and (at if held_only else abs(at)) >= oldest and (at > 0 or not held_only):
-                    matched = part
-                    break
-            found[endpoint_id] = ends[matched] if matched >= 0 else 0
-        return found
+        endpoints = self._endpoints
+        return {
+            endpoint_id: self._longest(entries.marks, prompt, oldest) if (entries := endpoints.get(endpoint_id)) else 0
+            for endpoint_id in endpoint_ids
+        }
 
-    def held(self, endpoint_id: int, prompt: Prompt) -> int:
+    def held(self, endpoint_id: int, prompt: Prompt, *, sent: int | None = None) -> int:
         """How many leading bytes of the prompt the endpoint is known to hold (its first token
-        for them came back)."""
-        return self.matches((endpoint_id,), prompt, held_only=True)[endpoint_id]
+        for them came back). `sent`, its `match` of a moment ago, saves the search when the
+        endpoint holds all of that (a held mark is a sent one, so held <= sent)."""
+        entries = self._endpoints.get(endpoint_id)
+        if entries is None:
+            return 0
+        fresh = self._clock() - self.ttl_s + _HELD
+        if sent:
+            ends = prompt.ends
+            part = bisect_left(ends, sent)
+            if part < len(ends) and ends[part] == sent and entries.marks.get(prompt.digests[part], _MISSING) >= fresh:
+                return sent
+        return self._longest(entries.marks, prompt, fresh)
+
+    @staticmethod
+    def _longest(marks: OrderedDict[int, float], prompt: Prompt, bound: float) -> int:
+        """Bytes of the prompt up to its longest mark stored in `marks` with a value >= `bound`
+        (sent and fresh, or held and fresh: see _HELD)."""
+        get = marks.get
+        chunk_digests = prompt.chunk_digests
+        # An endpoint's marks of one chain are prefix-closed (recorded together, touched
+        # tail-first so evicted tail-first, aged head-last): the longest matched chunk mark is
+        # found by bisection, a few lookups however long the prompt.
+        low, high = 0, len(chunk_digests)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if get(chunk_digests[middle - 1], _MISSING) >= bound:
+                low = middle
+            else:
+                high = middle - 1
+        chunk_marks, candidates, digests, ends = prompt.chunk_marks, prompt.candidates, prompt.digests, prompt.ends
+        matched = chunk_marks[low - 1] if low else -1
+        # Up to the next chunk mark (known missing), where an earlier prompt ended: the
+        # longest one recorded.
+        limit = chunk_marks[low] if low < len(chunk_marks) else len(ends)
+        for part in reversed(candidates[bisect_right(candidates, matched) : bisect_left(candidates, limit)]):
+            if get(digests[part], _MISSING) >= bound:
+                return ends[part]
+        return ends[matched] if matched >= 0 else 0
 
     def record(self, endpoint_id: int, pool: str, key: PromptKey) -> None:
         """The prompt was sent to the endpoint: it will hold its prefix (`confirm` once it does)."""
@@ -251,14 +277,14 @@ class PrefixIndex:
             entries = self._endpoints[endpoint_id] = _EndpointEntries(pool)
         marks = entries.marks
         now = self._clock()
+        pop = marks.pop
         for mark in reversed(key.marks):
-            at = marks.get(mark)
-            marks[mark] = now if at is not None and at > 0 else -now
-            marks.move_to_end(mark)
+            # Re-inserted, so most recent; held stays held.
+            marks[mark] = now + _HELD if pop(mark, _MISSING) >= _HELD else now
         self._evict(marks, now)
         conversations = entries.conversations
+        conversations.pop(key.root, None)
         conversations[key.root] = now
-        conversations.move_to_end(key.root)
         self._expire(conversations, now)
 
     def conversations(self, endpoint_id: int) -> int:
@@ -283,9 +309,10 @@ class PrefixIndex:
             return
         marks = entries.marks
         now = self._clock()
+        held = now + _HELD
         for mark in key.marks:
             if mark in marks:
-                marks[mark] = now
+                marks[mark] = held
         if key.supersedes is not None and key.marks[-1] in marks:
             marks.pop(key.supersedes, None)
 
@@ -310,7 +337,7 @@ class PrefixIndex:
 
     def _evict(self, marks: OrderedDict[int, float], now: float) -> None:
         oldest = now - self.ttl_s
-        while marks and (len(marks) > self.capacity_marks or abs(next(iter(marks.values()))) < oldest):
+        while marks and (len(marks) > self.capacity_marks or _sent_at(next(iter(marks.values()))) < oldest):
             marks.popitem(last=False)
 
 

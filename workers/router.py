@@ -116,7 +116,7 @@ def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, s
     prompt = Prompt(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
     matches = index.matches([e.id for e in usable], prompt)
     endpoint = _cache_aware(pool, usable, matches, prompt, session)
-    held = index.held(endpoint.id, prompt)
+    held = index.held(endpoint.id, prompt, sent=matches[endpoint.id])
     index.record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
     reservation = Reservation.take(request_id, endpoint, Role.GENERATION)
