@@ -536,7 +536,7 @@ class ChunkStream:
     ) -> tuple[list[Event], bool]:
         """Read until at least one whole event (or the end), within the deadlines: the first
         byte's, then the idle gap counted from now; bytes that complete no event do not reset it."""
-        # Once per token: one clock read, and the deadline's watch set by assignment.
+        # Runs once per token: the watch is set by assignment and the task is passed in, not looked up.
         now = deadline.loop.time()
         deadline.move(min(self._first_byte_by or now + self._idle_s, self._ends_by))
         while True:
