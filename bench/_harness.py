@@ -164,6 +164,7 @@ class CpuMeter:
             if name.startswith("gateway"):
                 # The event loop's own thread; the rest is the audit writer and executor threads.
                 out[f"{name}:loop-thread"] = thread_cpu_seconds(pid)
+            if name.startswith(("gateway", "router")):
                 out[f"{name}:kernel"] = proc_sys_cpu_seconds(pid)
         out["loadgen"] = self_cpu_seconds()
         return out
@@ -234,6 +235,26 @@ class GatewayProc(Proc):
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+@dataclass
+class RouterProc(Proc):
+    port: int = 0
+
+
+# How each router is started; the arguments after these are the same for both.
+ROUTERS: dict[str, list[str]] = {
+    "vllm-router": [str(Path(PYTHON).parent / "vllm-router")],
+    "sglang-router": [PYTHON, "-m", "sglang_router.launch_router"],
+}
+
+
+def _free_port() -> int:
+    # The routers bind their ports themselves; a race with another binder only fails the run.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class Stack:
@@ -374,6 +395,47 @@ class Stack:
         self.procs.append(gateway)
         wait_ready(gateway, set(expect_pools))
         return gateway
+
+    # -- the Rust routers (PyPI vllm-router, sglang-router), for side-by-side figures --
+
+    def start_router(self, kind: str, worker_url: str) -> RouterProc:
+        """vllm-router or sglang-router in its regular (not prefill/decode) mode in front of one
+        worker: the counterpart of the gateway's aggregated path, one request to one worker.
+        Started as tests/test_vllm_router.py and tests/test_sglang_protocol.py start them: no
+        tokenizer policy, proxies pointing at a closed port, Hugging Face clients offline.
+        Waits until /health answers 200."""
+        if kind not in ROUTERS:
+            raise ValueError(f"unknown router {kind!r}; one of {sorted(ROUTERS)}")
+        port, metrics_port = _free_port(), _free_port()
+        command = [*ROUTERS[kind], "--worker-urls", worker_url, "--policy", "round_robin",
+                   "--host", "127.0.0.1", "--port", str(port),
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+                   "--worker-startup-check-interval", "1"]
+        if not shutil.which(command[0]):
+            raise RuntimeError(f"{kind} is not installed (requirements.txt pins it)")
+        env = {k: v for k, v in self.env.items() if "proxy" not in k.lower()}
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            env[name] = env[name.lower()] = "http://127.0.0.1:9"
+        env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+        env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
+        log_path = self.tmp / f"{kind}-{port}.log"
+        log = open(log_path, "wb")
+        process = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=_child_setup)
+        log.close()
+        router = RouterProc(name=kind, process=process, log_path=log_path, port=port)
+        self.procs.append(router)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                break
+            try:
+                if http_get_json(port, "/health", timeout=1.0)[0] == 200:
+                    return router
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{kind} did not become healthy:\n{router.log_tail()}")
 
     def close(self) -> None:
         for proc in reversed(self.procs):

@@ -86,6 +86,9 @@ def parse_args() -> argparse.Namespace:
                         "commit), in front of the same workers and database; measured right after gateway A at every level")
     parser.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE",
                         help="paced: A/B, a setting of gateway B (repeatable); with no --b-root, B runs from this checkout")
+    parser.add_argument("--routers", default="",
+                        help="paced: also measure these Rust routers (comma-separated: vllm-router,sglang-router), each "
+                        "in its regular mode in front of the same paced worker, right after the gateways at every level")
     parser.add_argument("--repeat", type=int, default=1,
                         help="paced: run every level this many times (A and B alternate which goes first; default 1)")
     h.add_common_arguments(parser)
@@ -376,9 +379,11 @@ def _paced_summary(responses: list[h.Response], window: tuple[float, float]) -> 
 
 
 async def paced(
-    args: argparse.Namespace, gateways: dict[str, h.GatewayProc], key: str, gen: h.SimProc
+    args: argparse.Namespace, gateways: dict[str, h.GatewayProc], key: str, gen: h.SimProc,
+    routers: dict[str, h.RouterProc],
 ) -> dict[str, Any]:
-    """`gateways`: "gateway" and, for an A/B, "gateway B"."""
+    """`gateways`: "gateway" and, for an A/B, "gateway B"; `routers`: the Rust routers, by name.
+    Every target's process is metered as "proxy" (none for the worker called directly)."""
     dport = h.port_of(gen.url)
     directive = f"[sim tokens={args.paced_tokens}]"
     direct_wire = h.worker_request(dport, {**direct_payload(directive), "model": h.MODEL})
@@ -392,7 +397,12 @@ async def paced(
         targets[label] = (gport, gw_wire, GATEWAY_CONTENT, {"gateway": gateway.pid, "sim-generation": gen.pid})
         # Warm the gateway's pools and code paths.
         await _drive(gport, h.gateway_request(gport, key, h.messages_body("[sim tokens=4]", stream=True, model=PACED_MODEL)), GATEWAY_CONTENT, 8, 1)
-    targets["direct"] = (dport, direct_wire, DIRECT_CONTENT, {"gateway": next(iter(gateways.values())).pid, "sim-generation": gen.pid})
+    for label, router in routers.items():
+        # The same chat request as the direct call; the router passes the worker's bytes through.
+        targets[label] = (router.port, h.worker_request(router.port, {**direct_payload(directive), "model": h.MODEL}),
+                          DIRECT_CONTENT, {"router": router.pid, "sim-generation": gen.pid})
+        await _drive(router.port, h.worker_request(router.port, direct_payload("[sim tokens=4]")), DIRECT_CONTENT, 8, 1)
+    targets["direct"] = (dport, direct_wire, DIRECT_CONTENT, {"sim-generation": gen.pid})
     levels: list[dict[str, Any]] = []
     rows = []
     for load, repetition in ((load, r) for load in loads for r in range(args.repeat)):
@@ -401,7 +411,7 @@ async def paced(
         order = [label for label in gateways]
         if repetition % 2:
             order.reverse()  # A/B: each goes first as often as the other
-        for label in order + ["direct"]:
+        for label in order + list(routers) + ["direct"]:
             port, wire, pattern, pids = targets[label]
             meter = h.CpuMeter(pids).start()
             run = await _drive_paced(port, wire, pattern, streams, args.paced_seconds, ramp)
@@ -410,16 +420,23 @@ async def paced(
             summary = _paced_summary(run["responses"], window)
             summary["cpu_s"] = cpu
             summary["cpu_util"] = {k: v / meter.wall for k, v in cpu.items()}
-            summary["gateway_cpu_us_per_event"] = cpu["gateway"] / summary["events"] * 1e6 if summary["events"] else float("nan")
+            events = summary["events"] or float("nan")
+            proxy = next((name for name in ("gateway", "router") if name in pids), None)
+            # The proxy's CPU per event (nan for the worker called directly), and the worker's.
+            summary["proxy_cpu_us_per_event"] = cpu[proxy] / events * 1e6 if proxy else float("nan")
+            if proxy == "gateway":
+                summary["gateway_cpu_us_per_event"] = summary["proxy_cpu_us_per_event"]
+            summary["worker_cpu_us_per_event"] = cpu["sim-generation"] / events * 1e6
             summary["machine"] = meter.machine_note()
             level[label] = summary
             rows.append([
                 f"{load:,} ev/s, {label}" + (f" #{repetition + 1}" if args.repeat > 1 else ""),
                 summary["window_events_per_s"],
-                summary["gateway_cpu_us_per_event"] if label != "direct" else float("nan"),
-                cpu["gateway:kernel"] / summary["events"] * 1e6 if label != "direct" and summary["events"] else float("nan"),
-                cpu["gateway:loop-thread"] / summary["events"] * 1e6 if label != "direct" and summary["events"] else float("nan"),
-                summary["cpu_util"]["gateway"] * 100,
+                summary["proxy_cpu_us_per_event"],
+                cpu[f"{proxy}:kernel"] / events * 1e6 if proxy else float("nan"),
+                cpu["gateway:loop-thread"] / events * 1e6 if proxy == "gateway" else float("nan"),
+                summary["worker_cpu_us_per_event"],
+                summary["cpu_util"][proxy] * 100 if proxy else float("nan"),
                 summary["status_line_s"].get("p50", float("nan")) * 1000,
                 summary["status_line_s"].get("p99", float("nan")) * 1000,
                 summary["first_content_s"].get("p50", float("nan")) * 1000,
@@ -448,7 +465,8 @@ async def paced(
     h.print_table(
         f"(c) paced: one token every {args.ms_per_token:g} ms per stream, {args.paced_tokens}-token streams, "
         f"{args.paced_seconds:g} s per run (steady window after a {ramp:.1f} s ramp)",
-        ("", "events/s delivered", "gw CPU µs/event", "of which kernel", "of which loop thread", "gw CPU %", "status p50 ms", "status p99 ms",
+        ("", "events/s delivered", "proxy CPU µs/event", "of which kernel", "of which loop thread", "worker CPU µs/event",
+         "proxy CPU %", "status p50 ms", "status p99 ms",
          "first content p50 ms", "first content p99 ms", "max gap p99 ms", "failures", "others' cores"),
         rows,
         digits=1,
@@ -462,13 +480,17 @@ async def paced(
     for level in levels:
         for label in gateways:
             print(f"({level['offered_events_per_s']:,} ev/s, {label}: {level[label]['machine']})")
+    for level in levels:
+        for label in routers:
+            print(f"({level['offered_events_per_s']:,} ev/s, {label}: {level[label]['machine']})")
     return {"ms_per_token": args.ms_per_token, "tokens": args.paced_tokens, "seconds": args.paced_seconds,
-            "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "levels": levels}
+            "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "routers": list(routers),
+            "levels": levels}
 
 
 async def run(
     args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc],
-    paced_gen: h.SimProc | None, gateway_b: h.GatewayProc | None,
+    paced_gen: h.SimProc | None, gateway_b: h.GatewayProc | None, routers: dict[str, h.RouterProc],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"config": { "gateway_nodelay": args.gateway_nodelay}}
     out["quiet"] = h.wait_for_quiet(args.quiet_wait)
@@ -478,7 +500,7 @@ async def run(
         out["throughput"] = await throughput(args, gateway, key, gen, sims)
     if paced_gen is not None:
         gateways = {"gateway": gateway, **({"gateway B": gateway_b} if gateway_b is not None else {})}
-        out["paced"] = await paced(args, gateways, key, paced_gen)
+        out["paced"] = await paced(args, gateways, key, paced_gen, routers)
     out["gateway_peak_rss_mib"] = h.hwm_mib(gateway.pid)
     print(f"\ngateway peak RSS (VmHWM): {out['gateway_peak_rss_mib']:.1f} MiB")
     return out
@@ -519,8 +541,12 @@ def main() -> None:
         if paced_gen is not None and (args.b_root or args.b_env):
             b_env = dict(item.split("=", 1) for item in args.b_env)
             gateway_b = stack.start_gateway(b_env, expect_pools=pools_expected, root=args.b_root)
+        routers = {}
+        if paced_gen is not None:
+            for name in (n.strip() for n in args.routers.split(",") if n.strip()):
+                routers[name] = stack.start_router(name, paced_gen.url)
         with h.profiled([gateway.pid], h.result_name(args, "relay") + "-gateway", args.profile):
-            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen], paced_gen, gateway_b))
+            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen], paced_gen, gateway_b, routers))
     h.write_result(h.result_name(args, "relay"), result)
 
 

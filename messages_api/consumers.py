@@ -433,7 +433,11 @@ class MessagesConsumer(ApiConsumer):
         await self.send_body(PING_FRAME, more_body=True)
 
     async def send_frames(self, frames: bytes) -> None:
-        await self.send_body(frames, more_body=True)
+        writer = self._body_writer
+        if writer is not None:
+            writer(frames)  # what send_body would do, without a coroutine per token
+        else:
+            await self.send_body(frames, more_body=True)  # the first frame finds the writer
         if self.heartbeat is not None:
             self.heartbeat.sent()
 

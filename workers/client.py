@@ -429,47 +429,48 @@ class _StreamDeadline:
     `asyncio.timeout_at` around each read cost about as much as decoding the event (measured,
     ~8 µs on the test machine). Here moving the deadline is an assignment; the timer, when it
     fires early, re-arms itself for the deadline's new value.
+
+    The reader sets `waiting` (the task to cancel when the deadline passes while it waits) and
+    `fired` (False) before each read, and `waiting` back to None after it: plain fields, not
+    methods, because that happens once per relayed token.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.when = float("inf")
         self._handle: asyncio.TimerHandle | None = None
-        self._waiting: asyncio.Task[Any] | None = None
-        self._fired = False
+        self._armed_for = float("inf")  # the timer's time (inf: none armed)
+        self.waiting: asyncio.Task[Any] | None = None
+        self.fired = False
 
     def move(self, when: float) -> None:
         self.when = when
-        if self._handle is None or self._handle.when() > when:
+        if when < self._armed_for:  # only an earlier deadline needs the timer moved
             if self._handle is not None:
                 self._handle.cancel()
             self._handle = self.loop.call_at(when, self._fire)
-
-    def expired(self) -> bool:
-        return self.loop.time() >= self.when
-
-    def watch(self, task: asyncio.Task[Any] | None) -> None:
-        """Cancel `task` when the deadline passes while it waits (None: it no longer waits)."""
-        self._waiting = task
-        self._fired = False
+            self._armed_for = when
 
     def timed_out(self, task: asyncio.Task[Any]) -> bool:
         """After a CancelledError in the watched wait: was it this deadline's, alone? (A
         cancellation from elsewhere, the client leaving, is not ours to swallow.)"""
-        return self._fired and task.uncancel() == 0
+        return self.fired and task.uncancel() == 0
 
     def close(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+        self._armed_for = float("inf")
 
     def _fire(self) -> None:
         self._handle = None
+        self._armed_for = float("inf")
         if self.loop.time() < self.when:
             self._handle = self.loop.call_at(self.when, self._fire)  # moved later meanwhile
-        elif self._waiting is not None and not self._fired:
-            self._fired = True
-            self._waiting.cancel()
+            self._armed_for = self.when
+        elif self.waiting is not None and not self.fired:
+            self.fired = True
+            self.waiting.cancel()
 
 
 # A stream gives the event loop a turn after this many chunks even when its worker's bytes are
@@ -498,13 +499,15 @@ class ChunkStream:
         decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
         read = body_reader(self._response)
         deadline = self._deadline = _StreamDeadline(asyncio.get_running_loop())
+        task = asyncio.current_task()  # the one iterating: the deadline cancels its reads
+        assert task is not None
         # One boundary around the whole loop: only GeneratorExit can reach a suspended `yield`,
         # and it passes through.
         relayed = 0
         with boundary(self._stage, streaming=True):
             try:
                 while True:
-                    events, ended = await self._next_events(decoder, read, deadline)
+                    events, ended = await self._next_events(decoder, read, deadline, task)
                     for event in events:
                         chunk = self._chunk(event)
                         if chunk is None:
@@ -529,18 +532,17 @@ class ChunkStream:
                 deadline.close()
 
     async def _next_events(
-        self, decoder: SSEDecoder, read: Callable[[], Awaitable[bytes]], deadline: _StreamDeadline
+        self, decoder: SSEDecoder, read: Callable[[], Awaitable[bytes]], deadline: _StreamDeadline, task: asyncio.Task[Any]
     ) -> tuple[list[Event], bool]:
         """Read until at least one whole event (or the end), within the deadlines: the first
         byte's, then the idle gap counted from now; bytes that complete no event do not reset it."""
-        loop = deadline.loop
-        deadline.move(min(self._first_byte_by or loop.time() + self._idle_s, self._ends_by))
-        task = asyncio.current_task()
-        assert task is not None
+        # Runs once per token: the watch is set by assignment and the task is passed in, not looked up.
+        now = deadline.loop.time()
+        deadline.move(min(self._first_byte_by or now + self._idle_s, self._ends_by))
         while True:
-            if deadline.expired():
+            if now >= deadline.when:
                 raise TimeoutError
-            deadline.watch(task)
+            deadline.waiting, deadline.fired = task, False
             try:
                 data = await read()
             except asyncio.CancelledError:
@@ -548,12 +550,13 @@ class ChunkStream:
                     raise TimeoutError from None
                 raise
             finally:
-                deadline.watch(None)
+                deadline.waiting = None
             if not data:
                 return decoder.end(), True
+            now = deadline.loop.time()
             if self._first_byte_by is not None:
                 self._first_byte_by = None
-                deadline.move(min(loop.time() + self._idle_s, self._ends_by))
+                deadline.move(min(now + self._idle_s, self._ends_by))
             events = decoder.feed(data)
             if events:
                 return events, False
