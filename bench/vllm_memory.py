@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -120,9 +121,7 @@ def serve_one(server: RealVllm, max_tokens: int) -> float:
 def measure(pair: bool, extra_args: list[str], max_tokens: int) -> dict[str, Any]:
     if pair:
         # start_pair launches both at once and waits: sample from before either exists by
-        # sampling this process's children (the servers are its children).
-        import os
-
+        # sampling this process's tree (the servers are its children; this process adds ~60 MiB).
         with PssSampler([os.getpid()]) as sampler:
             prefill, decode = start_pair(progress_thread=False)
             try:
