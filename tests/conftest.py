@@ -9,9 +9,16 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import settings
 
 from tests.gateway import Gateway
 from tests.simworkers import SimWorker, start_simworker
+
+# No per-example deadline for hypothesis: its 200 ms default measures the machine, not the code.
+# This 2-core machine stalls every process for seconds while a real vLLM engine starts or decodes
+# (an 18.8 s stall failed a pure-function property test in CI, 2026-12-03).
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 MODEL = "sim-model"
 # Fast sim workers: tests wait for conditions, so only the fault directives add time.
