@@ -39,6 +39,8 @@ turn: content events/s delivered in the steady window (after the ramp), gateway 
 relayed event, status line and first content event p50/p99, the largest gap between two content
 reads of a stream (p50/p99 over streams). Targets (issue 12): at 10,000 ev/s ≤ 35 µs CPU per
 event and status/first content p99 ≤ 60 ms; at 2,500 ev/s ≤ 60 µs and first content p99 ≤ 50 ms.
+Beside them, in the same run: the Rust routers (`--routers`) and the floor of a Python relay
+(`--floors`: bench/floor_proxy.py, plain asyncio, bytes through or the least reframing work).
 """
 
 from __future__ import annotations
