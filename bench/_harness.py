@@ -164,7 +164,7 @@ class CpuMeter:
             if name.startswith("gateway"):
                 # The event loop's own thread; the rest is the audit writer and executor threads.
                 out[f"{name}:loop-thread"] = thread_cpu_seconds(pid)
-            if name.startswith(("gateway", "router")):
+            if name.startswith(("gateway", "router", "floor")):
                 out[f"{name}:kernel"] = proc_sys_cpu_seconds(pid)
         out["loadgen"] = self_cpu_seconds()
         return out
@@ -247,6 +247,9 @@ ROUTERS: dict[str, list[str]] = {
     "vllm-router": [str(Path(PYTHON).parent / "vllm-router")],
     "sglang-router": [PYTHON, "-m", "sglang_router.launch_router"],
 }
+
+
+FLOORS = ("pipe", "reframe", "pipe-uvloop", "reframe-uvloop")
 
 
 def _free_port() -> int:
@@ -436,6 +439,35 @@ class Stack:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"{kind} did not become healthy:\n{router.log_tail()}")
+
+    # -- the floor proxies (bench/floor_proxy.py): the least CPU any Python relay can spend --
+
+    def start_floor(self, variant: str, worker_url: str) -> RouterProc:
+        """bench/floor_proxy.py in front of one worker; `variant` is one of FLOORS
+        (pipe, reframe, pipe-uvloop, reframe-uvloop). Waits for its listening line."""
+        if variant not in FLOORS:
+            raise ValueError(f"unknown floor {variant!r}; one of {FLOORS}")
+        mode, _, loop = variant.partition("-")
+        command = [PYTHON, str(PROJECT_ROOT / "bench" / "floor_proxy.py"), "--mode", mode, "--upstream", worker_url]
+        if loop == "uvloop":
+            command.append("--uvloop")
+        log_path = self.tmp / f"floor-{variant}.log"
+        log = open(log_path, "wb")
+        process = subprocess.Popen(command, cwd=PROJECT_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=_child_setup)
+        log.close()
+        floor = RouterProc(name=f"floor {variant}", process=process, log_path=log_path)
+        self.procs.append(floor)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for line in floor.log_tail(10000).splitlines():
+                if " listening on " in line:
+                    floor.port = port_of(line.strip().rsplit(" ", 1)[1])
+                    return floor
+            if process.poll() is not None:
+                break
+            time.sleep(0.02)
+        raise RuntimeError(f"floor proxy {variant} did not start:\n{floor.log_tail()}")
 
     def close(self) -> None:
         for proc in reversed(self.procs):

@@ -39,6 +39,8 @@ turn: content events/s delivered in the steady window (after the ramp), gateway 
 relayed event, status line and first content event p50/p99, the largest gap between two content
 reads of a stream (p50/p99 over streams). Targets (issue 12): at 10,000 ev/s ≤ 35 µs CPU per
 event and status/first content p99 ≤ 60 ms; at 2,500 ev/s ≤ 60 µs and first content p99 ≤ 50 ms.
+Beside them, in the same run: the Rust routers (`--routers`) and the floor of a Python relay
+(`--floors`: bench/floor_proxy.py, plain asyncio, bytes through or the least reframing work).
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--routers", default="",
                         help="paced: also measure these Rust routers (comma-separated: vllm-router,sglang-router), each "
                         "in its regular mode in front of the same paced worker, right after the gateways at every level")
+    parser.add_argument("--floors", default="",
+                        help="paced: also measure these Python floor proxies (bench/floor_proxy.py; comma-separated: "
+                        "pipe,reframe,pipe-uvloop,reframe-uvloop) in front of the same paced worker, after the routers")
     parser.add_argument("--repeat", type=int, default=1,
                         help="paced: run every level this many times (A and B alternate which goes first; default 1)")
     h.add_common_arguments(parser)
@@ -380,10 +385,11 @@ def _paced_summary(responses: list[h.Response], window: tuple[float, float]) -> 
 
 async def paced(
     args: argparse.Namespace, gateways: dict[str, h.GatewayProc], key: str, gen: h.SimProc,
-    routers: dict[str, h.RouterProc],
+    routers: dict[str, h.RouterProc], floors: dict[str, h.RouterProc],
 ) -> dict[str, Any]:
-    """`gateways`: "gateway" and, for an A/B, "gateway B"; `routers`: the Rust routers, by name.
-    Every target's process is metered as "proxy" (none for the worker called directly)."""
+    """`gateways`: "gateway" and, for an A/B, "gateway B"; `routers`: the Rust routers, by name;
+    `floors`: the floor proxies (bench/floor_proxy.py), by label ("floor pipe", ...). Every
+    target's process is metered as the proxy (none for the worker called directly)."""
     dport = h.port_of(gen.url)
     directive = f"[sim tokens={args.paced_tokens}]"
     direct_wire = h.worker_request(dport, {**direct_payload(directive), "model": h.MODEL})
@@ -402,6 +408,20 @@ async def paced(
         targets[label] = (router.port, h.worker_request(router.port, {**direct_payload(directive), "model": h.MODEL}),
                           DIRECT_CONTENT, {"router": router.pid, "sim-generation": gen.pid})
         await _drive(router.port, h.worker_request(router.port, direct_payload("[sim tokens=4]")), DIRECT_CONTENT, 8, 1)
+    for label, floor in floors.items():
+        if label.startswith("floor pipe"):
+            # Like the routers: the chat request, the worker's bytes back unchanged.
+            wire = h.worker_request(floor.port, {**direct_payload(directive), "model": h.MODEL})
+            warm = h.worker_request(floor.port, direct_payload("[sim tokens=4]"))
+            pattern = DIRECT_CONTENT
+        else:
+            # The gateway's Anthropic request (the worker's model name: no pool to map it), counted
+            # as the gateway is.
+            wire = h.gateway_request(floor.port, key, h.messages_body(directive, stream=True))
+            warm = h.gateway_request(floor.port, key, h.messages_body("[sim tokens=4]", stream=True))
+            pattern = GATEWAY_CONTENT
+        targets[label] = (floor.port, wire, pattern, {"floor": floor.pid, "sim-generation": gen.pid})
+        await _drive(floor.port, warm, pattern, 8, 1)
     targets["direct"] = (dport, direct_wire, DIRECT_CONTENT, {"sim-generation": gen.pid})
     levels: list[dict[str, Any]] = []
     rows = []
@@ -411,7 +431,7 @@ async def paced(
         order = [label for label in gateways]
         if repetition % 2:
             order.reverse()  # A/B: each goes first as often as the other
-        for label in order + list(routers) + ["direct"]:
+        for label in order + list(routers) + list(floors) + ["direct"]:
             port, wire, pattern, pids = targets[label]
             meter = h.CpuMeter(pids).start()
             run = await _drive_paced(port, wire, pattern, streams, args.paced_seconds, ramp)
@@ -421,7 +441,7 @@ async def paced(
             summary["cpu_s"] = cpu
             summary["cpu_util"] = {k: v / meter.wall for k, v in cpu.items()}
             events = summary["events"] or float("nan")
-            proxy = next((name for name in ("gateway", "router") if name in pids), None)
+            proxy = next((name for name in ("gateway", "router", "floor") if name in pids), None)
             # The proxy's CPU per event (nan for the worker called directly), and the worker's.
             summary["proxy_cpu_us_per_event"] = cpu[proxy] / events * 1e6 if proxy else float("nan")
             if proxy == "gateway":
@@ -481,16 +501,17 @@ async def paced(
         for label in gateways:
             print(f"({level['offered_events_per_s']:,} ev/s, {label}: {level[label]['machine']})")
     for level in levels:
-        for label in routers:
+        for label in [*routers, *floors]:
             print(f"({level['offered_events_per_s']:,} ev/s, {label}: {level[label]['machine']})")
     return {"ms_per_token": args.ms_per_token, "tokens": args.paced_tokens, "seconds": args.paced_seconds,
-            "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "routers": list(routers),
+            "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "routers": list(routers), "floors": list(floors),
             "levels": levels}
 
 
 async def run(
     args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc],
     paced_gen: h.SimProc | None, gateway_b: h.GatewayProc | None, routers: dict[str, h.RouterProc],
+    floors: dict[str, h.RouterProc],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"config": { "gateway_nodelay": args.gateway_nodelay}}
     out["quiet"] = h.wait_for_quiet(args.quiet_wait)
@@ -500,7 +521,7 @@ async def run(
         out["throughput"] = await throughput(args, gateway, key, gen, sims)
     if paced_gen is not None:
         gateways = {"gateway": gateway, **({"gateway B": gateway_b} if gateway_b is not None else {})}
-        out["paced"] = await paced(args, gateways, key, paced_gen, routers)
+        out["paced"] = await paced(args, gateways, key, paced_gen, routers, floors)
     out["gateway_peak_rss_mib"] = h.hwm_mib(gateway.pid)
     print(f"\ngateway peak RSS (VmHWM): {out['gateway_peak_rss_mib']:.1f} MiB")
     return out
@@ -545,8 +566,12 @@ def main() -> None:
         if paced_gen is not None:
             for name in (n.strip() for n in args.routers.split(",") if n.strip()):
                 routers[name] = stack.start_router(name, paced_gen.url)
+        floors = {}
+        if paced_gen is not None:
+            for variant in (v.strip() for v in args.floors.split(",") if v.strip()):
+                floors[f"floor {variant}"] = stack.start_floor(variant, paced_gen.url)
         with h.profiled([gateway.pid], h.result_name(args, "relay") + "-gateway", args.profile):
-            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen], paced_gen, gateway_b, routers))
+            result = asyncio.run(run(args, gateway, key, gen, [ctx, gen], paced_gen, gateway_b, routers, floors))
     h.write_result(h.result_name(args, "relay"), result)
 
 
