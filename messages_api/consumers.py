@@ -19,6 +19,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qs
 
@@ -140,16 +141,20 @@ class ApiConsumer(AsyncHttpConsumer):
             await asyncio.wait({task})
         raise StopConsumer()
 
+    def _writer(self) -> BodyWriter | None:
+        """daphne's direct writer for middle frames (see `send_body`), None on another server."""
+        if not self._body_writer_looked_for:
+            self._body_writer_looked_for = True
+            self._body_writer = body_writer(self.base_send)
+        return self._body_writer
+
     async def send_body(self, body: bytes, *, more_body: bool = False) -> None:
         if not more_body:
             self.response_finished = True
         else:
             # A middle frame (an SSE event, a ping): straight to daphne's request when this is
             # daphne (messages_api/body_writer.py); the last one goes through `send`, which ends it.
-            if not self._body_writer_looked_for:
-                self._body_writer_looked_for = True
-                self._body_writer = body_writer(self.base_send)
-            writer = self._body_writer
+            writer = self._writer()
             if writer is not None:
                 writer(body)
                 return
@@ -354,8 +359,7 @@ class MessagesConsumer(ApiConsumer):
         reframer = self.reframer
         assert reframer is not None
         events: list[dict[str, Any]] = []
-        async for chunk in run.chunks():
-            events.extend(reframer.feed(chunk))
+        await run.relay(lambda chunk: events.extend(reframer.feed(chunk)))
         events.extend(reframer.finish())
         message = accumulate_message(events)
         await self.send_json(200, message)
@@ -375,16 +379,14 @@ class MessagesConsumer(ApiConsumer):
             self.record.progress()
             if not self.sse_started:
                 await self.start_sse(first_frame=False)
-            async for chunk in run.chunks():
-                # A text token on the open block (nearly every chunk) is framed without the event
-                # dict; anything else goes through the reframer's general path.
-                frames = reframer.text_frame(chunk)
-                if frames is None:
-                    events = reframer.feed(chunk)
-                    if not events:
-                        continue
-                    frames = encode_events(events)
-                await self.send_frames(frames)
+            writer = self._writer()
+            if writer is not None:
+                await run.relay(self._frame_writer(reframer, writer))
+            else:  # not daphne: every frame is a `send_body` to await
+                async for chunk in run.chunks():
+                    frames = self._frames(reframer, chunk)
+                    if frames is not None:
+                        await self.send_frames(frames)
             closing = encode_events(reframer.finish())
             await self.stop_heartbeat()
             await self.send_body(closing, more_body=False)
@@ -431,6 +433,31 @@ class MessagesConsumer(ApiConsumer):
 
     async def _send_ping(self) -> None:
         await self.send_body(PING_FRAME, more_body=True)
+
+    @staticmethod
+    def _frames(reframer: StreamReframer, chunk: dict[str, Any]) -> bytes | None:
+        """The SSE frames for one worker chunk, if it makes any."""
+        # A text token on the open block (nearly every chunk) is framed without the event dict;
+        # anything else goes through the reframer's general path.
+        frames = reframer.text_frame(chunk)
+        if frames is None:
+            events = reframer.feed(chunk)
+            frames = encode_events(events) if events else None
+        return frames
+
+    def _frame_writer(self, reframer: StreamReframer, writer: BodyWriter) -> Callable[[dict[str, Any]], None]:
+        """The sink of a pushed stream (`ChatRun.relay`): each chunk's frames written to the
+        connection as the worker's bytes arrive, in the worker connection's receive callback."""
+        frames_for, heartbeat = self._frames, self.heartbeat
+
+        def write_chunk(chunk: dict[str, Any]) -> None:
+            frames = frames_for(reframer, chunk)
+            if frames is not None:
+                writer(frames)
+                if heartbeat is not None:
+                    heartbeat.sent()
+
+        return write_chunk
 
     async def send_frames(self, frames: bytes) -> None:
         writer = self._body_writer

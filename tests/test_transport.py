@@ -21,7 +21,7 @@ import pytest
 
 from workers import client
 from workers.errors import WorkerError
-from workers.transport import WorkerTransport
+from workers.transport import WorkerTransport, body_reader, push_body
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -513,3 +513,114 @@ async def test_the_client_maps_a_huge_head_to_a_worker_error() -> None:
     assert server.sent < 16 * 1024 * 1024  # cut at the limit, not read to the end
     assert caught.value.status >= 500
     assert "127.0.0.1" not in str(caught.value)
+
+
+# --- pushed bodies (workers.transport.push_body: aiohttp's reader internals, checked here) ------------
+
+
+class Pushed:
+    """What `push_body` delivered: the bytes, in order, and how it ended."""
+
+    def __init__(self, stop_after: int | None = None) -> None:
+        self.data: list[bytes] = []
+        self.ended = asyncio.Event()
+        self.error: BaseException | None = None
+        self.stop_after = stop_after
+
+    def on_data(self, data: bytes) -> bool:
+        self.data.append(data)
+        return self.stop_after is None or len(self.data) < self.stop_after
+
+    def on_end(self, error: BaseException | None) -> None:
+        assert not self.ended.is_set(), "on_end called twice"
+        self.error = error
+        self.ended.set()
+
+
+async def test_a_pushed_body_arrives_in_the_receive_callback_as_it_is_sent() -> None:
+    go_on = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\ndata:1\r\n")
+        await writer.drain()
+        await go_on.wait()
+        writer.write(b"6\r\ndata:2\r\n")
+        await writer.drain()
+        await go_on.wait()
+        writer.write(b"0\r\n\r\n")
+        await answer_every_request(reader, writer, 0)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        content = response.stream._response.content  # type: ignore[attr-defined]
+        await wait_for(lambda: bool(content._buffer))  # the first chunk arrived before anyone reads
+        pushed = Pushed()
+        stop = push_body(response, pushed.on_data, pushed.on_end)
+        assert stop is not None
+        assert pushed.data == [b"data:1"]  # what had arrived, at once
+        go_on.set()
+        await wait_for(lambda: len(pushed.data) == 2)
+        assert pushed.data == [b"data:1", b"data:2"]
+        await asyncio.wait_for(pushed.ended.wait(), 5)
+        assert pushed.error is None
+        stop()
+        await response.aclose()
+        assert (await fetch(transport, server.url)).content == b"hello"
+    assert server.connections == 1  # pushed to its end: the connection went back to the pool
+
+
+async def test_a_push_stopped_by_its_receiver_leaves_the_rest_to_a_read() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\ndata:1\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"6\r\ndata:2\r\n0\r\n\r\n")
+        await answer_every_request(reader, writer, 0)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        pushed = Pushed(stop_after=1)
+        stop = push_body(response, pushed.on_data, pushed.on_end)
+        assert stop is not None
+        await wait_for(lambda: bool(pushed.data))
+        read = body_reader(response)
+        rest = b""
+        while chunk := await asyncio.wait_for(read(), 5):
+            rest += chunk
+        assert pushed.data == [b"data:1"] and rest == b"data:2"
+        assert not pushed.ended.is_set()  # a stopped push says nothing more
+        stop()
+        await response.aclose()
+
+
+async def test_bytes_pushed_before_the_connection_was_lost_come_before_the_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"9\r\nlast word\r\n")  # a chunk, then the connection dies mid-body
+        await writer.drain()
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        for hooked_late in (False, True):
+            response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+            pushed = Pushed()
+            if hooked_late:  # the chunk and the failure both arrived before the push began
+                content = response.stream._response.content  # type: ignore[attr-defined]
+                await wait_for(lambda: content.exception() is not None)
+            stop = push_body(response, pushed.on_data, pushed.on_end)
+            assert stop is not None
+            await asyncio.wait_for(pushed.ended.wait(), 5)
+            assert b"".join(pushed.data) == b"last word"
+            assert isinstance(pushed.error, httpx.TransportError)
+            assert "127.0.0.1" not in str(pushed.error)  # never the worker's address
+            stop()
+            await response.aclose()
+
+
+async def test_another_transports_body_is_not_pushed() -> None:
+    response = httpx.Response(200, content=b"data:1")
+    assert push_body(response, Pushed().on_data, Pushed().on_end) is None

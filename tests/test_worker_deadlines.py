@@ -101,11 +101,34 @@ def json_answer(body: bytes, status: str = "200 OK") -> bytes:
     return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (status.encode(), len(body), body)
 
 
-async def read_all(stream: client.ChunkStream) -> list[dict[str, Any]]:
-    try:
-        return [chunk async for chunk in stream]
-    finally:
-        await stream.aclose()
+ReadAll = Callable[..., Awaitable[list[dict[str, Any]]]]
+
+
+@pytest.fixture(params=["iterated", "pushed"])
+def read_all(request: pytest.FixtureRequest) -> ReadAll:
+    """Reads a stream to its end, then closes it, both ways a stream is read: iterated
+    (`async for`) and pushed (`ChunkStream.pump`, as the gateway relays under daphne). Each chunk
+    is collected and also handed to `on_chunk`, if given."""
+
+    async def read(stream: client.ChunkStream, on_chunk: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+        chunks: list[dict[str, Any]] = []
+
+        def collect(chunk: dict[str, Any]) -> None:
+            chunks.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
+
+        try:
+            if request.param == "pushed":
+                await stream.pump(collect)
+            else:
+                async for chunk in stream:
+                    collect(chunk)
+            return chunks
+        finally:
+            await stream.aclose()
+
+    return read
 
 
 @pytest.fixture
@@ -151,7 +174,7 @@ async def test_headers_trickled_to_a_generation_request_end_at_the_first_byte_de
     assert 0.9 < took < 3.0
 
 
-async def test_headers_without_a_body_end_at_the_first_byte_deadline(deadlines: Any) -> None:
+async def test_headers_without_a_body_end_at_the_first_byte_deadline(deadlines: Any, read_all: ReadAll) -> None:
     async with fake_worker(reply(SSE_HEAD)) as worker:
         started = time.monotonic()
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
@@ -163,7 +186,7 @@ async def test_headers_without_a_body_end_at_the_first_byte_deadline(deadlines: 
     assert 0.9 < took < 3.0
 
 
-async def test_generation_first_waits_for_the_context_phase_before_its_first_byte(deadlines: Any) -> None:
+async def test_generation_first_waits_for_the_context_phase_before_its_first_byte(deadlines: Any, read_all: ReadAll) -> None:
     # The worker answers after 1.5 s: past the first-byte deadline alone, within it plus the
     # context phase's, which a generation-first request must allow.
     async with fake_worker(reply(SSE_HEAD + sse(CHUNK, b"[DONE]"), every=1.5)) as worker:
@@ -173,23 +196,26 @@ async def test_generation_first_waits_for_the_context_phase_before_its_first_byt
     assert type(error) is WorkerTimeout
 
 
-async def test_a_stream_trickling_bytes_that_complete_no_event_ends_at_the_idle_deadline(deadlines: Any) -> None:
+async def test_a_stream_trickling_bytes_that_complete_no_event_ends_at_the_idle_deadline(deadlines: Any, read_all: ReadAll) -> None:
     script = reply(SSE_HEAD + sse(CHUNK), *(b"data: {" for _ in range(100)), every=0.1)
     async with fake_worker(script) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         chunks: list[dict[str, Any]] = []
         started = time.monotonic()
+
+        def seen(chunk: dict[str, Any]) -> None:
+            nonlocal started
+            chunks.append(chunk)
+            started = time.monotonic()
+
         with pytest.raises(StreamTimedOut):
-            async for chunk in stream:
-                chunks.append(chunk)
-                started = time.monotonic()
+            await read_all(stream, seen)
         took = time.monotonic() - started
-        await stream.aclose()
     assert chunks == [CHUNK]
     assert 0.5 < took < 2.0
 
 
-async def test_a_stream_sending_events_for_ever_ends_at_the_request_deadline(deadlines: Any) -> None:
+async def test_a_stream_sending_events_for_ever_ends_at_the_request_deadline(deadlines: Any, read_all: ReadAll) -> None:
     deadlines.WORKER_REQUEST_TIMEOUT_S = 1.5
     script = reply(SSE_HEAD, *(sse(CHUNK) for _ in range(1000)), every=0.05)
     async with fake_worker(script) as worker:
@@ -231,7 +257,7 @@ async def test_an_answer_growing_past_the_limit_is_cut_there(settings: Any) -> N
     assert sent < 16 * 1024 * 1024  # cut near the limit (plus socket buffers), not read to the end
 
 
-async def test_a_stream_line_longer_than_the_limit_is_refused(settings: Any) -> None:
+async def test_a_stream_line_longer_than_the_limit_is_refused(settings: Any, read_all: ReadAll) -> None:
     settings.WORKER_MAX_SSE_LINE_BYTES = 64 * 1024
     async with fake_worker(reply(SSE_HEAD + b"data: " + b"x" * 1024 * 1024)) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
@@ -260,14 +286,12 @@ MALFORMED = [
 
 
 @pytest.mark.parametrize(("frame", "named"), MALFORMED)
-async def test_a_malformed_chunk_after_good_ones_ends_the_stream_with_its_field_named(frame: bytes, named: str) -> None:
+async def test_a_malformed_chunk_after_good_ones_ends_the_stream_with_its_field_named(frame: bytes, named: str, read_all: ReadAll) -> None:
     async with fake_worker(reply(SSE_HEAD + sse(CHUNK, frame, CHUNK, b"[DONE]"))) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         seen: list[dict[str, Any]] = []
         with pytest.raises(MalformedChunk) as info:
-            async for chunk in stream:
-                seen.append(chunk)
-        await stream.aclose()
+            await read_all(stream, seen.append)
     assert seen == [CHUNK]
     error = info.value
     assert isinstance(error, StreamBroken) and (error.status, error.code) == (502, "malformed_answer")
@@ -282,7 +306,7 @@ async def test_a_context_answer_of_the_wrong_shape_is_a_502_naming_the_field() -
     assert error.message == "the context worker sent a malformed answer: choices[0].message is not an object"
 
 
-async def test_multi_line_data_and_bare_cr_line_ends_arrive_as_chunks() -> None:
+async def test_multi_line_data_and_bare_cr_line_ends_arrive_as_chunks(read_all: ReadAll) -> None:
     body = b'data: {"id": "c",\rdata: "choices": []}\r\r: comment\r\ndata: [DONE]\r\n\r\n'
     async with fake_worker(reply(SSE_HEAD + body)) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
@@ -317,7 +341,7 @@ async def test_a_worker_error_answer_reaches_the_client_scrubbed_and_the_audit_r
     ],
     ids=["event: error", "error data frame"],
 )
-async def test_an_error_frame_mid_stream_is_the_worker_error_scrubbed(frame: bytes) -> None:
+async def test_an_error_frame_mid_stream_is_the_worker_error_scrubbed(frame: bytes, read_all: ReadAll) -> None:
     async with fake_worker(reply(SSE_HEAD + sse(CHUNK) + frame)) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         error, _ = await elapsed(read_all(stream))
@@ -338,7 +362,7 @@ async def test_context_length_is_read_from_the_raw_message_before_scrubbing() ->
     assert "10.0.0.5" not in error.message and "10.0.0.5:8000" in error.detail
 
 
-async def test_a_stream_ending_without_done_is_broken() -> None:
+async def test_a_stream_ending_without_done_is_broken(read_all: ReadAll) -> None:
     async with fake_worker(reply(SSE_HEAD + sse(CHUNK), then_wait=False)) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         error, _ = await elapsed(read_all(stream))
@@ -365,3 +389,19 @@ async def test_a_client_leaving_during_a_watched_read_is_a_cancellation_not_a_ti
         await asyncio.wait_for(worker.hung_up.wait(), 5)
     assert task.cancelled()
     assert stream._deadline is not None and stream._deadline._handle is None  # its timer is gone
+
+
+async def test_what_a_pushed_streams_sink_raises_is_raised_as_it_is_and_the_stream_closed() -> None:
+    # The consumer's own failure is not the worker's: even a TimeoutError (which the worker
+    # boundary maps to StreamTimedOut) must not come out as one, which would count against the
+    # worker's health.
+    def sink(chunk: dict[str, Any]) -> None:
+        raise TimeoutError("the consumer's own deadline")
+
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK, CHUNK))) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        with pytest.raises(TimeoutError) as info:
+            await stream.pump(sink)
+        assert not isinstance(info.value, WorkerError) and str(info.value) == "the consumer's own deadline"
+        await stream.aclose()
+        await asyncio.wait_for(worker.hung_up.wait(), 5)

@@ -47,7 +47,7 @@ from workers.errors import (
 )
 from workers.shapes import ShapeError, check_chunk, check_completion
 from workers.sse import Event, SSEDecoder, SSELineTooLong
-from workers.transport import MalformedResponse, WorkerTransport, body_reader
+from workers.transport import MalformedResponse, WorkerTransport, body_reader, push_body
 
 logger = logging.getLogger(__name__)
 
@@ -430,7 +430,8 @@ class _StreamDeadline:
     ~8 µs on the test machine). Here moving the deadline is an assignment; the timer, when it
     fires early, re-arms itself for the deadline's new value.
 
-    The reader sets `waiting` (the task to cancel when the deadline passes while it waits) and
+    The reader sets `waiting` (the task to cancel when the deadline passes while it waits, or a
+    pushed stream's `_Expiry`) and
     `fired` (False) before each read, and `waiting` back to None after it: plain fields, not
     methods, because that happens once per relayed token.
     """
@@ -440,7 +441,7 @@ class _StreamDeadline:
         self.when = float("inf")
         self._handle: asyncio.TimerHandle | None = None
         self._armed_for = float("inf")  # the timer's time (inf: none armed)
-        self.waiting: asyncio.Task[Any] | None = None
+        self.waiting: asyncio.Task[Any] | _Expiry | None = None
         self.fired = False
 
     def move(self, when: float) -> None:
@@ -476,6 +477,28 @@ class _StreamDeadline:
 # A stream gives the event loop a turn after this many chunks even when its worker's bytes are
 # all buffered already (see ChunkStream.__aiter__).
 YIELD_EVERY_CHUNKS = 64
+
+
+class _SinkFailed(Exception):
+    """Carries what a pushed stream's sink raised past the worker-error mapping."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+
+class _Expiry:
+    """What a pushed stream's deadline cancels: the outcome the stream's task awaits, failed
+    with TimeoutError (an iterated stream's deadline cancels the reading task instead)."""
+
+    __slots__ = ("outcome",)
+
+    def __init__(self, outcome: asyncio.Future[bool]) -> None:
+        self.outcome = outcome
+
+    def cancel(self) -> None:
+        if not self.outcome.done():
+            self.outcome.set_exception(TimeoutError())
 
 
 class ChunkStream:
@@ -522,14 +545,92 @@ class ChunkStream:
                             # relayed, starving other streams and hiding this client's hang-up.
                             await asyncio.sleep(0)
                     if ended:
-                        raise StreamBroken(
-                            502,
-                            f"the {self._stage} worker closed the stream before it was complete",
-                            stage=self._stage,
-                            code="stream_broken",
-                        )
+                        raise self._broken()
             finally:
                 deadline.close()
+
+    async def pump(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        """What iterating does, pushed: each validated chunk goes to `sink` as it arrives, until
+        `[DONE]`; raises what iterating raises. `sink` runs in the worker connection's receive
+        callback, so it must not wait; what it raises ends the stream and is raised here as it
+        is, never as the worker's failure.
+
+        Why pushed: a stream relays one token per read, and a read the task awaits costs a
+        future, a loop callback and a task step that resumes the reader through every `await`
+        up to the consumer's loop; here the bytes reach the decoder, the chunk checks and `sink`
+        in the call that received them. A response of another transport is iterated instead."""
+        loop = asyncio.get_running_loop()
+        # True once [DONE] came; the stream's failure otherwise.
+        outcome: asyncio.Future[bool] = loop.create_future()
+        decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
+        deadline = self._deadline = _StreamDeadline(loop)
+        idle_s, ends_by = self._idle_s, self._ends_by
+
+        def deliver(events: list[Event]) -> bool:
+            """Pass on the events' chunks; False once the stream is over ([DONE] or a failure)."""
+            for event in events:
+                chunk = self._chunk(event)
+                if chunk is None:
+                    outcome.set_result(True)
+                    return False
+                try:
+                    sink(chunk)
+                except BaseException as exc:  # the consumer's own failure, raised as it is
+                    outcome.set_exception(_SinkFailed(exc))
+                    return False
+            return True
+
+        def on_data(data: bytes) -> bool:
+            if outcome.done():  # the deadline passed meanwhile
+                return False
+            try:
+                events = decoder.feed(data)
+                if events or self._first_byte_by is not None:
+                    # The first byte, then every complete event, restarts the idle gap.
+                    self._first_byte_by = None
+                    deadline.move(min(loop.time() + idle_s, ends_by))
+                return deliver(events)
+            except Exception as exc:  # malformed, an error frame, a line too long
+                outcome.set_exception(exc)
+                return False
+
+        def on_end(error: BaseException | None) -> None:
+            if outcome.done():
+                return
+            try:
+                if error is not None:
+                    raise error
+                if deliver(decoder.end()):
+                    outcome.set_exception(self._broken())
+            except Exception as exc:
+                outcome.set_exception(exc)
+
+        deadline.move(min(self._first_byte_by or loop.time() + idle_s, ends_by))
+        deadline.waiting = _Expiry(outcome)
+        stop = push_body(self._response, on_data, on_end)
+        if stop is None:
+            deadline.close()
+            async for chunk in self:
+                sink(chunk)
+            return
+        failed: BaseException | None = None
+        try:
+            with boundary(self._stage, streaming=True):
+                try:
+                    await outcome
+                except _SinkFailed as exc:
+                    failed = exc.error
+        finally:
+            stop()
+            deadline.close()
+        if failed is not None:
+            raise failed
+        await self._drain(body_reader(self._response))
+
+    def _broken(self) -> StreamBroken:
+        return StreamBroken(
+            502, f"the {self._stage} worker closed the stream before it was complete", stage=self._stage, code="stream_broken"
+        )
 
     async def _next_events(
         self, decoder: SSEDecoder, read: Callable[[], Awaitable[bytes]], deadline: _StreamDeadline, task: asyncio.Task[Any]

@@ -38,7 +38,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -101,6 +101,7 @@ class ChatRun:
         self._placement: Placement | None = None
         # Whether the generation worker's reported cached tokens were compared with the index.
         self._cache_checked = False
+        self._first_chunk = True  # no generation chunk has arrived yet
         self._closing: asyncio.Task[None] | None = None
 
     @functools.cached_property
@@ -360,21 +361,50 @@ class ChatRun:
             self._note(stage=Stage.DONE)
             return
         assert self._stream is not None, "chunks() before stream_ready()"
-        first = True
         try:
             async for chunk in self._stream:
-                if first:
-                    first = False
-                    self._note(first_chunk_at=time.monotonic())
-                    self._prefix_held(self._generation_endpoint_id)
-                if not self._cache_checked and "usage" in chunk:
-                    self._check_cached_tokens(chunk["usage"])
+                self._seen(chunk)
                 yield chunk
         except WorkerError as exc:
-            self._report(self._generation_endpoint_id, exc)
+            self._generation_ended(exc)
             raise
-        self._report(self._generation_endpoint_id, None)
-        self._note(stage=Stage.DONE)
+        self._generation_ended(None)
+
+    async def relay(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        """What iterating `chunks()` does, pushed: `sink` gets each chunk as the worker's bytes
+        arrive, in the connection's receive callback (`ChunkStream.pump`), so it must not wait.
+        What `sink` raises ends the stream and is raised here."""
+        if self._complete_response is not None or self._stream is None:
+            async for chunk in self.chunks():
+                sink(chunk)
+            return
+        seen = self._seen
+
+        def on_chunk(chunk: dict[str, Any]) -> None:
+            seen(chunk)
+            sink(chunk)
+
+        try:
+            await self._stream.pump(on_chunk)
+        except WorkerError as exc:
+            self._generation_ended(exc)
+            raise
+        self._generation_ended(None)
+
+    def _generation_ended(self, error: WorkerError | None) -> None:
+        self._report(self._generation_endpoint_id, error)
+        if error is None:
+            self._note(stage=Stage.DONE)
+
+    def _seen(self, chunk: dict[str, Any]) -> None:
+        """A generation chunk arrived: the first one says the endpoint holds the prompt's
+        prefix; the first usage says whether it still had what the index expected."""
+        if self._first_chunk:
+            self._first_chunk = False
+            self._note(first_chunk_at=time.monotonic())
+            self._prefix_held(self._generation_endpoint_id)
+        if not self._cache_checked and "usage" in chunk:
+            self._check_cached_tokens(chunk["usage"])
 
     # --- helpers -----------------------------------------------------------------------------------
 

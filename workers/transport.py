@@ -142,6 +142,98 @@ class _ResponseStream(httpx.AsyncByteStream):
         self._response.release()
 
 
+class _PushWaiter:
+    """Stands in for the future aiohttp's `StreamReader` wakes when body bytes arrive, so that
+    they reach `on_data` from the connection's own receive callback, synchronously.
+
+    A token relayed by awaiting the reader takes a future, a loop callback and a task step to
+    resume the reading task through every `await` between it and the client; pushed, it is a
+    call. aiohttp wakes its reader with `set_result(None)` (bytes, or the end of the body) and
+    `set_exception(exc)` (the connection failed); `done()` is all it asks of the future
+    otherwise. `StreamReader._waiter`, `_buffer`, `_eof`, `_exception` and `_read_nowait` are
+    aiohttp internals; tests/test_transport.py fails if they change."""
+
+    __slots__ = ("_content", "_request", "_on_data", "_on_end", "_finished")
+
+    def __init__(
+        self,
+        content: aiohttp.StreamReader,
+        request: httpx.Request,
+        on_data: Callable[[bytes], bool],
+        on_end: Callable[[BaseException | None], None],
+    ) -> None:
+        self._content = content
+        self._request = request
+        self._on_data = on_data
+        self._on_end = on_end
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._finished
+
+    def set_result(self, _result: None) -> None:
+        content = self._content
+        content._waiter = None
+        if content._buffer and not self._on_data(content._read_nowait(-1)):
+            self._finished = True  # on_data wants no more
+            return
+        if self._finished:
+            return
+        if content._exception is not None:
+            self.set_exception(content._exception)
+        elif content._eof and not content._buffer:
+            self._finished = True
+            self._on_end(None)
+        else:
+            content._waiter = self  # type: ignore[assignment]  # the next bytes come here too
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._content._waiter = None
+        if self._finished:
+            return
+        self._finished = True
+        mapped = _mapped(exc)
+        if mapped is None:
+            self._on_end(exc)  # not a connection failure: raised as it is, as a read would
+            return
+        mapped.request = self._request
+        self._on_end(mapped)
+
+    def stop(self) -> None:
+        """No more pushes (idempotent); the body's rest, if any, is left to a plain read."""
+        self._finished = True
+        content: Any = self._content
+        if content._waiter is self:
+            content._waiter = None
+
+
+def push_body(
+    response: httpx.Response,
+    on_data: Callable[[bytes], bool],
+    on_end: Callable[[BaseException | None], None],
+) -> Callable[[], None] | None:
+    """Deliver `response`'s body as it arrives: `on_data(bytes)` from the connection's receive
+    callback (what has already arrived, at once, from here), until it returns False; then
+    `on_end(None)` at the body's end, or `on_end(error)` when the connection fails (httpx's
+    mapped error, as `read` raises it). Neither may raise. Returns the function that stops the
+    pushes (the rest of the body is then for `body_reader`); None for a response of another
+    transport (read it with `body_reader`)."""
+    stream = response.stream
+    if not isinstance(stream, _ResponseStream) or stream._failed is not None:
+        return None
+    content = stream._content
+    if content._waiter is not None:
+        raise RuntimeError("the response body is already being read")
+    waiter = _PushWaiter(content, stream._request, on_data, on_end)
+    if content._exception is not None:
+        # What arrived before the failure, first.
+        if not content._buffer or on_data(content._read_nowait(-1)):
+            waiter.set_exception(content._exception)
+    else:
+        waiter.set_result(None)  # what already arrived, or the end; else waits for the next bytes
+    return waiter.stop
+
+
 def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
     """A function returning the next raw bytes of `response`'s body (b"" at its end): the
     transport's own read for its responses, else one step of `aiter_raw()` (another transport,
@@ -249,4 +341,4 @@ class WorkerTransport(AiohttpTransport):
         )
 
 
-__all__ = ["WorkerTransport", "body_reader"]
+__all__ = ["WorkerTransport", "body_reader", "push_body"]
