@@ -146,6 +146,10 @@ def test_an_answer_finished_in_the_context_phase_is_the_answer(finish_reason: st
         lambda a: a["choices"][0].pop("disaggregated_params"),
         lambda a: a.update(prompt_token_ids_b64=[1]),
         lambda a: a.update(prompt_token_ids=["1"]),
+        # Every id is checked, not the first: a bool (an int to isinstance) or a float among ints.
+        lambda a: a.update(prompt_token_ids=[1, 2, True]),
+        lambda a: a.update(prompt_token_ids=[1, 2.0]),
+        lambda a: a.update(prompt_token_ids={"1": 1}),
         lambda a: a["choices"][0]["disaggregated_params"].update(ctx_request_id="7"),
     ],
 )
@@ -155,6 +159,12 @@ def test_a_malformed_context_answer_is_refused(change: Callable[[dict[str, Any]]
     with pytest.raises(WorkerError) as raised:
         trtllm.read_context_response(answer)
     assert raised.value.status == 502
+
+
+def test_an_empty_or_long_list_of_token_ids_is_relayed() -> None:
+    for ids in ([], list(range(20_000))):
+        result = trtllm.read_context_response(context_answer(prompt_token_ids=ids))
+        assert result.prompt_token_ids == ids
 
 
 def test_generation_first_takes_only_the_context_side_fields_of_server_info() -> None:

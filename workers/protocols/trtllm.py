@@ -182,7 +182,9 @@ def read_context_response(response: dict[str, Any]) -> ContextResult:
     if b64 is not None and not isinstance(b64, str):
         raise _bad_answer("has a prompt_token_ids_b64 that is not a string")
     ids = response.get("prompt_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
+    # The ids' types as a set (exactly int: bools refused, as `_is_int` does): ~0.45 ms over a
+    # Claude Code prompt's 20k ids where a generator over `_is_int` took 2.3 ms of every request.
+    if ids is not None and not (isinstance(ids, list) and set(map(type, ids)) <= {int}):
         raise _bad_answer("has a prompt_token_ids that is not a list of integers")
     return ContextResult(
         params, None if b64 is not None else ids, prompt_tokens, complete_response=None, prompt_token_ids_b64=b64, usage=usage
