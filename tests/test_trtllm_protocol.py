@@ -22,6 +22,8 @@ import httpx
 import pytest
 from django.core.management import CommandError, call_command
 from django.test import Client
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.conftest import SIGNING_KEY, Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
@@ -146,6 +148,10 @@ def test_an_answer_finished_in_the_context_phase_is_the_answer(finish_reason: st
         lambda a: a["choices"][0].pop("disaggregated_params"),
         lambda a: a.update(prompt_token_ids_b64=[1]),
         lambda a: a.update(prompt_token_ids=["1"]),
+        # Every id is checked, not the first: a bool (an int to isinstance) or a float among ints.
+        lambda a: a.update(prompt_token_ids=[1, 2, True]),
+        lambda a: a.update(prompt_token_ids=[1, 2.0]),
+        lambda a: a.update(prompt_token_ids={"1": 1}),
         lambda a: a["choices"][0]["disaggregated_params"].update(ctx_request_id="7"),
     ],
 )
@@ -155,6 +161,30 @@ def test_a_malformed_context_answer_is_refused(change: Callable[[dict[str, Any]]
     with pytest.raises(WorkerError) as raised:
         trtllm.read_context_response(answer)
     assert raised.value.status == 502
+
+
+_JSON_ITEMS = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(st.lists(st.integers(min_value=-(2**63), max_value=2**64 - 1)) | st.lists(_JSON_ITEMS, max_size=6))
+def test_the_token_id_check_means_every_item_an_int_and_none_a_bool(ids: list[Any]) -> None:
+    """The fast check agrees with the plain one on anything orjson.loads can make (ints up to 64
+    bits, floats, bools, null, strings, nested lists and objects)."""
+    assert trtllm._all_ints(ids) == all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+
+
+def test_the_token_id_check_refuses_an_int_no_worker_request_could_carry() -> None:
+    assert not trtllm._all_ints([1, 2**64])
+
+
+def test_an_empty_or_long_list_of_token_ids_is_relayed() -> None:
+    for ids in ([], list(range(20_000))):
+        result = trtllm.read_context_response(context_answer(prompt_token_ids=ids))
+        assert result.prompt_token_ids == ids
 
 
 def test_generation_first_takes_only_the_context_side_fields_of_server_info() -> None:

@@ -1,4 +1,4 @@
-"""A chat prompt's token count: from a worker's own tokenizer where one offers it, else a
+r"""A chat prompt's token count: from a worker's own tokenizer where one offers it, else a
 tokenizer-free estimate.
 
 vLLM-compatible servers (and the simulated worker) answer `POST /tokenize` with `{"count": N}`
@@ -6,6 +6,16 @@ for a chat request. The estimate is used where no worker offers one, and where t
 decide before any worker has seen the prompt (conditional disaggregation). It counts word and
 punctuation pieces, which tracks BPE token counts of English prose and code within a factor of
 about 1.3.
+
+The pieces are those of `re.findall(r"\w+|[^\w\s]")` (a run of word characters is one piece, every
+other non-space character is one), counted over the UTF-8 bytes with two `bytes.translate` passes
+instead of the regex: it runs for every request, and over a Claude Code prompt (~20k tokens) the
+regex cost several milliseconds of the gateway's CPU. For ASCII text the count is the regex's
+exactly. Every non-ASCII byte counts as a word byte, so a non-ASCII letter counts as the regex
+counts it, while a non-ASCII symbol or space joins the words beside it ("a—b" is one piece, not
+three): the count differs from the regex's by at most 2 per non-ASCII character. Tools are
+counted over their JSON, as chat templates render them (over Claude Code's 23 tools, 0.8 % more
+pieces than their Python repr, counted before: JSON escapes `"` in strings where repr had `'`).
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any
+
+import orjson
 
 from workers import client
 from workers.errors import WorkerError
@@ -23,7 +35,14 @@ logger = logging.getLogger(__name__)
 
 TOKENIZE_TIMEOUT_S = 3.0
 
-_PIECE = re.compile(r"\w+|[^\w\s]")
+# The byte classes, taken from the regex the count stands for (so ASCII counts equal it by
+# construction): word bytes (ASCII \w, and every byte of a non-ASCII character), spaces (ASCII \s),
+# and the others, each a piece of its own as `[^\w\s]` counts it.
+_WORD = bytes(b for b in range(128) if re.fullmatch(r"\w", chr(b))) + bytes(range(128, 256))
+_OTHER = bytes(b for b in range(128) if re.fullmatch(r"[^\w\s]", chr(b)))
+# Word bytes to b"a", every other byte to b" ": a run of word bytes then starts at each b" a" (or
+# at the first byte).
+_CLASS = bytes.maketrans(bytes(range(256)), bytes(ord("a") if b in _WORD else ord(" ") for b in range(256)))
 # Per-message overhead of chat templates (role markers, separators).
 _PER_MESSAGE = 4
 # An image costs a roughly fixed number of tokens in vision models.
@@ -60,12 +79,29 @@ def estimate_prompt_tokens(chat: dict[str, Any]) -> int:
         if message.get("reasoning_content"):
             total += _text_tokens(str(message["reasoning_content"]))
     for tool in chat.get("tools") or ():
-        total += _text_tokens(str(tool))
+        total += _pieces(_tool_json(tool))
     return total
 
 
 def _text_tokens(text: str) -> int:
-    return len(_PIECE.findall(text))
+    # surrogatepass: a lone surrogate (possible in a str built outside the JSON parser) is counted
+    # as the non-ASCII character it is rather than failing the request.
+    return _pieces(text.encode("utf-8", "surrogatepass"))
+
+
+def _pieces(data: bytes) -> int:
+    others = len(data) - len(data.translate(None, _OTHER))
+    classes = data.translate(_CLASS)
+    return classes.count(b" a") + (classes[:1] == b"a") + others
+
+
+def _tool_json(tool: Any) -> bytes:
+    """The tool as JSON (a request's tools came from JSON, so this holds); anything orjson cannot
+    write (a huge int, a non-str key from a caller outside the API) falls back to its repr."""
+    try:
+        return orjson.dumps(tool)
+    except orjson.JSONEncodeError:
+        return str(tool).encode("utf-8", "surrogatepass")
 
 
 def _content_tokens(content: Any) -> int:

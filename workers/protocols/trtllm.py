@@ -39,6 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import orjson
+
 from workers import client
 from workers.errors import MalformedAnswer, WorkerError
 from workers.protocols.base import (
@@ -158,6 +160,21 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _all_ints(ids: list[Any]) -> bool:
+    """Whether every item is an int and none a bool, as `_is_int` on each, at a fraction of its
+    cost: over a Claude Code prompt's 20k ids a generator over `_is_int` took 2.3 ms of every
+    request, `set(map(type, ids))` 0.37 ms, this 0.15 ms. orjson writes an int (of any int type
+    but bool) as digits with an optional minus sign, and anything else with a character of its
+    own: `.`/`e` in a float, letters in true/false/null, quotes, brackets inside the outer ones.
+    What orjson cannot write at all (an int beyond 64 bits, which orjson.loads never makes) is
+    refused: the generation request could not carry it either."""
+    try:
+        data = orjson.dumps(ids)
+    except orjson.JSONEncodeError:
+        return False
+    return not data[1:-1].translate(None, b"0123456789,-")
+
+
 def read_context_response(response: dict[str, Any]) -> ContextResult:
     """Check the context answer as upstream's `_verify_ctx_response` and `_need_gen` do."""
     choices = response.get("choices") or []
@@ -182,7 +199,7 @@ def read_context_response(response: dict[str, Any]) -> ContextResult:
     if b64 is not None and not isinstance(b64, str):
         raise _bad_answer("has a prompt_token_ids_b64 that is not a string")
     ids = response.get("prompt_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
+    if ids is not None and not (isinstance(ids, list) and _all_ints(ids)):
         raise _bad_answer("has a prompt_token_ids that is not a list of integers")
     return ContextResult(
         params, None if b64 is not None else ids, prompt_tokens, complete_response=None, prompt_token_ids_b64=b64, usage=usage

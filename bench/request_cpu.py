@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Gateway CPU per Claude Code request: the replayed request, one at a time, non-streamed and streamed.
+
+    .venv/bin/python bench/request_cpu.py                        # 5 rounds × 200 requests per mode
+    .venv/bin/python bench/request_cpu.py --b-root /tmp/base     # A/B: gateway B from another checkout
+    .venv/bin/python bench/request_cpu.py --quick                # smoke test, a few seconds
+
+The request is tests/fixtures/claude_code_request.json (83 KB, ~20k prompt tokens, 23 tools) with
+`max_tokens` 4: what the gateway spends is per request (parse, validate, convert, estimate the
+prompt, the context phase and its ~20k token ids, the generation request, the answer), not per
+token. Sim workers unpaced (tokens and prefill instant), the pool disaggregated (context first,
+`max_local_prefill_tokens` 0: every request takes the context phase). One keep-alive connection,
+one request at a time: CPU per request = the gateway's CPU seconds (`/proc/<pid>/stat`, all
+threads) over N requests / N, after a warm-up on that connection.
+
+With `--b-root PATH` a second gateway ('B') runs from that checkout, in front of the same workers
+and database; every round measures A then B then A... interleaved per mode, so both see the same
+machine. Reported per gateway and mode: best and median over the rounds of CPU µs per request
+(and its kernel part) and wall ms per request; with B, B − A of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness as h
+
+FIXTURE = h.PROJECT_ROOT / "tests" / "fixtures" / "claude_code_request.json"
+MODES = ("nonstream", "stream")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, help="N requests measured per round, gateway and mode (default 200; --quick 20)")
+    parser.add_argument("--warmup", type=int, help="requests before the first round, per gateway and mode (default 20; --quick 5)")
+    parser.add_argument("--rounds", type=int, help="rounds; best and median over them (default 5; --quick 1)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: nonstream,stream (default both)")
+    parser.add_argument("--b-root", type=Path,
+                        help="A/B: a second gateway ('B') run from this checkout of the project (another commit), in front "
+                        "of the same workers and database, measured right after gateway A in every round")
+    parser.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="A/B: a setting of gateway B (repeatable); with no --b-root, B runs from this checkout")
+    h.add_common_arguments(parser)
+    args = parser.parse_args()
+    h.resolve(args, quick={"requests": 20, "warmup": 5, "rounds": 1}, full={"requests": 200, "warmup": 20, "rounds": 5})
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or set(args.modes) - set(MODES):
+        parser.error(f"--modes: a comma-separated subset of {','.join(MODES)}")
+    return args
+
+
+def request_body(stream: bool) -> bytes:
+    body = json.loads(FIXTURE.read_text())["body"]
+    return json.dumps({**body, "model": h.MODEL, "max_tokens": 4, "stream": stream}, separators=(",", ":")).encode()
+
+
+def check_answer(response: h.Response, stream: bool) -> None:
+    """A figure is only worth something if the request did what it should: a 200 with the whole
+    answer (a message, or a stream to its message_stop)."""
+    if response.error or response.status != 200 or response.done_at is None or response.body is None:
+        raise RuntimeError(f"request failed: status {response.status}, error {response.error}")
+    if stream:
+        if b"event: message_stop" not in response.body:
+            raise RuntimeError("a streamed answer ended without message_stop")
+    elif json.loads(bytes(response.body)).get("type") != "message":
+        raise RuntimeError(f"not a message: {bytes(response.body[:300])!r}")
+
+
+async def drive(conn: h.KeepAlive, wire: bytes, stream: bool, n: int) -> None:
+    for _ in range(n):
+        check_answer(await conn.request(wire, keep_body=True), stream)
+
+
+def measure(loop: asyncio.AbstractEventLoop, gateway: h.GatewayProc, conn: h.KeepAlive, wire: bytes, stream: bool, n: int) -> dict[str, float]:
+    """CPU and wall per request over n requests on the connection."""
+    cpu0, sys0, t0 = h.proc_cpu_seconds(gateway.pid), h.proc_sys_cpu_seconds(gateway.pid), time.perf_counter()
+    loop.run_until_complete(drive(conn, wire, stream, n))
+    cpu1, sys1, t1 = h.proc_cpu_seconds(gateway.pid), h.proc_sys_cpu_seconds(gateway.pid), time.perf_counter()
+    return {"cpu_us": (cpu1 - cpu0) / n * 1e6, "kernel_us": (sys1 - sys0) / n * 1e6, "wall_ms": (t1 - t0) / n * 1e3}
+
+
+def summarize(samples: list[dict[str, float]]) -> dict[str, Any]:
+    return {
+        "best_cpu_us": min(s["cpu_us"] for s in samples),
+        "median_cpu_us": statistics.median(s["cpu_us"] for s in samples),
+        "median_kernel_us": statistics.median(s["kernel_us"] for s in samples),
+        "median_wall_ms": statistics.median(s["wall_ms"] for s in samples),
+        "rounds": samples,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    with h.Stack("request_cpu", keep=args.keep, gateway_nodelay=args.gateway_nodelay) as stack:
+        stack.migrate()
+        ctx, gen = h.start_sim_pair(stack, tokens_per_second=0, prefill_tokens_per_second=0)
+        # Options on both calls: register_worker saves them only on a call for an existing pool.
+        disagg = {"schedule_style": "context_first", "max_local_prefill_tokens": 0}
+        stack.register_worker("bench", h.MODEL, "context", ctx.url, **disagg)
+        stack.register_worker("bench", h.MODEL, "generation", gen.url, **disagg)
+        key = stack.create_api_key("bench")
+        gateways = {"A": stack.start_gateway({}, expect_pools={"bench"})}
+        if args.b_root or args.b_env:
+            b_env = dict(item.split("=", 1) for item in args.b_env)
+            gateways["B"] = stack.start_gateway(b_env, expect_pools={"bench"}, root=args.b_root)
+        conns = {(name, mode): h.KeepAlive(gw.port) for name, gw in gateways.items() for mode in args.modes}
+        wires = {(name, mode): h.gateway_request(gw.port, key, request_body(mode == "stream"))
+                 for name, gw in gateways.items() for mode in args.modes}
+        for (name, mode), conn in conns.items():
+            loop.run_until_complete(drive(conn, wires[name, mode], mode == "stream", args.warmup))
+        quiet = h.wait_for_quiet(args.quiet_wait)
+        samples: dict[tuple[str, str], list[dict[str, float]]] = {k: [] for k in conns}
+        meter = h.CpuMeter({f"gateway {n}": gw.pid for n, gw in gateways.items()} | {"context": ctx.pid, "generation": gen.pid}).start()
+        with h.profiled([gw.pid for gw in gateways.values()], h.result_name(args, "request_cpu") + "-gateway", args.profile):
+            for _ in range(args.rounds):
+                for mode in args.modes:
+                    for name, gateway in gateways.items():
+                        samples[name, mode].append(measure(loop, gateway, conns[name, mode], wires[name, mode], mode == "stream", args.requests))
+        meter.stop()
+        for conn in conns.values():
+            conn.close()
+    loop.close()
+
+    results = {f"{name} {mode}": summarize(s) for (name, mode), s in samples.items()}
+    rows = [[label, r["best_cpu_us"], r["median_cpu_us"], r["median_kernel_us"], r["median_wall_ms"]] for label, r in results.items()]
+    h.print_table(f"gateway CPU per Claude Code request ({args.rounds} rounds × {args.requests} requests; best and median of the rounds)",
+                  ("gateway mode", "best CPU µs", "median CPU µs", "kernel µs", "wall ms"), rows, digits=0)
+    deltas = {}
+    if "B" in gateways:
+        for mode in args.modes:
+            a, b = results[f"A {mode}"]["median_cpu_us"], results[f"B {mode}"]["median_cpu_us"]
+            deltas[mode] = {"b_minus_a_us": b - a, "b_over_a": b / a if a else float("nan")}
+        h.print_table("B − A (medians)", ("mode", "B − A µs", "B / A"),
+                      [[m, d["b_minus_a_us"], d["b_over_a"]] for m, d in deltas.items()], digits=2)
+    print(meter.machine_note())
+    print(quiet)
+    h.write_result(h.result_name(args, "request_cpu"), {
+        "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
+                   "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env,
+                   "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
+        "results": results, "b_minus_a": deltas, "cpu_seconds": meter.used, "machine_note": meter.machine_note(), "quiet": quiet,
+    })
+
+
+if __name__ == "__main__":
+    main()
