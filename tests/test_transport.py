@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import datetime
 import ipaddress
 import ssl
 import time
+import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -624,3 +626,45 @@ async def test_bytes_pushed_before_the_connection_was_lost_come_before_the_error
 async def test_another_transports_body_is_not_pushed() -> None:
     response = httpx.Response(200, content=b"data:1")
     assert push_body(response, Pushed().on_data, Pushed().on_end) is None
+
+
+async def test_a_pushed_body_keeps_nothing_it_delivered() -> None:
+    """Every chunk is its own feed; none may be kept once delivered. (Reading inside the push used
+    to re-enter aiohttp's C parser, which then never released the buffer it was parsing: a
+    stream's every byte stayed in memory.)"""
+    chunk, chunks = b"x" * 2000, 5000  # 10 MB
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(chunks):
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+            if i % 10 == 0:
+                await asyncio.sleep(0)  # many separate reads on the gateway's side
+        writer.write(b"0\r\n\r\n")
+        await answer_every_request(reader, writer, 0)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        received = 0
+
+        def on_data(data: bytes) -> bool:
+            nonlocal received
+            received += len(data)
+            return True
+
+        pushed = Pushed()
+        tracemalloc.start()
+        try:
+            stop = push_body(response, on_data, pushed.on_end)
+            assert stop is not None
+            await asyncio.wait_for(pushed.ended.wait(), 30)
+            gc.collect()
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        stop()
+        await response.aclose()
+    assert received == len(chunk) * chunks and pushed.error is None
+    assert held < 1_000_000, f"{held} bytes still held after relaying {received}"

@@ -150,10 +150,10 @@ class _PushWaiter:
     resume the reading task through every `await` between it and the client; pushed, it is a
     call. aiohttp wakes its reader with `set_result(None)` (bytes, or the end of the body) and
     `set_exception(exc)` (the connection failed); `done()` is all it asks of the future
-    otherwise. `StreamReader._waiter`, `_buffer`, `_eof`, `_exception` and `_read_nowait` are
-    aiohttp internals; tests/test_transport.py fails if they change."""
+    otherwise. `StreamReader._waiter`, `_buffer`, `_eof`, `_exception`, `_low_water` and
+    `_read_nowait` are aiohttp internals; tests/test_transport.py fails if they change."""
 
-    __slots__ = ("_content", "_request", "_on_data", "_on_end", "_finished")
+    __slots__ = ("_content", "_request", "_on_data", "_on_end", "_finished", "_low_water")
 
     def __init__(
         self,
@@ -167,6 +167,13 @@ class _PushWaiter:
         self._on_data = on_data
         self._on_end = on_end
         self._finished = False
+        # Reading what was fed makes the reader resume its protocol, which feeds its parser an
+        # empty buffer: from inside the parser's own callback (here) that re-entered the C
+        # parser, which then never released the outer buffer (each received chunk leaked). The
+        # reader is drained at every feed, so it never pauses its protocol and needs no resume:
+        # a negative low-water mark keeps it from trying while pushes run. Restored by `stop`.
+        self._low_water = content._low_water
+        content._low_water = -1
 
     def done(self) -> bool:
         return self._finished
@@ -175,14 +182,14 @@ class _PushWaiter:
         content = self._content
         content._waiter = None
         if content._buffer and not self._on_data(content._read_nowait(-1)):
-            self._finished = True  # on_data wants no more
+            self.stop()  # on_data wants no more
             return
         if self._finished:
             return
         if content._exception is not None:
             self.set_exception(content._exception)
         elif content._eof and not content._buffer:
-            self._finished = True
+            self.stop()
             self._on_end(None)
         else:
             content._waiter = self  # type: ignore[assignment]  # the next bytes come here too
@@ -191,7 +198,7 @@ class _PushWaiter:
         self._content._waiter = None
         if self._finished:
             return
-        self._finished = True
+        self.stop()
         mapped = _mapped(exc)
         if mapped is None:
             self._on_end(exc)  # not a connection failure: raised as it is, as a read would
@@ -201,10 +208,13 @@ class _PushWaiter:
 
     def stop(self) -> None:
         """No more pushes (idempotent); the body's rest, if any, is left to a plain read."""
+        if self._finished:
+            return
         self._finished = True
         content: Any = self._content
         if content._waiter is self:
             content._waiter = None
+        content._low_water = self._low_water
 
 
 def push_body(
