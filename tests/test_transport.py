@@ -558,15 +558,15 @@ async def test_a_pushed_body_arrives_in_the_receive_callback_as_it_is_sent() -> 
         content = response.stream._response.content  # type: ignore[attr-defined]
         await wait_for(lambda: bool(content._buffer))  # the first chunk arrived before anyone reads
         pushed = Pushed()
-        stop = push_body(response, pushed.on_data, pushed.on_end)
-        assert stop is not None
+        push = push_body(response, pushed.on_data, pushed.on_end)
+        assert push is not None
         assert pushed.data == [b"data:1"]  # what had arrived, at once
         go_on.set()
         await wait_for(lambda: len(pushed.data) == 2)
         assert pushed.data == [b"data:1", b"data:2"]
         await asyncio.wait_for(pushed.ended.wait(), 5)
         assert pushed.error is None
-        stop()
+        push.stop()
         await response.aclose()
         assert (await fetch(transport, server.url)).content == b"hello"
     assert server.connections == 1  # pushed to its end: the connection went back to the pool
@@ -584,8 +584,8 @@ async def test_a_push_stopped_by_its_receiver_leaves_the_rest_to_a_read() -> Non
     async with ScriptedServer(handler) as server, worker_transport() as transport:
         response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
         pushed = Pushed(stop_after=1)
-        stop = push_body(response, pushed.on_data, pushed.on_end)
-        assert stop is not None
+        push = push_body(response, pushed.on_data, pushed.on_end)
+        assert push is not None
         await wait_for(lambda: bool(pushed.data))
         read = body_reader(response)
         rest = b""
@@ -593,7 +593,7 @@ async def test_a_push_stopped_by_its_receiver_leaves_the_rest_to_a_read() -> Non
             rest += chunk
         assert pushed.data == [b"data:1"] and rest == b"data:2"
         assert not pushed.ended.is_set()  # a stopped push says nothing more
-        stop()
+        push.stop()
         await response.aclose()
 
 
@@ -613,13 +613,13 @@ async def test_bytes_pushed_before_the_connection_was_lost_come_before_the_error
             if hooked_late:  # the chunk and the failure both arrived before the push began
                 content = response.stream._response.content  # type: ignore[attr-defined]
                 await wait_for(lambda: content.exception() is not None)
-            stop = push_body(response, pushed.on_data, pushed.on_end)
-            assert stop is not None
+            push = push_body(response, pushed.on_data, pushed.on_end)
+            assert push is not None
             await asyncio.wait_for(pushed.ended.wait(), 5)
             assert b"".join(pushed.data) == b"last word"
             assert isinstance(pushed.error, httpx.TransportError)
             assert "127.0.0.1" not in str(pushed.error)  # never the worker's address
-            stop()
+            push.stop()
             await response.aclose()
 
 
@@ -657,14 +657,14 @@ async def test_a_pushed_body_keeps_nothing_it_delivered() -> None:
         pushed = Pushed()
         tracemalloc.start()
         try:
-            stop = push_body(response, on_data, pushed.on_end)
-            assert stop is not None
+            push = push_body(response, on_data, pushed.on_end)
+            assert push is not None
             await asyncio.wait_for(pushed.ended.wait(), 30)
             gc.collect()
             held, _ = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        stop()
+        push.stop()
         await response.aclose()
     assert received == len(chunk) * chunks and pushed.error is None
     assert held < 1_000_000, f"{held} bytes still held after relaying {received}"

@@ -47,7 +47,7 @@ from workers.errors import (
 )
 from workers.shapes import ShapeError, check_chunk, check_completion
 from workers.sse import Event, SSEDecoder, SSELineTooLong
-from workers.transport import MalformedResponse, WorkerTransport, body_reader, push_body
+from workers.transport import MalformedResponse, PushedBody, WorkerTransport, body_reader, push_body
 
 logger = logging.getLogger(__name__)
 
@@ -566,8 +566,16 @@ class ChunkStream:
         deadline = self._deadline = _StreamDeadline(loop)
         idle_s, ends_by = self._idle_s, self._ends_by
 
+        relayed = 0
+
         def deliver(events: list[Event]) -> bool:
             """Pass on the events' chunks; False once the stream is over ([DONE] or a failure)."""
+            nonlocal relayed
+            relayed += len(events)
+            if relayed >= YIELD_EVERY_CHUNKS and push is not None:
+                # A burst: the rest after the loop's other callbacks (see PushedBody.yield_turn).
+                relayed = 0
+                push.yield_turn()
             for event in events:
                 chunk = self._chunk(event)
                 if chunk is None:
@@ -607,8 +615,9 @@ class ChunkStream:
 
         deadline.move(min(self._first_byte_by or loop.time() + idle_s, ends_by))
         deadline.waiting = _Expiry(outcome)
-        stop = push_body(self._response, on_data, on_end)
-        if stop is None:
+        push: PushedBody | None = None
+        push = push_body(self._response, on_data, on_end)
+        if push is None:
             deadline.close()
             async for chunk in self:
                 sink(chunk)
@@ -621,7 +630,7 @@ class ChunkStream:
                 except _SinkFailed as exc:
                     failed = exc.error
         finally:
-            stop()
+            push.stop()
             deadline.close()
         if failed is not None:
             raise failed

@@ -41,6 +41,7 @@ What this adds to `httpx_aiohttp.AiohttpTransport`, and why:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -142,18 +143,19 @@ class _ResponseStream(httpx.AsyncByteStream):
         self._response.release()
 
 
-class _PushWaiter:
-    """Stands in for the future aiohttp's `StreamReader` wakes when body bytes arrive, so that
-    they reach `on_data` from the connection's own receive callback, synchronously.
+class PushedBody:
+    """A response body being pushed (`push_body`): it stands in for the future aiohttp's
+    `StreamReader` wakes when body bytes arrive, so that they reach `on_data` from the
+    connection's own receive callback, synchronously.
 
     A token relayed by awaiting the reader takes a future, a loop callback and a task step to
     resume the reading task through every `await` between it and the client; pushed, it is a
     call. aiohttp wakes its reader with `set_result(None)` (bytes, or the end of the body) and
     `set_exception(exc)` (the connection failed); `done()` is all it asks of the future
-    otherwise. `StreamReader._waiter`, `_buffer`, `_eof`, `_exception`, `_low_water` and
-    `_read_nowait` are aiohttp internals; tests/test_transport.py fails if they change."""
+    otherwise. `StreamReader._waiter`, `_buffer`, `_eof`, `_exception`, `_low_water`, `_protocol`
+    and `_read_nowait` are aiohttp internals; tests/test_transport.py fails if they change."""
 
-    __slots__ = ("_content", "_request", "_on_data", "_on_end", "_finished", "_low_water")
+    __slots__ = ("_content", "_request", "_on_data", "_on_end", "_finished", "_low_water", "_holding")
 
     def __init__(
         self,
@@ -174,6 +176,7 @@ class _PushWaiter:
         # a negative low-water mark keeps it from trying while pushes run. Restored by `stop`.
         self._low_water = content._low_water
         content._low_water = -1
+        self._holding = False  # reading paused until the loop's next turn (`yield_turn`)
 
     def done(self) -> bool:
         return self._finished
@@ -206,6 +209,25 @@ class _PushWaiter:
         mapped.request = self._request
         self._on_end(mapped)
 
+    def yield_turn(self) -> None:
+        """No more pushes until the event loop has run its other ready callbacks once.
+
+        A worker's burst (an unpaced stream, or tokens that queued up) arrives as one read of up
+        to 256 KiB: relayed in one go it would hold the loop for every event in it, keeping other
+        streams and this client's own hang-up waiting. The connection's protocol stops reading
+        (its parser keeps the rest of what it was given) and resumes on the next turn, as
+        aiohttp's own flow control does."""
+        if self._finished or self._holding:
+            return
+        self._holding = True
+        self._content._protocol.pause_reading()
+        asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._holding = False
+        # Even when stopped meanwhile: the rest of the body is then for a plain read.
+        self._content._protocol.resume_reading()
+
     def stop(self) -> None:
         """No more pushes (idempotent); the body's rest, if any, is left to a plain read."""
         if self._finished:
@@ -221,12 +243,12 @@ def push_body(
     response: httpx.Response,
     on_data: Callable[[bytes], bool],
     on_end: Callable[[BaseException | None], None],
-) -> Callable[[], None] | None:
+) -> PushedBody | None:
     """Deliver `response`'s body as it arrives: `on_data(bytes)` from the connection's receive
     callback (what has already arrived, at once, from here), until it returns False; then
     `on_end(None)` at the body's end, or `on_end(error)` when the connection fails (httpx's
-    mapped error, as `read` raises it). Neither may raise. Returns the function that stops the
-    pushes (the rest of the body is then for `body_reader`); None for a response of another
+    mapped error, as `read` raises it). Neither may raise. Returns the push, to `stop()` (the rest
+    of the body is then for `body_reader`) or to `yield_turn()`; None for a response of another
     transport (read it with `body_reader`)."""
     stream = response.stream
     if not isinstance(stream, _ResponseStream) or stream._failed is not None:
@@ -234,14 +256,14 @@ def push_body(
     content = stream._content
     if content._waiter is not None:
         raise RuntimeError("the response body is already being read")
-    waiter = _PushWaiter(content, stream._request, on_data, on_end)
+    waiter = PushedBody(content, stream._request, on_data, on_end)
     if content._exception is not None:
         # What arrived before the failure, first.
         if not content._buffer or on_data(content._read_nowait(-1)):
             waiter.set_exception(content._exception)
     else:
         waiter.set_result(None)  # what already arrived, or the end; else waits for the next bytes
-    return waiter.stop
+    return waiter
 
 
 def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
@@ -351,4 +373,4 @@ class WorkerTransport(AiohttpTransport):
         )
 
 
-__all__ = ["WorkerTransport", "body_reader", "push_body"]
+__all__ = ["PushedBody", "WorkerTransport", "body_reader", "push_body"]
