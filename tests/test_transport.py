@@ -668,3 +668,38 @@ async def test_a_pushed_body_keeps_nothing_it_delivered() -> None:
         await response.aclose()
     assert received == len(chunk) * chunks and pushed.error is None
     assert held < 1_000_000, f"{held} bytes still held after relaying {received}"
+
+
+async def test_a_push_begun_after_the_reader_filled_up_gets_the_whole_body() -> None:
+    """Bytes that arrived before the push filled aiohttp's reader past its high-water mark, so it
+    stopped reading from the socket: the push must start it again (it used to stall there until
+    the stream's deadline)."""
+    chunk, chunks = b"y" * 4000, 200  # 800 KB: past the reader's high-water mark (2 x READ_BUFSIZE)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(chunks):
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await answer_every_request(reader, writer, 0)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        content = response.stream._response.content  # type: ignore[attr-defined]
+        await wait_for(lambda: content._protocol._reading_paused)  # nobody read: aiohttp stopped
+        received = 0
+
+        def on_data(data: bytes) -> bool:
+            nonlocal received
+            received += len(data)
+            return True
+
+        pushed = Pushed()
+        push = push_body(response, on_data, pushed.on_end)
+        assert push is not None
+        await asyncio.wait_for(pushed.ended.wait(), 5)
+        push.stop()
+        await response.aclose()
+    assert received == len(chunk) * chunks and pushed.error is None

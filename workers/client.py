@@ -47,7 +47,7 @@ from workers.errors import (
 )
 from workers.shapes import ShapeError, check_chunk, check_completion
 from workers.sse import Event, SSEDecoder, SSELineTooLong
-from workers.transport import MalformedResponse, PushedBody, WorkerTransport, body_reader, push_body
+from workers.transport import MalformedResponse, WorkerTransport, body_reader, push_body
 
 logger = logging.getLogger(__name__)
 
@@ -566,16 +566,8 @@ class ChunkStream:
         deadline = self._deadline = _StreamDeadline(loop)
         idle_s, ends_by = self._idle_s, self._ends_by
 
-        relayed = 0
-
         def deliver(events: list[Event]) -> bool:
             """Pass on the events' chunks; False once the stream is over ([DONE] or a failure)."""
-            nonlocal relayed
-            relayed += len(events)
-            if relayed >= YIELD_EVERY_CHUNKS and push is not None:
-                # A burst: the rest after the loop's other callbacks (see PushedBody.yield_turn).
-                relayed = 0
-                push.yield_turn()
             for event in events:
                 chunk = self._chunk(event)
                 if chunk is None:
@@ -615,7 +607,6 @@ class ChunkStream:
 
         deadline.move(min(self._first_byte_by or loop.time() + idle_s, ends_by))
         deadline.waiting = _Expiry(outcome)
-        push: PushedBody | None = None
         push = push_body(self._response, on_data, on_end)
         if push is None:
             deadline.close()

@@ -56,6 +56,8 @@ from httpx_aiohttp import AiohttpTransport
 READ_BUFSIZE = 128 * 1024
 # aiohttp's own default bound on one header field or the status line.
 MAX_FIELD_SIZE = 8190
+# The most a pushed body's connection reads at once (see PushedBody).
+PUSH_READ_BYTES = 64 * 1024
 
 
 async def _note_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace, _params: Any) -> None:
@@ -153,9 +155,11 @@ class PushedBody:
     call. aiohttp wakes its reader with `set_result(None)` (bytes, or the end of the body) and
     `set_exception(exc)` (the connection failed); `done()` is all it asks of the future
     otherwise. `StreamReader._waiter`, `_buffer`, `_eof`, `_exception`, `_low_water`, `_protocol`
-    and `_read_nowait` are aiohttp internals; tests/test_transport.py fails if they change."""
+    (and its `_reading_paused`) and `_read_nowait` are aiohttp internals, and `max_size` asyncio's
+    selector transport's;
+    tests/test_transport.py and tests/test_stream_fairness.py fail if they change."""
 
-    __slots__ = ("_content", "_request", "_on_data", "_on_end", "_finished", "_low_water", "_holding")
+    __slots__ = ("_content", "_request", "_on_data", "_on_end", "_finished", "_low_water", "_transport", "_max_size")
 
     def __init__(
         self,
@@ -176,7 +180,16 @@ class PushedBody:
         # a negative low-water mark keeps it from trying while pushes run. Restored by `stop`.
         self._low_water = content._low_water
         content._low_water = -1
-        self._holding = False  # reading paused until the loop's next turn (`yield_turn`)
+        # A worker's burst (an unpaced stream, or tokens that queued up) comes as reads of up to
+        # 256 KiB (asyncio's `max_size`), each relayed in one callback: it would hold the loop for
+        # every event in it, keeping other streams and this client's own hang-up waiting. While
+        # pushes run, the connection reads at most PUSH_READ_BYTES at a time (about 70 chat
+        # chunks; a paced stream's token is one small read either way). Restored by `stop`.
+        transport: Any = getattr(content._protocol, "transport", None)
+        self._transport = transport
+        self._max_size = getattr(transport, "max_size", None)
+        if isinstance(self._max_size, int):
+            transport.max_size = min(self._max_size, PUSH_READ_BYTES)
 
     def done(self) -> bool:
         return self._finished
@@ -209,25 +222,6 @@ class PushedBody:
         mapped.request = self._request
         self._on_end(mapped)
 
-    def yield_turn(self) -> None:
-        """No more pushes until the event loop has run its other ready callbacks once.
-
-        A worker's burst (an unpaced stream, or tokens that queued up) arrives as one read of up
-        to 256 KiB: relayed in one go it would hold the loop for every event in it, keeping other
-        streams and this client's own hang-up waiting. The connection's protocol stops reading
-        (its parser keeps the rest of what it was given) and resumes on the next turn, as
-        aiohttp's own flow control does."""
-        if self._finished or self._holding:
-            return
-        self._holding = True
-        self._content._protocol.pause_reading()
-        asyncio.get_running_loop().call_soon(self._resume)
-
-    def _resume(self) -> None:
-        self._holding = False
-        # Even when stopped meanwhile: the rest of the body is then for a plain read.
-        self._content._protocol.resume_reading()
-
     def stop(self) -> None:
         """No more pushes (idempotent); the body's rest, if any, is left to a plain read."""
         if self._finished:
@@ -237,6 +231,8 @@ class PushedBody:
         if content._waiter is self:
             content._waiter = None
         content._low_water = self._low_water
+        if isinstance(self._max_size, int):
+            self._transport.max_size = self._max_size
 
 
 def push_body(
@@ -248,8 +244,8 @@ def push_body(
     callback (what has already arrived, at once, from here), until it returns False; then
     `on_end(None)` at the body's end, or `on_end(error)` when the connection fails (httpx's
     mapped error, as `read` raises it). Neither may raise. Returns the push, to `stop()` (the rest
-    of the body is then for `body_reader`) or to `yield_turn()`; None for a response of another
-    transport (read it with `body_reader`)."""
+    of the body is then for `body_reader`); None for a response of another transport (read it
+    with `body_reader`)."""
     stream = response.stream
     if not isinstance(stream, _ResponseStream) or stream._failed is not None:
         return None
@@ -263,6 +259,13 @@ def push_body(
             waiter.set_exception(content._exception)
     else:
         waiter.set_result(None)  # what already arrived, or the end; else waits for the next bytes
+        protocol: Any = content._protocol
+        if not waiter.done() and protocol._reading_paused:
+            # What arrived before the push filled the reader past its high-water mark, so aiohttp
+            # stopped reading; the reader would resume it once read below its low-water mark,
+            # which pushes disable (see PushedBody). Here, outside the parser's callback, it is
+            # safe to resume (its parser is fed what it held, so pushes may come from here).
+            protocol.resume_reading()
     return waiter
 
 
