@@ -24,67 +24,63 @@ def unpaced_worker() -> Iterator[SimWorker]:
     worker.stop()
 
 
-async def test_a_buffered_stream_lets_other_tasks_run(unpaced_worker: SimWorker) -> None:
-    body = {
-        "model": "sim-model",
-        "stream": True,
-        "max_tokens": 5000,
-        "messages": [{"role": "user", "content": "go [sim tokens=3000]"}],
-    }
-    stream = await client.open_stream(unpaced_worker.url + "/v1/chat/completions", body, stage="generation")
-    await asyncio.sleep(0.5)  # the worker has sent everything it can; the transport has buffered it
-    relayed = 0
-    seen_at: list[int] = []
+BURST = {
+    "model": "sim-model",
+    "stream": True,
+    "max_tokens": 5000,
+    "messages": [{"role": "user", "content": "go [sim tokens=3000]"}],
+}
 
-    async def other_task() -> None:
+
+class Ticker:
+    """Another task on the loop: notes how many chunks had been relayed each time it ran."""
+
+    def __init__(self) -> None:
+        self.relayed = 0
+        self.seen_at: list[int] = []
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
         while True:
-            seen_at.append(relayed)
+            self.seen_at.append(self.relayed)
             await asyncio.sleep(0)
 
-    ticker = asyncio.create_task(other_task())
+    def count(self, _chunk: object) -> None:
+        self.relayed += 1
+
+    def stop(self) -> int:
+        """The most chunks relayed between two of its turns."""
+        self._task.cancel()
+        return max(b - a for a, b in zip(self.seen_at, self.seen_at[1:]))
+
+
+async def test_a_buffered_stream_lets_other_tasks_run(unpaced_worker: SimWorker) -> None:
+    stream = await client.open_stream(unpaced_worker.url + "/v1/chat/completions", BURST, stage="generation")
+    await asyncio.sleep(0.5)  # the worker has sent everything it can; the transport has buffered it
+    ticker = Ticker()
     try:
-        async for _ in stream:
-            relayed += 1
+        async for chunk in stream:
+            ticker.count(chunk)
     finally:
-        ticker.cancel()
+        gap = ticker.stop()
         await stream.aclose()
-    assert relayed > 3000
-    gaps = [b - a for a, b in zip(seen_at, seen_at[1:])]
-    assert max(gaps) <= client.YIELD_EVERY_CHUNKS, max(gaps)
+    assert ticker.relayed > 3000
+    assert gap <= client.YIELD_EVERY_CHUNKS, gap
 
 
 async def test_a_pushed_burst_lets_other_tasks_run(unpaced_worker: SimWorker) -> None:
-    body = {
-        "model": "sim-model",
-        "stream": True,
-        "max_tokens": 5000,
-        "messages": [{"role": "user", "content": "go [sim tokens=3000]"}],
-    }
-    stream = await client.open_stream(unpaced_worker.url + "/v1/chat/completions", body, stage="generation")
-    relayed = 0
-    seen_at: list[int] = []
-
-    async def other_task() -> None:
-        while True:
-            seen_at.append(relayed)
-            await asyncio.sleep(0)
-
-    def count(_chunk: dict[str, object]) -> None:
-        nonlocal relayed
-        relayed += 1
-
-    ticker = asyncio.create_task(other_task())
+    stream = await client.open_stream(unpaced_worker.url + "/v1/chat/completions", BURST, stage="generation")
+    ticker = Ticker()
     try:
         # Pushed as the worker's bytes arrive: the unpaced worker sends its 3,000 tokens as fast
         # as the connection takes them, which would come in reads of up to 256 KiB. (What had
         # already arrived when the push began goes at once: the gateway pushes as soon as the
         # headers are in.)
-        await stream.pump(count)
+        await stream.pump(ticker.count)
     finally:
-        ticker.cancel()
+        gap = ticker.stop()
         await stream.aclose()
-    assert relayed > 3000
-    gaps = [b - a for a, b in zip(seen_at, seen_at[1:])]
+    assert ticker.relayed > 3000
     # Each read holds at most PUSH_READ_BYTES, and this worker's chunks take ~230 bytes each on
     # the wire: ~280 per read. A 256 KiB read (asyncio's own bound) would be ~1,100.
-    assert max(gaps) <= PUSH_READ_BYTES // 200, max(gaps)
+    assert gap <= PUSH_READ_BYTES // 200, gap
