@@ -430,10 +430,10 @@ class _StreamDeadline:
     ~8 µs on the test machine). Here moving the deadline is an assignment; the timer, when it
     fires early, re-arms itself for the deadline's new value.
 
-    The reader sets `waiting` (the task to cancel when the deadline passes while it waits, or a
-    pushed stream's `_Expiry`) and
+    The reader sets `waiting` (the task to cancel when the deadline passes while it waits) and
     `fired` (False) before each read, and `waiting` back to None after it: plain fields, not
-    methods, because that happens once per relayed token.
+    methods, because that happens once per relayed token. A pushed stream (`pump`) sets `waiting`
+    once, to an `_Expiry` that fails the outcome its task awaits.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -597,10 +597,11 @@ class ChunkStream:
         def on_end(error: BaseException | None) -> None:
             if outcome.done():
                 return
+            if error is not None:  # the connection failed
+                outcome.set_exception(error)
+                return
             try:
-                if error is not None:
-                    raise error
-                if deliver(decoder.end()):
+                if deliver(decoder.end()):  # the body ended without [DONE]
                     outcome.set_exception(self._broken())
             except Exception as exc:
                 outcome.set_exception(exc)
