@@ -374,10 +374,11 @@ class ChatRun:
         """What iterating `chunks()` does, pushed: `sink` gets each chunk as the worker's bytes
         arrive, in the connection's receive callback (`ChunkStream.pump`), so it must not wait.
         What `sink` raises ends the stream and is raised here."""
-        if self._complete_response is not None or self._stream is None:
+        if self._complete_response is not None:  # answered by the context phase: no stream
             async for chunk in self.chunks():
                 sink(chunk)
             return
+        assert self._stream is not None, "relay() before stream_ready()"
         seen = self._seen
 
         def on_chunk(chunk: dict[str, Any]) -> None:
