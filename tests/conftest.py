@@ -119,6 +119,16 @@ def gateway(gateways: Callable[..., Gateway]) -> Gateway:
     return gateways()
 
 
+@pytest.fixture
+def patient_gateway(gateways: Callable[..., Gateway]) -> Gateway:
+    """A gateway whose stream-start wait (10 s) outlasts any stall of a loaded test machine.
+
+    Tests that a worker's immediate failure reaches a streamed client as an HTTP error, before the
+    status line, use it: under the suite's 0.3 s wait a busy CI run once sent the status line and
+    a ping first, and the same failure arrived as an error event instead."""
+    return gateways(MESSAGES_STREAM_START_WAIT_S="10")
+
+
 @dataclass
 class Cluster:
     """A registered pool of one sim context and one sim generation worker, and an API key."""

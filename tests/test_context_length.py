@@ -348,7 +348,7 @@ MODEL = "overlength-model"
 
 
 @pytest.fixture
-def error_cluster(transactional_db: Any, gateway: Gateway, context_worker: SimWorker, error_worker: ErrorWorker) -> Cluster:
+def error_cluster(transactional_db: Any, patient_gateway: Gateway, context_worker: SimWorker, error_worker: ErrorWorker) -> Cluster:
     """A pool whose prompts all skip the context phase, so each request goes straight to the
     error worker as its generation endpoint."""
     from messages_api.auth import create_api_key
@@ -359,26 +359,26 @@ def error_cluster(transactional_db: Any, gateway: Gateway, context_worker: SimWo
     WorkerEndpoint.objects.create(pool=pool, role="generation", url=error_worker.url)
     _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
     cluster = Cluster(pool=pool, key=key, model=MODEL, context=context_worker, generation=error_worker)  # type: ignore[arg-type]
-    wait_registered(gateway, cluster)
+    wait_registered(patient_gateway, cluster)
     return cluster
 
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("name", ["trtllm", "vllm_output", "sglang", "bare_code"])
-def test_a_client_is_told_the_same_streamed_or_not(gateway: Gateway, error_cluster: Cluster, error_worker: ErrorWorker, name: str) -> None:
+def test_a_client_is_told_the_same_streamed_or_not(patient_gateway: Gateway, error_cluster: Cluster, error_worker: ErrorWorker, name: str) -> None:
     body, expected = WORDINGS[name]
     payload = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
     # Before anything was streamed: the HTTP error, streamed or not.
     error_worker.answer(body)
     for stream in (False, True):
-        response = httpx.post(gateway.url + "/v1/messages", json={**payload, "stream": stream}, headers=error_cluster.headers(), timeout=10)
+        response = httpx.post(patient_gateway.url + "/v1/messages", json={**payload, "stream": stream}, headers=error_cluster.headers(), timeout=10)
         assert response.status_code == 400, response.text
         assert response.json()["error"] == {"type": "invalid_request_error", "message": expected}
         row = audit_row(response.headers["request-id"])
         assert row.status == "failed" and row.http_status == 400
     # The engine reports it inside its stream, after the gateway's stream began: the error event.
     error_worker.answer(body, frame=True)
-    s = RawStream.post_json(gateway.url + "/v1/messages", {**payload, "stream": True}, error_cluster.headers())
+    s = RawStream.post_json(patient_gateway.url + "/v1/messages", {**payload, "stream": True}, error_cluster.headers())
     frames = s.read_all(timeout=10)
     assert s.status == 200
     events = [f for f in frames if f.event != "ping"]

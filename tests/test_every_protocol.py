@@ -184,8 +184,11 @@ def test_a_slow_first_phase_starts_the_stream_at_once_and_pings(gateway: Gateway
 # --- failures --------------------------------------------------------------------------------------
 
 
-def test_a_failure_carries_the_same_message_before_and_after_the_stream_starts(gateway: Gateway, every: Cluster) -> None:
-    fast = stream(gateway, every, f"fail [sim {fail_slowly(every, 503)}]")
+def test_a_failure_carries_the_same_message_before_and_after_the_stream_starts(
+    gateway: Gateway, patient_gateway: Gateway, every: Cluster
+) -> None:
+    wait_registered(patient_gateway, every)
+    fast = stream(patient_gateway, every, f"fail [sim {fail_slowly(every, 503)}]")
     fast_body = fast.body_json()
     assert fast.status == 503 and fast.response_headers["content-type"] == "application/json"
     assert_one_terminal_row(fast_body["request_id"], "failed")

@@ -520,10 +520,11 @@ def test_body_over_the_limit_is_413(gateways: Any, cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("status", [400, 503])
 def test_late_failure_raises_with_the_fast_failures_message(
-    client: anthropic.Anthropic, cluster: Cluster, status: int
+    client: anthropic.Anthropic, patient_gateway: Gateway, cluster: Cluster, status: int
 ) -> None:
-    with pytest.raises(anthropic.APIStatusError) as fast_caught:
-        client.messages.create(model=cluster.model, max_tokens=32, stream=True, messages=ask(f"hi [sim context_status={status}]"))
+    wait_registered(patient_gateway, cluster)
+    with sdk_client(patient_gateway, cluster.key) as patient, pytest.raises(anthropic.APIStatusError) as fast_caught:
+        patient.messages.create(model=cluster.model, max_tokens=32, stream=True, messages=ask(f"hi [sim context_status={status}]"))
     fast = fast_caught.value
     assert fast.status_code == status
 
