@@ -116,6 +116,14 @@ def proc_sys_cpu_seconds(pid: int) -> float:
     return int(fields[12]) / CLK_TCK
 
 
+def proc_minor_faults(pid: int) -> int:
+    """Minor page faults of a process (all its threads) so far: on this VM ~3.5 µs each, and a
+    glibc heap trim per request shows as dozens of them."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return int(fields[7])
+
+
 def thread_cpu_seconds(pid: int, tid: int | None = None) -> float:
     """CPU seconds of one thread (the main thread, where the event loop runs, by default)."""
     tid = pid if tid is None else tid

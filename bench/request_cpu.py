@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="requests before the first round, per gateway and mode (default 20; --quick 5)")
     parser.add_argument("--rounds", type=int, help="rounds; best and median over them (default 5; --quick 1)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: nonstream,stream (default both)")
+    parser.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded", "session_affinity", "cache_aware"],
+                        help="the pool's routing policy (cache_aware: the prefix index's work is in the figures too)")
     parser.add_argument("--b-root", type=Path,
                         help="A/B: a second gateway ('B') run from this checkout of the project (another commit), in front "
                         "of the same workers and database, measured right after gateway A in every round")
@@ -82,10 +84,17 @@ async def drive(conn: h.KeepAlive, wire: bytes, stream: bool, n: int) -> None:
 
 def measure(loop: asyncio.AbstractEventLoop, gateway: h.GatewayProc, conn: h.KeepAlive, wire: bytes, stream: bool, n: int) -> dict[str, float]:
     """CPU and wall per request over n requests on the connection."""
+    faults0 = h.proc_minor_faults(gateway.pid)
     cpu0, sys0, t0 = h.proc_cpu_seconds(gateway.pid), h.proc_sys_cpu_seconds(gateway.pid), time.perf_counter()
     loop.run_until_complete(drive(conn, wire, stream, n))
     cpu1, sys1, t1 = h.proc_cpu_seconds(gateway.pid), h.proc_sys_cpu_seconds(gateway.pid), time.perf_counter()
-    return {"cpu_us": (cpu1 - cpu0) / n * 1e6, "kernel_us": (sys1 - sys0) / n * 1e6, "wall_ms": (t1 - t0) / n * 1e3}
+    faults = h.proc_minor_faults(gateway.pid) - faults0
+    return {
+        "cpu_us": (cpu1 - cpu0) / n * 1e6,
+        "kernel_us": (sys1 - sys0) / n * 1e6,
+        "wall_ms": (t1 - t0) / n * 1e3,
+        "minor_faults": faults / n,
+    }
 
 
 def summarize(samples: list[dict[str, float]]) -> dict[str, Any]:
@@ -94,6 +103,7 @@ def summarize(samples: list[dict[str, float]]) -> dict[str, Any]:
         "median_cpu_us": statistics.median(s["cpu_us"] for s in samples),
         "median_kernel_us": statistics.median(s["kernel_us"] for s in samples),
         "median_wall_ms": statistics.median(s["wall_ms"] for s in samples),
+        "median_minor_faults": statistics.median(s["minor_faults"] for s in samples),
         "rounds": samples,
     }
 
@@ -106,7 +116,7 @@ def main() -> None:
         stack.migrate()
         ctx, gen = h.start_sim_pair(stack, tokens_per_second=0, prefill_tokens_per_second=0)
         # Options on both calls: register_worker saves them only on a call for an existing pool.
-        disagg = {"schedule_style": "context_first", "max_local_prefill_tokens": 0}
+        disagg = {"schedule_style": "context_first", "max_local_prefill_tokens": 0, "routing": args.routing}
         stack.register_worker("bench", h.MODEL, "context", ctx.url, **disagg)
         stack.register_worker("bench", h.MODEL, "generation", gen.url, **disagg)
         key = stack.create_api_key("bench")
@@ -133,9 +143,10 @@ def main() -> None:
     loop.close()
 
     results = {f"{name} {mode}": summarize(s) for (name, mode), s in samples.items()}
-    rows = [[label, r["best_cpu_us"], r["median_cpu_us"], r["median_kernel_us"], r["median_wall_ms"]] for label, r in results.items()]
+    rows = [[label, r["best_cpu_us"], r["median_cpu_us"], r["median_kernel_us"], r["median_wall_ms"], r["median_minor_faults"]]
+            for label, r in results.items()]
     h.print_table(f"gateway CPU per Claude Code request ({args.rounds} rounds × {args.requests} requests; best and median of the rounds)",
-                  ("gateway mode", "best CPU µs", "median CPU µs", "kernel µs", "wall ms"), rows, digits=0)
+                  ("gateway mode", "best CPU µs", "median CPU µs", "kernel µs", "wall ms", "faults"), rows, digits=0)
     deltas = {}
     if "B" in gateways:
         for mode in args.modes:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from workers import router
 from workers.prefix_index import PrefixIndex, Prompt, get_index
+from workers.rendered_chat import RenderedChat
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation
 from workers.writer import get_writer
@@ -32,6 +33,10 @@ def conversation(session: int, turns: int) -> dict[str, Any]:
     return {"model": "m", "messages": messages, "tools": TOOLS}
 
 
+def prompt_of(chat: dict[str, Any], chunk_bytes: int) -> Prompt:
+    return Prompt(RenderedChat(chat), chunk_bytes)
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -48,18 +53,18 @@ CHUNK = 1024
 def test_a_later_turn_matches_exactly_up_to_the_earlier_turns_end() -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
     for turns in range(1, 6):
-        earlier, later = Prompt(conversation(1, turns), CHUNK), Prompt(conversation(1, turns + 1), CHUNK)
+        earlier, later = prompt_of(conversation(1, turns), CHUNK), prompt_of(conversation(1, turns + 1), CHUNK)
         assert later.root == earlier.root  # same conversation, same rendezvous key
         index.record(1, "p", earlier.key)
         # To the byte: the previous turn's end, not the chunk mark before it.
         assert index.match(1, later) == earlier.size < later.size
         assert earlier.size % CHUNK  # (a match cut to chunks would have been shorter)
-    assert Prompt(conversation(2, 1), CHUNK).root != Prompt(conversation(1, 1), CHUNK).root
+    assert prompt_of(conversation(2, 1), CHUNK).root != prompt_of(conversation(1, 1), CHUNK).root
 
 
 def test_a_shared_head_matches_another_conversation_exactly() -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
-    one, other = Prompt(conversation(1, 3), CHUNK), Prompt(conversation(2, 2), CHUNK)
+    one, other = prompt_of(conversation(1, 3), CHUNK), prompt_of(conversation(2, 2), CHUNK)
     index.record(1, "p", one.key)
     # The system prompt and tools, no more: both conversations differ from the first user message.
     assert index.match(1, other) == other.shared_bytes == one.shared_bytes > CHUNK
@@ -69,31 +74,31 @@ def test_a_shared_head_matches_another_conversation_exactly() -> None:
 def test_a_changed_message_stops_the_match() -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
     chat = conversation(1, 4)
-    index.record(1, "p", Prompt(chat, CHUNK).key)
+    index.record(1, "p", prompt_of(chat, CHUNK).key)
     for changed in range(1, len(chat["messages"])):
         messages = [dict(m) for m in chat["messages"]]
         messages[changed]["content"] += "!"
-        edited = Prompt({**chat, "messages": messages}, CHUNK)
+        edited = prompt_of({**chat, "messages": messages}, CHUNK)
         # Never past the changed message's start (the digest chain covers every byte before).
         assert index.match(1, edited) <= edited.ends[changed]
     tools = [dict(t) for t in chat["tools"]]
     tools[-1] = {**tools[-1], "type": "other"}
-    assert index.match(1, Prompt({**chat, "tools": tools}, CHUNK)) == 0
+    assert index.match(1, prompt_of({**chat, "tools": tools}, CHUNK)) == 0
 
 
 def test_positions_matter() -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
     chat = conversation(1, 3)
-    index.record(1, "p", Prompt(chat, CHUNK).key)
+    index.record(1, "p", prompt_of(chat, CHUNK).key)
     messages = chat["messages"]
     # The same messages in another order, or the same turn behind an extra message: a mark is
     # the digest of everything before it, so nothing past the first difference matches.
-    swapped = Prompt({**chat, "messages": [messages[0], messages[3], messages[2], messages[1], *messages[4:]]}, CHUNK)
+    swapped = prompt_of({**chat, "messages": [messages[0], messages[3], messages[2], messages[1], *messages[4:]]}, CHUNK)
     assert index.match(1, swapped) <= swapped.ends[1]
-    shifted = Prompt({**chat, "messages": [messages[0], {"role": "user", "content": "hi"}, *messages[1:]]}, CHUNK)
+    shifted = prompt_of({**chat, "messages": [messages[0], {"role": "user", "content": "hi"}, *messages[1:]]}, CHUNK)
     assert index.match(1, shifted) <= shifted.ends[1]
     # The same bytes split otherwise between tools and messages are another prompt too.
-    moved = Prompt({"messages": [{"role": "tools", "content": chat["tools"]}, *messages]}, CHUNK)
+    moved = prompt_of({"messages": [{"role": "tools", "content": chat["tools"]}, *messages]}, CHUNK)
     assert index.match(1, moved) == 0
 
 
@@ -107,6 +112,45 @@ _message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": st.text() | st.lists(_json, max_size=3)},
     optional={"name": st.text(max_size=8), "tool_calls": st.lists(_json, max_size=2)},
 )
+
+
+def layout_by_definition(chat: dict[str, Any], chunk: int) -> tuple[list[int], list[int], list[int], int, int]:
+    """The key's layout as the module's docstring defines it, one part at a time (the key was
+    computed this way before it took its parts from `RenderedChat`): each part's end, the parts
+    that reach past a multiple of `chunk`, the candidates (the shared head's end, each part
+    followed by an assistant message after it, the prompt's end), the shared head's last part and
+    the root part."""
+    ends = [len(orjson.dumps(chat.get("tools") or []))]
+    for message in chat["messages"]:
+        ends.append(ends[-1] + len(orjson.dumps(message)))
+    marks = [part for part, end in enumerate(ends) if end // chunk > (ends[part - 1] if part else 0) // chunk]
+    last = len(ends) - 1
+    users = [number for number, m in enumerate(chat["messages"], 1) if m["role"] == "user"]
+    shared, root = (users[0] - 1, users[0]) if users else (last, last)
+    candidates = ([shared] if users else []) + [
+        number - 1 for number, m in enumerate(chat["messages"], 1) if m["role"] == "assistant" and users and number > users[0]
+    ]
+    if not candidates or candidates[-1] != last:
+        candidates.append(last)
+    return ends, marks, candidates, shared, root
+
+
+def test_a_message_that_is_not_an_object_is_a_part_without_a_role() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}, "not an object", {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]}
+    prompt = prompt_of(chat, 16)
+    # The string is a part like any other; the assistant message after it still ends a prompt.
+    assert len(prompt.ends) == 5 and prompt.candidates == [0, 2, 4]
+
+
+@settings(deadline=None)
+@given(st.lists(_message, max_size=10), st.sampled_from([16, 64, 256, 4096]), st.booleans())
+def test_the_key_is_laid_out_as_defined(messages: list[dict[str, Any]], chunk: int, with_tools: bool) -> None:
+    chat = {"messages": messages, **({"tools": TOOLS} if with_tools else {})}
+    prompt = prompt_of(chat, chunk)
+    ends, marks, candidates, shared, root = layout_by_definition(chat, chunk)
+    assert (prompt.ends, prompt.chunk_marks, prompt.candidates, prompt.shared) == (ends, marks, candidates, shared)
+    assert prompt.key.root == prompt.digests[root] and prompt.size == ends[-1]
+    assert prompt.key.marks == tuple(prompt.digests[i] for i in sorted({*marks, shared, len(ends) - 1}))
 
 
 @settings(deadline=None)
@@ -126,8 +170,8 @@ def test_prompts_share_a_match_up_to_their_shared_parts_and_none_past_a_differen
     )
     tail = data.draw(st.lists(_message, max_size=3))
     chunk = data.draw(st.sampled_from([16, 64, 256]))
-    one = Prompt({"messages": messages, "tools": TOOLS}, chunk)
-    other = Prompt({"messages": [*messages[:k], changed, *tail], "tools": TOOLS}, chunk)
+    one = prompt_of({"messages": messages, "tools": TOOLS}, chunk)
+    other = prompt_of({"messages": [*messages[:k], changed, *tail], "tools": TOOLS}, chunk)
     # Parts 0..k (the tools and the first k messages) are the same, and so are their digests;
     # from the changed part on, every digest differs (each covers every byte before it).
     assert one.digests[: k + 1] == other.digests[: k + 1]
@@ -149,14 +193,14 @@ def test_held_from_the_sent_match_is_the_held_match(steps: list[tuple[str, int, 
     # as the search does, whatever was recorded and confirmed before.
     index = PrefixIndex(12, ttl_s=1e9)
     for step, endpoint, session, turns in steps:
-        key = Prompt(conversation(session, turns), 512).key
+        key = prompt_of(conversation(session, turns), 512).key
         if step == "record":
             index.record(endpoint, "p", key)
         else:
             index.confirm(endpoint, key)
     for session in range(3):
         for turns in range(1, 7):
-            prompt = Prompt(conversation(session, turns), 512)
+            prompt = prompt_of(conversation(session, turns), 512)
             for endpoint, sent in index.matches(range(3), prompt).items():
                 assert index.held(endpoint, prompt, sent=sent) == index.held(endpoint, prompt) <= sent
 
@@ -164,10 +208,10 @@ def test_held_from_the_sent_match_is_the_held_match(steps: list[tuple[str, int, 
 def test_marks_are_few_and_bounded_by_the_chunk_size() -> None:
     chat = conversation(1, 12)
     for chunk in (512, 2048, 16384):
-        prompt = Prompt(chat, chunk)
+        prompt = prompt_of(chat, chunk)
         # One per chunk at most, plus the shared head's end and the prompt's end.
         assert len(prompt.key.marks) <= prompt.size // chunk + 2
-    assert len(Prompt(chat, 16384).key.marks) < len(chat["messages"]) // 4
+    assert len(prompt_of(chat, 16384).key.marks) < len(chat["messages"]) // 4
 
 
 # --- the index: bounded, LRU, aged, monotone ---------------------------------------------------------
@@ -182,10 +226,10 @@ def test_marks_are_few_and_bounded_by_the_chunk_size() -> None:
 def test_memory_stays_bounded_per_endpoint(sends: list[tuple[int, int, int]], capacity: int) -> None:
     index = PrefixIndex(capacity, ttl_s=1e9)
     for endpoint, session, turns in sends:
-        index.record(endpoint, "p", Prompt(conversation(session, turns), 512).key)
+        index.record(endpoint, "p", prompt_of(conversation(session, turns), 512).key)
         assert all(index.marks_held(e) <= capacity for e in range(4))
     endpoint, session, turns = sends[-1]
-    last = Prompt(conversation(session, turns), 512)
+    last = prompt_of(conversation(session, turns), 512)
     if len(last.key.marks) <= capacity:
         assert index.match(endpoint, last) == last.size
 
@@ -194,15 +238,15 @@ def test_memory_stays_bounded_per_endpoint(sends: list[tuple[int, int, int]], ca
 @given(st.integers(0, 6), st.integers(1, 6), st.sampled_from([256, 1024, 4096]))
 def test_match_is_monotone_over_the_turns(session: int, turns: int, chunk: int) -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
-    prompt = Prompt(conversation(session, turns), chunk)
+    prompt = prompt_of(conversation(session, turns), chunk)
     index.record(1, "p", prompt.key)
     # An earlier turn of the conversation matches up to its last chunk mark at least (its own
     # end was not recorded); a later one exactly as far as this one; held counts nothing until
     # the endpoint answered.
     for earlier in range(1, turns + 1):
-        previous = Prompt(conversation(session, earlier), chunk)
+        previous = prompt_of(conversation(session, earlier), chunk)
         assert 0 <= previous.size - index.match(1, previous) < chunk
-    later = Prompt(conversation(session, turns + 2), chunk)
+    later = prompt_of(conversation(session, turns + 2), chunk)
     assert index.match(1, later) == prompt.size
     assert index.held(1, later) == 0
     index.confirm(1, prompt.key)
@@ -210,7 +254,7 @@ def test_match_is_monotone_over_the_turns(session: int, turns: int, chunk: int) 
 
 
 def test_lru_drops_the_least_recent_conversation_first() -> None:
-    a, b, c = (Prompt({"messages": [{"role": "user", "content": f"{n} " * 2000}]}, 256) for n in "abc")
+    a, b, c = (prompt_of({"messages": [{"role": "user", "content": f"{n} " * 2000}]}, 256) for n in "abc")
     # Room for two of them: each has its own end mark and shares the head's (no tools).
     index = PrefixIndex(3, ttl_s=1e9)
     index.record(1, "p", a.key)
@@ -226,21 +270,21 @@ def test_lru_drops_the_least_recent_conversation_first() -> None:
 def test_entries_age_out() -> None:
     clock = Clock()
     index = PrefixIndex(10000, ttl_s=60, clock=clock)
-    prompt = Prompt(conversation(1, 2), 256)
+    prompt = prompt_of(conversation(1, 2), 256)
     index.record(1, "p", prompt.key)
     clock.now = 59
     assert index.match(1, prompt) == prompt.size
     clock.now = 61
     assert index.match(1, prompt) == 0
     index.record(2, "p", prompt.key)  # any write sweeps what has aged out at the old end
-    other = Prompt(conversation(2, 1), 256)
+    other = prompt_of(conversation(2, 1), 256)
     index.record(1, "p", other.key)
     assert index.marks_held(1) == len(other.key.marks)
 
 
 def test_forget_and_retain() -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
-    prompt = Prompt(conversation(1, 2), 256)
+    prompt = prompt_of(conversation(1, 2), 256)
     for endpoint in (1, 2, 3):
         index.record(endpoint, "p", prompt.key)
     index.record(9, "other", prompt.key)
@@ -277,7 +321,7 @@ def placed(transactional_db: Any) -> Iterator[list[Reservation]]:
 
 
 def place(taken: list[Reservation], chat: dict[str, Any], *, session: str | None = None, cluster: PoolInfo | None = None) -> router.Placement:
-    placement = router.place_generation(cluster or pool(), f"req-{len(taken)}", chat, session=session)
+    placement = router.place_generation(cluster or pool(), f"req-{len(taken)}", RenderedChat(chat), session=session)
     taken.append(placement.reservation)
     return placement
 
@@ -303,7 +347,7 @@ def test_a_conversation_stays_where_its_prefix_is(placed: list[Reservation]) -> 
         placed[-1].release("success")
         assert later.reservation.endpoint == first.reservation.endpoint
         # The previous turn is held: everything but the new messages.
-        earlier = Prompt(conversation(1, turns - 1), 2048)
+        earlier = prompt_of(conversation(1, turns - 1), 2048)
         assert later.matched_bytes == earlier.size
         assert later.match_length(1000) == 1000 * later.matched_bytes // later.prompt_bytes
 
@@ -311,7 +355,7 @@ def test_a_conversation_stays_where_its_prefix_is(placed: list[Reservation]) -> 
 def test_new_conversations_spread_evenly_and_processes_agree_on_the_pair(placed: list[Reservation]) -> None:
     chosen = {}
     for session in range(40):
-        prompt = Prompt(conversation(session, 1), 2048)
+        prompt = prompt_of(conversation(session, 1), 2048)
         chosen[session] = place(placed, conversation(session, 1)).reservation.endpoint.url
         placed[-1].release("success")
         # One of the conversation's two rendezvous endpoints: the same two in every process.
@@ -339,7 +383,7 @@ def test_a_new_conversation_goes_to_the_rendezvous_endpoint_serving_fewer_conver
     # Its first choice now serves one conversation more than its second: the next session of the
     # same pair goes to the second.
     get_index().retain("ca", [])
-    get_index().record(first.id, "ca", Prompt(conversation(51, 1), 2048).key)
+    get_index().record(first.id, "ca", prompt_of(conversation(51, 1), 2048).key)
     assert place(placed, conversation(50, 1), session=session).reservation.endpoint == second
 
 
@@ -395,7 +439,7 @@ def test_the_context_phase_goes_where_the_conversation_was_prefilled(placed: lis
         later = place(placed, conversation(5, turns), cluster=cluster)
         assert later.prompt is not None
         matches = get_index().matches([home.id, other.id], later.prompt)
-        assert matches == {home.id: Prompt(conversation(5, turns - 1), 2048).size, other.id: 0}
+        assert matches == {home.id: prompt_of(conversation(5, turns - 1), 2048).size, other.id: 0}
         again = router.reserve(cluster, "context", f"req-c{turns}", placement=later)
         placed.append(again)
         assert again.endpoint == home
@@ -436,11 +480,11 @@ def test_without_a_placement_the_context_phase_goes_to_the_least_loaded(placed: 
 def test_a_conversation_keeps_one_end_mark_per_endpoint() -> None:
     index = PrefixIndex(10000, ttl_s=1e9)
     for turns in range(1, 9):
-        key = Prompt(conversation(1, turns), 16384).key
+        key = prompt_of(conversation(1, turns), 16384).key
         index.record(1, "p", key)
         index.confirm(1, key)
-    last = Prompt(conversation(1, 8), 16384)
+    last = prompt_of(conversation(1, 8), 16384)
     # Each turn's end mark replaced the one before: what is kept is this prompt's marks (its
     # chunk marks, the head's end and its end), not one per turn.
     assert index.marks_held(1) == len(last.key.marks) < 8
-    assert index.match(1, Prompt(conversation(1, 9), 16384)) == last.size
+    assert index.match(1, prompt_of(conversation(1, 9), 16384)) == last.size

@@ -99,7 +99,11 @@ async def test_trtllm_runs_both_phases_and_traces_them(cluster: Cluster) -> None
     pool = await pool_of(cluster)
     assert pool.protocol == "trtllm"
     async with ChatRun(dict(CHAT), pool=pool, request_id="req_trtllm_trace") as run:
+        assert run.rendered.messages  # the prompt, serialized once for both phases' bodies
         await run.stream_ready()
+        # Both requests are sent: the serialized prompt is not held for the rest of the stream.
+        with pytest.raises(RuntimeError):
+            run.rendered
         assert [c async for c in run.chunks()]
     trace = run.trace
     assert (trace.stage, trace.context_endpoint, trace.generation_endpoint) == ("done", cluster.context.url, cluster.generation.url)

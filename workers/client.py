@@ -61,6 +61,13 @@ ERROR_BODY_BYTES = 64 * 1024
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
 SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
+#: A request body: a JSON object, or one already serialized (`RenderedChat.dumps`).
+JsonBody = dict[str, Any] | bytes
+
+
+def _encoded(body: JsonBody) -> bytes:
+    return body if isinstance(body, bytes) else orjson.dumps(body)
+
 
 def transport() -> WorkerTransport:
     """The running loop's connection pools (daphne has no lifespan hook to create them at start).
@@ -393,12 +400,12 @@ async def _fetch(
 
 
 async def post_json(
-    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
+    url: str, body: JsonBody, *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """POST a JSON body and return the JSON object answered, all within `timeout` (default
     WORKER_REQUEST_TIMEOUT_S); anything else raises WorkerError. `headers` add to the JSON ones."""
     sent = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
-    content = await _fetch("POST", url, orjson.dumps(body), sent, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage)
+    content = await _fetch("POST", url, _encoded(body), sent, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage)
     with boundary(stage):
         data = orjson.loads(content)
         if not isinstance(data, dict):
@@ -407,7 +414,7 @@ async def post_json(
 
 
 async def post_completion(
-    url: str, body: dict[str, Any], *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
+    url: str, body: JsonBody, *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """POST a non-streamed chat request and return its chat completion, checked against the
     documented shape (workers.shapes), all within `timeout` (default WORKER_CONTEXT_TIMEOUT_S)."""
@@ -703,7 +710,7 @@ class ChunkStream:
 
 async def open_stream(
     url: str,
-    body: dict[str, Any],
+    body: JsonBody,
     *,
     stage: str,
     headers: Mapping[str, str] | None = None,
@@ -724,7 +731,7 @@ async def open_stream(
     first_byte_by = min(sent_at + first_byte_s, ends_by)
     with boundary(stage):
         async with asyncio.timeout_at(first_byte_by):
-            response = await _send("POST", url, orjson.dumps(body), sent, first_byte_by - sent_at)
+            response = await _send("POST", url, _encoded(body), sent, first_byte_by - sent_at)
             if response.status_code >= 300:
                 try:
                     error_body = await _error_body(response)

@@ -55,6 +55,7 @@ from workers.prefix_index import get_index
 from workers.prompt_tokens import estimate_prompt_tokens
 from workers.protocols import Call, ContextPeer, Handoff, WorkerProtocol
 from workers.registry import EndpointInfo, PoolInfo
+from workers.rendered_chat import RenderedChat
 from workers.reservations import Reservation
 from workers.router import Placement
 from workers.trace import RunTrace
@@ -88,6 +89,9 @@ class ChatRun:
         self.session = session
         self.tenant = tenant
         self._call = Call(request_id=request_id, conversation_id=session, signing_key=pool.signing_key)
+        # Released once every worker request is sent: a Claude Code prompt is 80-190 KB of JSON,
+        # and a stream may last minutes after that.
+        self._rendered: RenderedChat | None = RenderedChat(chat)
         self._trace = RunTrace(stage=Stage.RECEIVED)
         self._generation_url = ""
 
@@ -104,11 +108,20 @@ class ChatRun:
         self._first_chunk = True  # no generation chunk has arrived yet
         self._closing: asyncio.Task[None] | None = None
 
+    @property
+    def rendered(self) -> RenderedChat:
+        """The prompt serialized once, for the prefix index, the estimate and every worker body;
+        until every worker request is sent."""
+        if self._rendered is None:
+            raise RuntimeError("the worker requests were sent: the rendered prompt is released")
+        return self._rendered
+
     @functools.cached_property
     def estimated_prompt_tokens(self) -> int:
         """The prompt's token count as estimated before any worker tokenized it (computed once:
         conditional disaggregation and the front door's message_start both use it)."""
-        return estimate_prompt_tokens(self.chat)
+        rendered = self._rendered
+        return estimate_prompt_tokens(self.chat, tools_json=rendered.tools if rendered is not None else None)
 
     @property
     def trace(self) -> RunTrace:
@@ -196,9 +209,15 @@ class ChatRun:
     # --- the pipeline ----------------------------------------------------------------------------
 
     async def _open(self) -> None:
+        try:
+            await self._send_requests()
+        finally:
+            self._rendered = None
+
+    async def _send_requests(self) -> None:
         pool = self.pool
         protocol = self._protocol = _protocol_for(pool)
-        placement = self._placement = router.place_generation(pool, self.request_id, self.chat, session=self.session)
+        placement = self._placement = router.place_generation(pool, self.request_id, self.rendered, session=self.session)
         generation = placement.reservation
         self._reservations.append(generation)
         self._generation_url = generation.endpoint.url
@@ -252,7 +271,7 @@ class ChatRun:
             self.chat, self._call, pair_id=pair_id, context=peer, schedule_style=ScheduleStyle.GENERATION_FIRST
         )
         generation_open = self._generation_open = asyncio.create_task(
-            self._stream_from_generation(body, waits_for_context=True)
+            self._stream_from_generation(body, self.rendered.dumps(body), waits_for_context=True)
         )
         context_phase = asyncio.create_task(self._context_phase(pair_id, reservation=context, peer=peer))
         try:
@@ -298,7 +317,7 @@ class ChatRun:
             )
             try:
                 response = await client.post_completion(
-                    url + protocol.chat_path, body, stage=Stage.CONTEXT, headers=self._headers(body)
+                    url + protocol.chat_path, self.rendered.dumps(body), stage=Stage.CONTEXT, headers=self._headers(body)
                 )
             except WorkerError as exc:
                 self._report(reservation.endpoint.id, exc)
@@ -324,14 +343,15 @@ class ChatRun:
 
     async def _open_generation(self, body: dict[str, Any]) -> None:
         self._note(stage=Stage.GENERATION)
-        self._generation_open = asyncio.create_task(self._stream_from_generation(body))
+        self._generation_open = asyncio.create_task(self._stream_from_generation(body, self.rendered.dumps(body)))
         await self._await_generation()
 
-    async def _stream_from_generation(self, body: dict[str, Any], *, waits_for_context: bool = False) -> ChunkStream:
+    async def _stream_from_generation(self, body: dict[str, Any], payload: bytes, *, waits_for_context: bool = False) -> ChunkStream:
+        """`payload`: `body` serialized (by the caller, while the rendered prompt is held)."""
         url = self._generation_url + self._protocol.chat_path
         try:
             return await client.open_stream(
-                url, body, stage=Stage.GENERATION, headers=self._headers(body), waits_for_context=waits_for_context
+                url, payload, stage=Stage.GENERATION, headers=self._headers(body), waits_for_context=waits_for_context
             )
         except WorkerError as exc:
             explained = self._protocol.explain_error(exc, self._call)

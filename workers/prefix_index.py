@@ -2,9 +2,10 @@
 
 The gateway routes before any worker has tokenized the prompt, so the index keys prompts by their
 rendered form: the OpenAI chat body's tools (one part), then each message (one part each),
-serialized as they go to the worker. Each part's digest is xxh3-64 seeded with the digest of the
-parts before it, so a digest stands for the whole prompt up to that part's end (as engines chain
-KV block hashes over token ids; a collision costs one wrong routing guess, never a wrong answer).
+serialized as they go to the worker (`workers.rendered_chat.RenderedChat`). Each part's digest is
+xxh3-64 seeded with the digest of the parts before it, so a digest stands for the whole prompt up
+to that part's end (as engines chain KV block hashes over token ids; a collision costs one wrong
+routing guess, never a wrong answer).
 A recorded prompt leaves a few *marks* (digests) per endpoint, not one per part:
 - a chunk mark about every `PREFIX_INDEX_CHUNK_BYTES` (the part that reaches past each multiple):
   an endpoint's chunk marks of one chain are prefix-closed, so the longest match is found by
@@ -17,13 +18,13 @@ A recorded prompt leaves a few *marks* (digests) per endpoint, not one per part:
   longest first.
 Matches are in bytes; the pipeline scales them to the prompt's estimated token count.
 
-Cost (bench/sessions.py, a 184 KB Claude Code-shaped prompt, 4 generation endpoints, 2-core
-VM): 26 µs of CPU per request on one day's machine, 50 µs on a slower one, about 70 % of it the
-key (orjson serializing the prompt, then xxh3); the index work itself is a handful of dictionary
-operations per endpoint. CRC-32 over 2 KiB chunks of a joined, key-sorted rendering (the previous
-scheme) took ~400 µs there, most of it in the hash and in page faults of the prompt-sized buffer.
-The parts are serialized and hashed one at a time and not kept: holding them while the worker
-body is serialized (to build it from them) made glibc trim and re-fault the heap per request.
+Cost (bench/sessions.py, a 188 KB Claude Code-shaped prompt of 20 messages, 4 generation and 2
+context endpoints, 2-core VM): 16.6-18.2 µs of CPU per request that skips the context phase,
+20.5-21.6 µs with one; the key is 9.5-10.2 µs of that, 3.3 µs of it xxh3 over the bytes. The key reads the prompt
+as `RenderedChat` serialized it for the worker bodies, so the index does not serialize it again:
+serializing the tools and messages for the key alone was 12 µs more (the previous form, 28-40 µs
+for the key). CRC-32 over 2 KiB chunks of a joined, key-sorted rendering (the scheme before that)
+took ~400 µs, most of it in the hash and in page faults of the prompt-sized buffer.
 
 A prompt is recorded when it is routed, as *sent*: routing follows it at once (the next turn,
 or another conversation with the same head, goes where it went), but the endpoint does not hold
@@ -79,11 +80,12 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from itertools import accumulate
+from typing import NamedTuple
 
-import orjson
 from xxhash import xxh3_64_intdigest
 
+from workers.rendered_chat import RenderedChat
 
 
 class PromptKey(NamedTuple):
@@ -106,44 +108,50 @@ class PromptKey(NamedTuple):
 
 class Prompt:
     """A prompt rendered for one routing decision: the tools, then each message, serialized as
-    the worker will receive them, each part's digest chained over every part before it."""
+    the worker will receive them (`RenderedChat`), each part's digest chained over every part
+    before it."""
 
     __slots__ = ("ends", "digests", "chunk_marks", "chunk_digests", "candidates", "shared", "key")
 
-    def __init__(self, chat: dict[str, Any], chunk_bytes: int) -> None:
-        dumps = orjson.dumps
+    def __init__(self, rendered: RenderedChat, chunk_bytes: int) -> None:
         # Part 0 is the tools (one part: they all lie in the shared head), then one per message.
         # Not key-sorted: an engine renders the JSON as it is sent, so a reordered schema is
         # another prompt to its cache as well.
-        part = dumps(chat.get("tools") or [])
-        size = len(part)
-        digest = xxh3_64_intdigest(part)
-        ends, digests = [size], [digest]
-        chunk_marks = [0] if size >= chunk_bytes else []
-        candidates: list[int] = []
-        shared = root = -1
-        for number, message in enumerate(chat.get("messages") or (), 1):
-            is_dict = isinstance(message, dict)
-            role = message.get("role") if is_dict else None
-            if role == "assistant" and shared >= 0:
-                # A prompt ends where its answer begins: here an earlier request of this
-                # conversation probably ended.
-                candidates.append(number - 1)
-            elif role == "user" and shared < 0:
-                shared, root = number - 1, number
-                candidates.append(shared)
-            part = dumps(message)
+        parts = rendered.messages
+        digest = xxh3_64_intdigest(rendered.tools)
+        digests = [digest]
+        for part in parts:
             digest = xxh3_64_intdigest(part, digest)
-            if (size + len(part)) // chunk_bytes > size // chunk_bytes:
-                chunk_marks.append(number)
-            size += len(part)
-            ends.append(size)
             digests.append(digest)
+        ends = list(accumulate(map(len, parts), initial=len(rendered.tools)))
+        size = ends[-1]
         last = len(ends) - 1
-        if shared < 0:
-            shared = root = last
+        # Where a prompt of this conversation may have ended: before each answer after the first
+        # user message (a prompt ends where its answer begins), and the end of the shared head.
+        messages = rendered.chat.get("messages")
+        if not isinstance(messages, list):
+            messages = []
+        try:
+            roles = [message.get("role") for message in messages]
+        except AttributeError:  # a message that is not an object (the converter makes none)
+            roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+        try:
+            shared = roles.index("user")
+        except ValueError:
+            shared = last
+        root = shared + 1 if shared < last else last
+        candidates = [shared] if shared < last else []
+        candidates += [number for number in range(shared + 1, last) if roles[number] == "assistant"]
         if not candidates or candidates[-1] != last:
             candidates.append(last)
+        # The part that reaches past each multiple of chunk_bytes, once however many it reaches
+        # past: from each, on to the first multiple beyond its end.
+        chunk_marks: list[int] = []
+        offset = chunk_bytes
+        while offset <= size:
+            marked = bisect_left(ends, offset)
+            chunk_marks.append(marked)
+            offset = (ends[marked] // chunk_bytes + 1) * chunk_bytes
         #: Offset of each part's end, and the digest of the prompt up to it (xxh3-64, each part
         #: seeded with the digest before it: a chain, as engines chain KV block hashes).
         self.ends, self.digests = ends, digests
@@ -161,7 +169,7 @@ class Prompt:
         marks = sorted({*chunk_marks, shared, last})
         previous = candidates[-2] if len(candidates) > 1 else shared
         supersedes = None if previous in marks else digests[previous]
-        self.key = PromptKey(tuple(digests[i] for i in marks), ends[-1], digests[root], supersedes)
+        self.key = PromptKey(tuple([digests[i] for i in marks]), size, digests[root], supersedes)
 
     @property
     def size(self) -> int:
@@ -184,11 +192,6 @@ _MISSING = math.nan
 # questions: sent and fresh (>= now - ttl), held and fresh (>= now - ttl + _HELD). 2**40 s is
 # beyond any monotonic clock, and keeps the time to ~0.25 ms.
 _HELD = 2.0**40
-
-
-def _sent_at(value: float) -> float:
-    """When a mark was last sent, from its stored value."""
-    return value - _HELD if value >= _HELD else value
 
 
 @dataclass(slots=True)
@@ -270,8 +273,10 @@ class PrefixIndex:
                 return ends[part]
         return ends[matched] if matched >= 0 else 0
 
-    def record(self, endpoint_id: int, pool: str, key: PromptKey) -> None:
-        """The prompt was sent to the endpoint: it will hold its prefix (`confirm` once it does)."""
+    def record(self, endpoint_id: int, pool: str, key: PromptKey, *, conversation: bool = True) -> None:
+        """The prompt was sent to the endpoint: it will hold its prefix (`confirm` once it does).
+        `conversation`: count its conversation there (`conversations`; generation endpoints,
+        which the balance guard compares)."""
         entries = self._endpoints.get(endpoint_id)
         if entries is None:
             entries = self._endpoints[endpoint_id] = _EndpointEntries(pool)
@@ -282,10 +287,11 @@ class PrefixIndex:
             # Re-inserted, so most recent; held stays held.
             marks[mark] = now + _HELD if pop(mark, _MISSING) >= _HELD else now
         self._evict(marks, now)
-        conversations = entries.conversations
-        conversations.pop(key.root, None)
-        conversations[key.root] = now
-        self._expire(conversations, now)
+        if conversation:
+            conversations = entries.conversations
+            conversations.pop(key.root, None)
+            conversations[key.root] = now
+            self._expire(conversations, now)
 
     def conversations(self, endpoint_id: int) -> int:
         """How many conversations had a turn sent to the endpoint in the last
@@ -337,7 +343,9 @@ class PrefixIndex:
 
     def _evict(self, marks: OrderedDict[int, float], now: float) -> None:
         oldest = now - self.ttl_s
-        while marks and (len(marks) > self.capacity_marks or _sent_at(next(iter(marks.values()))) < oldest):
+        capacity = self.capacity_marks
+        # Least recent first: the first is the oldest unless held (its value then has _HELD added).
+        while marks and (len(marks) > capacity or (first := next(iter(marks.values()))) < oldest or _HELD <= first < oldest + _HELD):
             marks.popitem(last=False)
 
 

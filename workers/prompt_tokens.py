@@ -69,7 +69,9 @@ async def count_prompt_tokens(pool: PoolInfo, chat: dict[str, Any]) -> int:
     return estimate_prompt_tokens(chat)
 
 
-def estimate_prompt_tokens(chat: dict[str, Any]) -> int:
+def estimate_prompt_tokens(chat: dict[str, Any], *, tools_json: bytes | None = None) -> int:
+    """The estimate. `tools_json`, the chat's tools already serialized as one JSON list
+    (`RenderedChat.tools`), saves serializing them again."""
     total = 0
     for message in chat.get("messages") or ():
         total += _PER_MESSAGE + _content_tokens(message.get("content"))
@@ -78,8 +80,14 @@ def estimate_prompt_tokens(chat: dict[str, Any]) -> int:
             total += _text_tokens(str(function.get("name", ""))) + _text_tokens(str(function.get("arguments", "")))
         if message.get("reasoning_content"):
             total += _text_tokens(str(message["reasoning_content"]))
-    for tool in chat.get("tools") or ():
-        total += _pieces(_tool_json(tool))
+    tools = chat.get("tools") or ()
+    if tools and tools_json is not None:
+        # The list's brackets and commas are a piece each, and never join a tool's own pieces
+        # (every element follows one of them): the tools' pieces are the list's less n + 1.
+        total += _pieces(tools_json) - len(tools) - 1
+    else:
+        for tool in tools:
+            total += _pieces(_tool_json(tool))
     return total
 
 

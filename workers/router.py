@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from django.conf import settings
 
@@ -18,6 +17,7 @@ from workers.errors import NoEndpointAvailable
 from workers.health import health
 from workers.models import Role, RoutingPolicy
 from workers.prefix_index import Prompt, PromptKey, get_index
+from workers.rendered_chat import RenderedChat
 from workers.registry import EndpointInfo, PoolInfo
 from workers.reservations import Reservation, ledger
 
@@ -105,7 +105,7 @@ class Placement:
         return prompt_tokens * self.matched_bytes // self.prompt_bytes
 
 
-def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, session: str | None = None) -> Placement:
+def place_generation(pool: PoolInfo, request_id: str, rendered: RenderedChat, *, session: str | None = None) -> Placement:
     """Reserve the generation endpoint for a chat request; a `cache_aware` pool also says how
     much of the prompt that endpoint is expected to hold (TensorRT-LLM's `match_length`)."""
     if pool.routing != RoutingPolicy.CACHE_AWARE:
@@ -113,7 +113,7 @@ def place_generation(pool: PoolInfo, request_id: str, chat: dict[str, Any], *, s
     usable = _usable(pool, Role.GENERATION, ())
     index = get_index()
     index.retain(pool.name, [e.id for e in pool.endpoints if _keeps_cache(e)])
-    prompt = Prompt(chat, settings.PREFIX_INDEX_CHUNK_BYTES)
+    prompt = Prompt(rendered, settings.PREFIX_INDEX_CHUNK_BYTES)
     matches = index.matches([e.id for e in usable], prompt)
     endpoint = _cache_aware(pool, usable, matches, prompt, session)
     held = index.held(endpoint.id, prompt, sent=matches[endpoint.id])
@@ -200,7 +200,8 @@ def reserve(
         # Affinity matters for generation (its prefix cache); the context phase is stateless.
         endpoint = policy(pool, role, usable, session if role == "generation" else None)
     if prompt is not None:
-        get_index().record(endpoint.id, pool.name, prompt.key)
+        # Only generation endpoints' conversations are compared (the balance guard).
+        get_index().record(endpoint.id, pool.name, prompt.key, conversation=False)
     health.on_routed(endpoint.id)
     return Reservation.take(request_id, endpoint, role)
 
