@@ -20,10 +20,10 @@ Matches are in bytes; the pipeline scales them to the prompt's estimated token c
 
 Cost (bench/sessions.py, a 188 KB Claude Code-shaped prompt of 20 messages, 4 generation and 2
 context endpoints, 2-core VM): 16.6-18.2 µs of CPU per request that skips the context phase,
-20.5-21.6 µs with one; the key is 9.5-10.2 µs of that, 3.3 µs of it xxh3 over the bytes. The key reads the prompt
-as `RenderedChat` serialized it for the worker bodies, so the index does not serialize it again:
-serializing the tools and messages for the key alone was 12 µs more (the previous form, 28-40 µs
-for the key). CRC-32 over 2 KiB chunks of a joined, key-sorted rendering (the scheme before that)
+20.5-21.6 µs with one; the key is 9.5-10.2 µs of that, 3.3 µs of it xxh3 over the bytes. The key
+reads the prompt as `RenderedChat` serialized it for the worker bodies, so the index does not
+serialize it again: serializing the tools and messages for the key alone was 12 µs more (the
+previous form, 28-40 µs for the key). CRC-32 over 2 KiB chunks of a joined, key-sorted rendering (the scheme before that)
 took ~400 µs, most of it in the hash and in page faults of the prompt-sized buffer.
 
 A prompt is recorded when it is routed, as *sent*: routing follows it at once (the next turn,
@@ -194,6 +194,11 @@ _MISSING = math.nan
 _HELD = 2.0**40
 
 
+def _sent_at(value: float) -> float:
+    """When a mark was last sent, from its stored value."""
+    return value - _HELD if value >= _HELD else value
+
+
 @dataclass(slots=True)
 class _EndpointEntries:
     pool: str
@@ -343,9 +348,7 @@ class PrefixIndex:
 
     def _evict(self, marks: OrderedDict[int, float], now: float) -> None:
         oldest = now - self.ttl_s
-        capacity = self.capacity_marks
-        # Least recent first: the first is the oldest unless held (its value then has _HELD added).
-        while marks and (len(marks) > capacity or (first := next(iter(marks.values()))) < oldest or _HELD <= first < oldest + _HELD):
+        while marks and (len(marks) > self.capacity_marks or _sent_at(next(iter(marks.values()))) < oldest):
             marks.popitem(last=False)
 
 
