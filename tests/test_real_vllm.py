@@ -347,11 +347,29 @@ def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int
     return str(s.response_headers["request-id"])
 
 
+def engine_settles(gateway: Gateway, cluster: EngineCluster, request_id: str) -> dict[str, float]:
+    """Wait for the engine to run no request after a hang-up; on failure say what each side held:
+    the audit row, the connections still open to the engine, both logs."""
+    engine = cluster.engine
+    try:
+        return engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0, timeout=ENGINE_SETTLE_TIMEOUT_S)
+    except AssertionError as failure:
+        try:
+            status = audit_row(request_id, terminal=False, timeout=1.0).status
+        except AssertionError:
+            status = "(none)"
+        raise AssertionError(
+            f"{failure}\naudit row: {status}\n"
+            f"--- connections to the engine ---\n{engine.connections()}\n"
+            f"--- gateway log ---\n{gateway.log()}\n--- engine log ---\n{engine.log_tail()}"
+        ) from failure
+
+
 def test_client_disconnect_mid_stream_ends_the_request_cleanly(gateway: Gateway, cluster: EngineCluster) -> None:
     engine = cluster.engine
     engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0)
     request_id = hang_up_mid_stream(gateway, cluster, engine.max_model_len - 100)
-    engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0, timeout=ENGINE_SETTLE_TIMEOUT_S)
+    engine_settles(gateway, cluster, request_id)
     row = audit_row(request_id)
     assert row.status == "cancelled", row.status
     assert {r.outcome for r in reservations_closed(request_id)} == {"cancelled"}
@@ -363,7 +381,7 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(gateway: Gateway
     aborted_before = engine.aborted_requests()
     max_tokens = engine.max_model_len - 100
     request_id = hang_up_mid_stream(gateway, cluster, max_tokens)
-    after = engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0, timeout=ENGINE_SETTLE_TIMEOUT_S)
+    after = engine_settles(gateway, cluster, request_id)
     # vLLM counts a client's abort in no metric (output_processor.abort_requests records no
     # finish): it did not finish (no stop/length/… counted), decoded less than asked, and logged
     # the abort.

@@ -577,6 +577,37 @@ async def test_a_pushed_body_arrives_in_the_receive_callback_as_it_is_sent() -> 
     assert server.connections == 1  # pushed to its end: the connection went back to the pool
 
 
+async def test_closing_an_answer_mid_push_closes_the_connection() -> None:
+    """A client hanging up mid-stream: the relay's push stops and the response is closed while
+    the worker is still sending. The worker must see the connection close (it is how a real
+    engine learns to abort the request), and the half-read connection must not go back to the
+    pool."""
+    worker_saw_close = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
+        await read_request(reader)
+        if number > 1:
+            writer.write(ok())
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\ndata:1\r\n")
+        await writer.drain()
+        await reader.read()  # b"" once the gateway closes its side
+        worker_saw_close.set()
+
+    async with ScriptedServer(handler) as server, worker_transport(max_connections=1) as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        pushed = Pushed()
+        push = push_body(response, pushed.on_data, pushed.on_end)
+        assert push is not None
+        await wait_for(lambda: pushed.data == [b"data:1"])
+        push.stop()  # as ChunkStream.pump's finally does when its task is cancelled
+        await response.aclose()
+        await asyncio.wait_for(worker_saw_close.wait(), 5)
+        assert not pushed.ended.is_set()
+        assert (await fetch(transport, server.url, timeout=1.0)).content == b"hello"
+    assert server.connections == 2  # the half-read connection was closed, not reused
+
+
 async def test_a_push_stopped_by_its_receiver_leaves_the_rest_to_a_read() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)

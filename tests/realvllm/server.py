@@ -223,6 +223,23 @@ class RealVllm:
                 continue
         return values
 
+    def connections(self) -> str:
+        """The TCP connections to this server, one per line as `client port state`, from
+        /proc/net/tcp (for a failure message: a gateway that left a stream's connection open holds
+        an ESTABLISHED one)."""
+        states = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN"}
+        lines = []
+        try:
+            rows = open("/proc/net/tcp").read().splitlines()[1:]
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+        for row in rows:
+            fields = row.split()
+            local_port, remote_port = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)
+            if local_port == self.port and fields[3] != "0A":
+                lines.append(f"client port {remote_port}: {states.get(fields[3], fields[3])}")
+        return "\n".join(lines) or "(none)"
+
     def wait_metrics(self, predicate: Callable[[dict[str, float]], bool], timeout: float = 30.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
         while True:
