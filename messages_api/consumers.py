@@ -26,6 +26,7 @@ from urllib.parse import parse_qs
 import orjson
 from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
+from channels.layers import get_channel_layer
 from django.conf import settings
 
 from messages_api import metrics
@@ -87,7 +88,10 @@ class ApiConsumer(AsyncHttpConsumer):
         self.record.received_earlier(seconds_since_received(send))
         self.record.route = f"{scope.get('method', '')} {scope.get('path', '')}"
         try:
-            await super().__call__(scope, receive, send)  # type: ignore[arg-type]  # the same stubs' scope type
+            if get_channel_layer(self.channel_layer_alias) is None:
+                await self._dispatch_directly(scope, receive, send)
+            else:
+                await super().__call__(scope, receive, send)  # type: ignore[arg-type]  # the same stubs' scope type
         finally:
             # The server cancelling the application (shutdown, application-close timeout) takes
             # the same path as a client disconnect: the request's task is cancelled and awaited.
@@ -100,6 +104,24 @@ class ApiConsumer(AsyncHttpConsumer):
                 if not task.cancelling():
                     task.cancel()
                 await asyncio.wait({task})
+
+    async def _dispatch_directly(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """`AsyncConsumer.__call__` for a deployment without a channel layer, less its loop's cost.
+
+        Channels reads every message through a new task and `asyncio.wait`, so even a request body
+        already queued reaches `dispatch` four loop turns after the scope (`tests/test_intake.py`
+        counts them); under load each turn is a pass over every ready stream, and the status line
+        waits for all of them. With no channel layer there is one source of messages, so reading
+        it in place is the same loop: dispatch each message in order until a handler stops the
+        consumer. The test pins Channels' version of this method, so a change there is seen."""
+        self.scope = scope  # type: ignore[assignment]  # the stubs' websocket scope type, as above
+        self.channel_layer = None  # type: ignore[assignment]  # the stubs say a layer; Channels sets None too
+        self.base_send = send
+        try:
+            while True:
+                await self.dispatch(await receive())
+        except StopConsumer:
+            pass
 
     # --- ASGI message handlers ---------------------------------------------------------------
 

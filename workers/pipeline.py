@@ -47,6 +47,7 @@ from django.conf import settings
 
 from workers import client, protocols, router
 from workers.client import ChunkStream
+from workers.completion import Completion
 from workers.errors import WorkerError, WorkerUnreachable
 from workers.health import FailureScope, failure_scope, health
 from workers.metrics import worker_retries
@@ -97,7 +98,11 @@ class ChatRun:
 
         self._reservations: list[Reservation] = []
         self._open_task: asyncio.Task[None] | None = None
+        # Set by the pipeline's and the generation request's own last steps: waiters wake a loop
+        # turn sooner than by awaiting the tasks (workers/completion.py).
+        self._settled: Completion[None] = Completion()
         self._generation_open: asyncio.Task[ChunkStream] | None = None
+        self._generation_opened: Completion[ChunkStream] = Completion()
         self._stream: ChunkStream | None = None
         self._complete_response: dict[str, Any] | None = None
         self._handoff_issued = False
@@ -150,24 +155,21 @@ class ChatRun:
     def start(self) -> None:
         """Run the pipeline up to an open generation stream, as a child task."""
         if self._open_task is None:
-            self._open_task = asyncio.create_task(self._open(), name=f"chat-run-{self.request_id}")
+            self._open_task = self._settled.start(self._open(), name=f"chat-run-{self.request_id}")
 
     async def wait_settled(self, timeout: float | None) -> bool:
         """Wait up to `timeout` for the pipeline to settle: True once the generation stream is
         ready to read or the pipeline has failed (`stream_ready()` then returns or raises at
         once); False while it is still running (e.g. a long context phase)."""
         self.start()
-        assert self._open_task is not None
-        done, _ = await asyncio.wait({self._open_task}, timeout=timeout)
-        return bool(done)
+        return await self._settled.wait(timeout)
 
     async def stream_ready(self) -> None:
         """Wait until the generation stream is ready to read; raises the pipeline's WorkerError."""
         self.start()
-        assert self._open_task is not None
-        # Shield: cancelling the waiter must not cancel the pipeline behind the run's back; the
-        # run's own close() cancels it in order.
-        await asyncio.shield(self._open_task)
+        # Cancelling this waiter does not cancel the pipeline behind the run's back (a
+        # Completion's waiters never touch the work); the run's own close() cancels it in order.
+        await self._settled.wait_result()
 
     async def close(self, outcome: str) -> None:
         """Cancel what is still running and release every reservation; idempotent.
@@ -270,9 +272,7 @@ class ChatRun:
         body = self._protocol.generation_request_first(
             self.chat, self._call, pair_id=pair_id, context=peer, schedule_style=ScheduleStyle.GENERATION_FIRST
         )
-        generation_open = self._generation_open = asyncio.create_task(
-            self._stream_from_generation(body, self.rendered.dumps(body), waits_for_context=True)
-        )
+        generation_open = self._start_generation(body, waits_for_context=True)
         context_phase = asyncio.create_task(self._context_phase(pair_id, reservation=context, peer=peer))
         try:
             await asyncio.wait({context_phase, generation_open}, return_when=asyncio.FIRST_COMPLETED)
@@ -343,8 +343,16 @@ class ChatRun:
 
     async def _open_generation(self, body: dict[str, Any]) -> None:
         self._note(stage=Stage.GENERATION)
-        self._generation_open = asyncio.create_task(self._stream_from_generation(body, self.rendered.dumps(body)))
+        self._start_generation(body)
         await self._await_generation()
+
+    def _start_generation(self, body: dict[str, Any], *, waits_for_context: bool = False) -> asyncio.Task[ChunkStream]:
+        """Send the generation request as a task of its own (close() decides its fate)."""
+        task = self._generation_opened.start(
+            self._stream_from_generation(body, self.rendered.dumps(body), waits_for_context=waits_for_context)
+        )
+        self._generation_open = task
+        return task
 
     async def _stream_from_generation(self, body: dict[str, Any], payload: bytes, *, waits_for_context: bool = False) -> ChunkStream:
         """`payload`: `body` serialized (by the caller, while the rendered prompt is held)."""
@@ -362,9 +370,9 @@ class ChatRun:
     async def _await_generation(self) -> None:
         assert self._generation_open is not None
         try:
-            # Shielded so that a cancellation reaching us here leaves the decision (cancel, or
-            # let the worker take the handoff first) to close().
-            self._stream = await asyncio.shield(self._generation_open)
+            # Through the Completion, which a cancellation reaching us here does not pass on: the
+            # decision (cancel, or let the worker take the handoff first) stays with close().
+            self._stream = await self._generation_opened.wait_result()
         except WorkerError as exc:
             # Only failures: the open stream's success is known when it has been read to its end.
             self._report(self._generation_endpoint_id, exc)

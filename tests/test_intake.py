@@ -1,0 +1,90 @@
+"""How a request reaches the consumer's handlers: read in place without a channel layer
+(`ApiConsumer._dispatch_directly`), through Channels' own loop with one."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+from typing import Any
+
+from channels.consumer import AsyncConsumer
+from channels.exceptions import StopConsumer
+from django.test import override_settings
+
+from messages_api.consumers import ApiConsumer
+
+# `_dispatch_directly` is this method less its channel-layer branch; a new Channels that changes it
+# fails here, so the copy is looked at again rather than drifting.
+CHANNELS_CALL_SHA256 = "e52238720872dbc3f854519bc971aa7eb41553e63c8729081549ce42465ee419"
+
+IN_MEMORY_LAYER = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+
+def test_the_direct_loop_still_matches_channels_own() -> None:
+    source = inspect.getsource(AsyncConsumer.__call__)
+    assert hashlib.sha256(source.encode()).hexdigest() == CHANNELS_CALL_SHA256, (
+        "channels' AsyncConsumer.__call__ changed: check ApiConsumer._dispatch_directly against it"
+    )
+
+
+class RecordingConsumer(ApiConsumer):
+    """Notes the loop turn at which each message reaches `dispatch`, and stops at the disconnect."""
+
+    def __init__(self, turns: list[int], clock: list[int]) -> None:
+        super().__init__()
+        self.turns = turns
+        self.clock = clock
+        self.messages: list[dict[str, Any]] = []
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        self.turns.append(self.clock[0])
+        self.messages.append(message)
+        if message["type"] == "http.disconnect":
+            raise StopConsumer()
+
+
+async def turns_to_dispatch() -> tuple[list[int], RecordingConsumer]:
+    """Run a consumer on a request whose body and disconnect are already queued, counting loop
+    turns with a task that ticks once per turn."""
+    clock = [0]
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(0)
+            clock[0] += 1
+
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    queue.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
+    queue.put_nowait({"type": "http.disconnect"})
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    turns: list[int] = []
+    consumer = RecordingConsumer(turns, clock)
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # the ticker runs from here on
+    start = clock[0]
+    await consumer({"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}, queue.get, send)
+    ticker.cancel()
+    return [turn - start for turn in turns], consumer
+
+
+async def test_without_a_channel_layer_queued_messages_are_dispatched_in_place() -> None:
+    turns, consumer = await turns_to_dispatch()
+    assert [m["type"] for m in consumer.messages] == ["http.request", "http.disconnect"]
+    assert turns[0] <= 1, turns
+    assert turns[1] - turns[0] <= 1, turns
+    assert consumer.channel_layer is None
+    assert consumer.scope["path"] == "/v1/messages"
+
+
+async def test_with_a_channel_layer_channels_own_loop_dispatches() -> None:
+    with override_settings(CHANNEL_LAYERS=IN_MEMORY_LAYER):
+        turns, consumer = await turns_to_dispatch()
+    assert [m["type"] for m in consumer.messages] == ["http.request", "http.disconnect"]
+    # Channels' loop: a task per read, then asyncio.wait; the count the direct loop saves.
+    assert turns[0] >= 3, turns
+    assert consumer.channel_layer is not None
