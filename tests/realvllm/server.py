@@ -18,6 +18,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
 import httpx
@@ -230,7 +231,7 @@ class RealVllm:
         states = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN"}
         lines = []
         try:
-            rows = open("/proc/net/tcp").read().splitlines()[1:]
+            rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
         except OSError as exc:
             return f"(unreadable: {exc})"
         for row in rows:
