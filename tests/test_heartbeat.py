@@ -12,9 +12,11 @@ unchanged.
 from __future__ import annotations
 
 import asyncio
+import gc
 import selectors
 import time
 import types
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -152,5 +154,31 @@ def test_stop_cancels_a_ping_in_flight_and_no_ping_follows(monkeypatch: pytest.M
         await heartbeat.stop()
         await asyncio.sleep(10 * INTERVAL)  # many intervals: nothing may fire after stop
         assert calls == 1 and heartbeat.pings_sent == 0
+
+    run_virtual(monkeypatch, scenario)
+
+
+def test_stop_lets_go_of_the_owner_so_reference_counting_frees_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The usual callback is a bound method of the heartbeat's owner, which holds the heartbeat:
+    stopped, the heartbeat drops it, so the owner goes as soon as its last reference does."""
+
+    class Stream:
+        def __init__(self) -> None:
+            self.heartbeat = Heartbeat(INTERVAL, self.ping)
+
+        async def ping(self) -> None:
+            pass
+
+    async def scenario(loop: VirtualClockLoop) -> None:
+        stream = Stream()
+        stream.heartbeat.start()
+        await stream.heartbeat.stop()
+        gone = weakref.ref(stream)
+        gc.disable()
+        try:
+            del stream
+            assert gone() is None
+        finally:
+            gc.enable()
 
     run_virtual(monkeypatch, scenario)
