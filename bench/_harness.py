@@ -285,6 +285,9 @@ class Stack:
             "DJANGO_SETTINGS_MODULE": "disagg_project.settings",
             "DATABASE_URL": self.database_url,
             "SECRET_KEY": "bench-" + secrets.token_urlsafe(32),
+            # As deployed, whatever the caller's shell says: DEBUG makes Django record every
+            # query the audit writer and the registry run (--b-env DEBUG=1 measures that).
+            "DEBUG": "0",
             "PYTHONUNBUFFERED": "1",
             "PYTHONDONTWRITEBYTECODE": "1",
         }

@@ -4,6 +4,7 @@
     .venv/bin/python bench/request_cpu.py                        # 5 rounds × 200 requests per mode
     .venv/bin/python bench/request_cpu.py --b-root /tmp/base     # A/B: gateway B from another checkout
     .venv/bin/python bench/request_cpu.py --quick                # smoke test, a few seconds
+    .venv/bin/python bench/request_cpu.py --request small        # a one-line prompt, context phase skipped
 
 The request is tests/fixtures/claude_code_request.json (83 KB, ~20k prompt tokens, 23 tools) with
 `max_tokens` 4: what the gateway spends is per request (parse, validate, convert, estimate the
@@ -46,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: nonstream,stream (default both)")
     parser.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded", "session_affinity", "cache_aware"],
                         help="the pool's routing policy (cache_aware: the prefix index's work is in the figures too)")
+    parser.add_argument("--request", default="claude_code", choices=["claude_code", "small"],
+                        help="claude_code: the replayed fixture, context phase taken (default); small: a one-line "
+                        "prompt, context phase skipped")
     parser.add_argument("--b-root", type=Path,
                         help="A/B: a second gateway ('B') run from this checkout of the project (another commit), in front "
                         "of the same workers and database, measured right after gateway A in every round")
@@ -60,7 +64,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def request_body(stream: bool) -> bytes:
+def request_body(stream: bool, kind: str = "claude_code") -> bytes:
+    if kind == "small":
+        return h.messages_body("[sim tokens=4]", stream=stream, max_tokens=4)
     body = json.loads(FIXTURE.read_text())["body"]
     return json.dumps({**body, "model": h.MODEL, "max_tokens": 4, "stream": stream}, separators=(",", ":")).encode()
 
@@ -116,7 +122,9 @@ def main() -> None:
         stack.migrate()
         ctx, gen = h.start_sim_pair(stack, tokens_per_second=0, prefill_tokens_per_second=0)
         # Options on both calls: register_worker saves them only on a call for an existing pool.
-        disagg = {"schedule_style": "context_first", "max_local_prefill_tokens": 0, "routing": args.routing}
+        # The small request skips the context phase, as a paced relay stream does.
+        local_prefill = 1_000_000 if args.request == "small" else 0
+        disagg = {"schedule_style": "context_first", "max_local_prefill_tokens": local_prefill, "routing": args.routing}
         stack.register_worker("bench", h.MODEL, "context", ctx.url, **disagg)
         stack.register_worker("bench", h.MODEL, "generation", gen.url, **disagg)
         key = stack.create_api_key("bench")
@@ -125,7 +133,7 @@ def main() -> None:
             b_env = dict(item.split("=", 1) for item in args.b_env)
             gateways["B"] = stack.start_gateway(b_env, expect_pools={"bench"}, root=args.b_root)
         conns = {(name, mode): h.KeepAlive(gw.port) for name, gw in gateways.items() for mode in args.modes}
-        wires = {(name, mode): h.gateway_request(gw.port, key, request_body(mode == "stream"))
+        wires = {(name, mode): h.gateway_request(gw.port, key, request_body(mode == "stream", args.request))
                  for name, gw in gateways.items() for mode in args.modes}
         for (name, mode), conn in conns.items():
             loop.run_until_complete(drive(conn, wires[name, mode], mode == "stream", args.warmup))
@@ -145,7 +153,8 @@ def main() -> None:
     results = {f"{name} {mode}": summarize(s) for (name, mode), s in samples.items()}
     rows = [[label, r["best_cpu_us"], r["median_cpu_us"], r["median_kernel_us"], r["median_wall_ms"], r["median_minor_faults"]]
             for label, r in results.items()]
-    h.print_table(f"gateway CPU per Claude Code request ({args.rounds} rounds × {args.requests} requests; best and median of the rounds)",
+    what = "Claude Code request" if args.request == "claude_code" else "small request"
+    h.print_table(f"gateway CPU per {what} ({args.rounds} rounds × {args.requests} requests; best and median of the rounds)",
                   ("gateway mode", "best CPU µs", "median CPU µs", "kernel µs", "wall ms", "faults"), rows, digits=0)
     deltas = {}
     if "B" in gateways:
@@ -159,7 +168,7 @@ def main() -> None:
     h.write_result(h.result_name(args, "request_cpu"), {
         "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
                    "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env,
-                   "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
+                   "request": args.request, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
         "results": results, "b_minus_a": deltas, "cpu_seconds": meter.used, "machine_note": meter.machine_note(), "quiet": quiet,
     })
 
