@@ -76,11 +76,17 @@ class ScriptedWorker:
     # --- the server ------------------------------------------------------------------------------
 
     def _accept(self) -> None:
+        # A blocked accept() does not return when another thread closes the socket (Linux): wait in
+        # short slices so that stop() is seen at once instead of after join's 5 s.
+        self._listener.settimeout(0.1)
         while not self._stopped.is_set():
             try:
                 conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            conn.settimeout(None)
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             thread.start()
             self._threads.append(thread)
