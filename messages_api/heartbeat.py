@@ -42,11 +42,14 @@ class Heartbeat:
             self._arm()
 
     def start(self) -> None:
+        if self._send_ping is _no_ping:
+            raise RuntimeError("a stopped heartbeat does not start again")
         if not self._running:
             self._running = True
             self._arm()
 
     async def stop(self) -> None:
+        """Final: no ping after this, and `start()` raises."""
         self._running = False
         self._send_ping = _no_ping  # breaks the owner's cycle (see the module docstring)
         if self._timer is not None:

@@ -182,3 +182,17 @@ def test_stop_lets_go_of_the_owner_so_reference_counting_frees_it(monkeypatch: p
             gc.enable()
 
     run_virtual(monkeypatch, scenario)
+
+
+def test_a_stopped_heartbeat_does_not_start_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(loop: VirtualClockLoop) -> None:
+        async def send_ping() -> None:
+            pass
+
+        heartbeat = Heartbeat(INTERVAL, send_ping)
+        heartbeat.start()
+        await heartbeat.stop()
+        with pytest.raises(RuntimeError):
+            heartbeat.start()
+
+    run_virtual(monkeypatch, scenario)
