@@ -28,6 +28,9 @@ def _start_services_with_daphne() -> None:
         return
     loop = reactor._asyncioEventloop  # the loop daphne runs
     loop.call_soon(lambda: loop.create_task(_start()))
+    from messages_api import state_dump
+
+    state_dump.install(loop)  # kill -USR1: thread and task stacks to the log
     loop.call_soon(_no_delay_on_listening_sockets, reactor)
     # Close the worker connection pools while the loop still runs (after daphne has stopped the
     # applications), instead of leaving them to be collected.

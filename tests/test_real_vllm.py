@@ -17,7 +17,9 @@ endpoint, the `aggregated` schedule, and either protocol an operator may pick fo
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,10 +361,26 @@ def engine_settles(gateway: Gateway, cluster: EngineCluster, request_id: str) ->
         except AssertionError:
             status = "(none)"
         raise AssertionError(
-            f"{failure}\naudit row: {status}\n"
+            f"{failure}\naudit row: {status}\ngateway: {gateway_state(gateway)}\n"
             f"--- connections to the engine ---\n{engine.connections()}\n"
             f"--- gateway log ---\n{gateway.log()}\n--- engine log ---\n{engine.log_tail()}"
         ) from failure
+
+
+def gateway_state(gateway: Gateway) -> str:
+    """Whether the gateway still answers (a wedged event loop does not), after asking it to write
+    its thread and task stacks to its log (`kill -USR1`, messages_api/state_dump.py)."""
+    assert gateway.process is not None
+    os.kill(gateway.process.pid, signal.SIGUSR1)
+    try:
+        answered = f"answers /ready ({httpx.get(gateway.url + '/ready', timeout=5).status_code})"
+    except httpx.HTTPError as exc:
+        answered = f"does not answer /ready within 5 s ({type(exc).__name__})"
+    try:
+        wait_until(lambda: "asyncio tasks ---" in gateway.log(), timeout=5)
+    except AssertionError:
+        return answered + "; its loop did not write the task dump within 5 s (the thread stacks say where it is)"
+    return answered + "; thread and task stacks are in its log below"
 
 
 def test_client_disconnect_mid_stream_ends_the_request_cleanly(gateway: Gateway, cluster: EngineCluster) -> None:
