@@ -317,6 +317,7 @@ def test_a_pool_naming_a_model_the_engine_does_not_serve(gateway: Gateway, clust
 
 HANG_UP_READ_TIMEOUT_S = 300
 # vLLM notices a closed connection on its next write to it, which a stall can hold for seconds.
+STALL_DUMP_AFTER_S = 30.0  # engine_settles: the gateway's stacks, if the engine still runs the request by then
 ENGINE_SETTLE_TIMEOUT_S = 120
 
 
@@ -353,8 +354,19 @@ def engine_settles(gateway: Gateway, cluster: EngineCluster, request_id: str) ->
     """Wait for the engine to run no request after a hang-up; on failure say what each side held:
     the audit row, the connections still open to the engine, both logs."""
     engine = cluster.engine
+
+    def settled(m: dict[str, float]) -> bool:
+        return m["vllm:num_requests_running"] == 0
+
     try:
-        return engine.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0, timeout=ENGINE_SETTLE_TIMEOUT_S)
+        return engine.wait_metrics(settled, timeout=STALL_DUMP_AFTER_S)
+    except AssertionError:
+        # Not settled yet: the stacks now, while a stuck request is still stuck (a CI run saw one
+        # end the moment the final failure path ran), in the gateway's log with the later ones.
+        assert gateway.process is not None
+        os.kill(gateway.process.pid, signal.SIGUSR1)
+    try:
+        return engine.wait_metrics(settled, timeout=ENGINE_SETTLE_TIMEOUT_S - STALL_DUMP_AFTER_S)
     except AssertionError as failure:
         try:
             status = audit_row(request_id, terminal=False, timeout=1.0).status
