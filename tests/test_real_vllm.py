@@ -317,8 +317,9 @@ def test_a_pool_naming_a_model_the_engine_does_not_serve(gateway: Gateway, clust
 
 HANG_UP_READ_TIMEOUT_S = 300
 # vLLM notices a closed connection on its next write to it, which a stall can hold for seconds.
-STALL_DUMP_AFTER_S = 30.0  # engine_settles: the gateway's stacks, if the engine still runs the request by then
 ENGINE_SETTLE_TIMEOUT_S = 120
+# engine_settles asks for the gateway's stacks when the engine still runs the request this late.
+STALL_DUMP_AFTER_S = 30.0
 
 
 def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int) -> str:
