@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,7 +319,8 @@ def test_a_pool_naming_a_model_the_engine_does_not_serve(gateway: Gateway, clust
 HANG_UP_READ_TIMEOUT_S = 300
 # vLLM notices a closed connection on its next write to it, which a stall can hold for seconds.
 ENGINE_SETTLE_TIMEOUT_S = 120
-# engine_settles asks for the gateway's stacks when the engine still runs the request this late.
+# The gateway's stacks go to its log when the first delta, or the engine's settling after the
+# hang-up, takes longer than this (both have been seen to stall for minutes).
 STALL_DUMP_AFTER_S = 30.0
 
 
@@ -335,6 +337,11 @@ def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int
     milliseconds of getting the CPU again (tests/test_cancellation.py gates that). On failure the
     assertion carries the gateway's and the engine's logs."""
     s = stream(gateway, cluster, body(max_tokens=max_tokens))
+    # A first delta this late has been seen while the engine streamed hundreds of tokens a second:
+    # the gateway's stacks then, in its log, say where the relay waits.
+    assert gateway.process is not None
+    late_dump = threading.Timer(STALL_DUMP_AFTER_S, os.kill, (gateway.process.pid, signal.SIGUSR1))
+    late_dump.start()
     try:
         # One delta is mid-answer already (the answer runs to max_tokens); a generous deadline, as
         # the first one can sit behind a stall of the machine.
@@ -345,6 +352,7 @@ def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int
             f"{failure}\n--- gateway log ---\n{gateway.log()}\n--- engine log ---\n{cluster.engine.log_tail()}"
         ) from failure
     finally:
+        late_dump.cancel()
         # Even when reading fails: a stream left open here decodes for many minutes and starves
         # every test after it (seen in CI, 2026-12-03).
         s.close()
