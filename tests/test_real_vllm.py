@@ -349,7 +349,7 @@ def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int
     except AssertionError as failure:
         # Say why, with both sides' logs: in CI the run's own output may never be flushed.
         raise AssertionError(
-            f"{failure}\n--- gateway log ---\n{gateway.log()}\n--- engine log ---\n{cluster.engine.log_tail()}"
+            f"{failure}\n--- gateway log ---\n{gateway_log_tail(gateway)}\n--- engine log ---\n{cluster.engine.log_tail()}"
         ) from failure
     finally:
         late_dump.cancel()
@@ -384,8 +384,17 @@ def engine_settles(gateway: Gateway, cluster: EngineCluster, request_id: str) ->
         raise AssertionError(
             f"{failure}\naudit row: {status}\ngateway: {gateway_state(gateway)}\n"
             f"--- connections to the engine ---\n{engine.connections()}\n"
-            f"--- gateway log ---\n{gateway.log()}\n--- engine log ---\n{engine.log_tail()}"
+            f"--- gateway log ---\n{gateway_log_tail(gateway)}\n--- engine log ---\n{engine.log_tail()}"
         ) from failure
+
+
+def gateway_log_tail(gateway: Gateway) -> str:
+    """More of the gateway's log than `Gateway.log()` keeps (5,000 characters): the stacks dumped
+    mid-stall come before the final ones, and the log is deleted when the session ends."""
+    try:
+        return gateway.log_path.read_text(errors="replace")[-40000:]
+    except OSError:
+        return ""
 
 
 def gateway_state(gateway: Gateway) -> str:
