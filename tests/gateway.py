@@ -7,6 +7,7 @@ process starts and no other process can take it in between.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -105,11 +106,19 @@ class Gateway:
             time.sleep(0.05)
         raise RuntimeError(f"gateway did not become ready:\n{self.log()}")
 
-    def log(self) -> str:
+    def log(self, limit: int | None = 5000) -> str:
+        """The last `limit` characters of the process's log (None: all of it)."""
         try:
-            return self.log_path.read_text(errors="replace")[-5000:]
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+        return text if limit is None else text[-limit:]
+
+    def dump_stacks(self) -> None:
+        """Ask the process to write its thread and task stacks to its log (`kill -USR1`,
+        messages_api/state_dump.py)."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGUSR1)
 
     def kill(self, sig: int = 9) -> None:
         if self.process and self.process.poll() is None:

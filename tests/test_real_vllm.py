@@ -17,9 +17,7 @@ endpoint, the `aggregated` schedule, and either protocol an operator may pick fo
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -322,6 +320,9 @@ ENGINE_SETTLE_TIMEOUT_S = 120
 # The gateway's stacks go to its log when the first delta, or the engine's settling after the
 # hang-up, takes longer than this (both have been seen to stall for minutes).
 STALL_DUMP_AFTER_S = 30.0
+# How much of the gateway's log a failure carries: the stacks dumped mid-stall come before the
+# final ones, and the log file is deleted when the session ends.
+FAILURE_LOG_CHARS = 40000
 
 
 def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int) -> str:
@@ -339,8 +340,7 @@ def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int
     s = stream(gateway, cluster, body(max_tokens=max_tokens))
     # A first delta this late has been seen while the engine streamed hundreds of tokens a second:
     # the gateway's stacks then, in its log, say where the relay waits.
-    assert gateway.process is not None
-    late_dump = threading.Timer(STALL_DUMP_AFTER_S, os.kill, (gateway.process.pid, signal.SIGUSR1))
+    late_dump = threading.Timer(STALL_DUMP_AFTER_S, gateway.dump_stacks)
     late_dump.start()
     try:
         # One delta is mid-answer already (the answer runs to max_tokens); a generous deadline, as
@@ -349,7 +349,7 @@ def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int
     except AssertionError as failure:
         # Say why, with both sides' logs: in CI the run's own output may never be flushed.
         raise AssertionError(
-            f"{failure}\n--- gateway log ---\n{gateway_log_tail(gateway)}\n--- engine log ---\n{cluster.engine.log_tail()}"
+            f"{failure}\n--- gateway log ---\n{gateway.log(FAILURE_LOG_CHARS)}\n--- engine log ---\n{cluster.engine.log_tail()}"
         ) from failure
     finally:
         late_dump.cancel()
@@ -372,8 +372,7 @@ def engine_settles(gateway: Gateway, cluster: EngineCluster, request_id: str) ->
     except AssertionError:
         # Not settled yet: the stacks now, while a stuck request is still stuck (a CI run saw one
         # end the moment the final failure path ran), in the gateway's log with the later ones.
-        assert gateway.process is not None
-        os.kill(gateway.process.pid, signal.SIGUSR1)
+        gateway.dump_stacks()
     try:
         return engine.wait_metrics(settled, timeout=ENGINE_SETTLE_TIMEOUT_S - STALL_DUMP_AFTER_S)
     except AssertionError as failure:
@@ -384,30 +383,20 @@ def engine_settles(gateway: Gateway, cluster: EngineCluster, request_id: str) ->
         raise AssertionError(
             f"{failure}\naudit row: {status}\ngateway: {gateway_state(gateway)}\n"
             f"--- connections to the engine ---\n{engine.connections()}\n"
-            f"--- gateway log ---\n{gateway_log_tail(gateway)}\n--- engine log ---\n{engine.log_tail()}"
+            f"--- gateway log ---\n{gateway.log(FAILURE_LOG_CHARS)}\n--- engine log ---\n{engine.log_tail()}"
         ) from failure
-
-
-def gateway_log_tail(gateway: Gateway) -> str:
-    """More of the gateway's log than `Gateway.log()` keeps (5,000 characters): the stacks dumped
-    mid-stall come before the final ones, and the log is deleted when the session ends."""
-    try:
-        return gateway.log_path.read_text(errors="replace")[-40000:]
-    except OSError:
-        return ""
 
 
 def gateway_state(gateway: Gateway) -> str:
     """Whether the gateway still answers (a wedged event loop does not), after asking it to write
     its thread and task stacks to its log (`kill -USR1`, messages_api/state_dump.py)."""
-    assert gateway.process is not None
-    os.kill(gateway.process.pid, signal.SIGUSR1)
+    gateway.dump_stacks()
     try:
         answered = f"answers /ready ({httpx.get(gateway.url + '/ready', timeout=5).status_code})"
     except httpx.HTTPError as exc:
         answered = f"does not answer /ready within 5 s ({type(exc).__name__})"
     try:
-        wait_until(lambda: "asyncio tasks ---" in gateway.log(), timeout=5)
+        wait_until(lambda: "asyncio tasks ---" in gateway.log(limit=None), timeout=5)
     except AssertionError:
         return answered + "; its loop did not write the task dump within 5 s (the thread stacks say where it is)"
     return answered + "; thread and task stacks are in its log below"
