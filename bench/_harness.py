@@ -33,7 +33,8 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from workers.sim.process import stop_process  # noqa: E402  (needs the project on the path)
+from tests.ports import unused_port  # noqa: E402  (needs the project on the path)
+from workers.sim.process import stop_process  # noqa: E402
 
 RESULTS_DIR = PROJECT_ROOT / "bench" / "results"
 _VENV_PYTHON = PROJECT_ROOT / ".venv" / "bin" / "python"
@@ -260,14 +261,6 @@ ROUTERS: dict[str, list[str]] = {
 FLOORS = ("pipe", "reframe", "pipe-uvloop", "reframe-uvloop")
 
 
-def _free_port() -> int:
-    # The routers bind their ports themselves; a race with another binder only fails the run.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Stack:
     """One benchmark's world: a temp dir, a database, sim workers, gateways. A context manager."""
 
@@ -420,7 +413,7 @@ class Stack:
         Waits until /health answers 200."""
         if kind not in ROUTERS:
             raise ValueError(f"unknown router {kind!r}; one of {sorted(ROUTERS)}")
-        port, metrics_port = _free_port(), _free_port()
+        port, metrics_port = unused_port(), unused_port()  # the routers bind them
         command = [*ROUTERS[kind], "--worker-urls", worker_url, "--policy", "round_robin",
                    "--host", "127.0.0.1", "--port", str(port),
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),

@@ -3,7 +3,6 @@ policies, metrics — against real daphne processes and real sim workers."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,6 +10,7 @@ import httpx
 import pytest
 from django.core.management import call_command
 
+from tests.ports import refused_url
 from tests.conftest import (
     Cluster,
     audit_row,
@@ -33,13 +33,6 @@ FAST_PROBES = {"HEALTH_CHECK_INTERVAL_S": "0.1", "HEALTH_CHECK_TIMEOUT_S": "0.5"
 @pytest.fixture(scope="module")
 def second_generation_worker() -> Iterator[SimWorker]:
     yield from sim_worker("generation")
-
-
-def dead_url() -> str:
-    """An address where nothing listens (connection refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def post(gateway: Gateway, cluster: Cluster, text: str, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
@@ -149,7 +142,7 @@ def probing_gateway() -> Iterator[Gateway]:
 def test_prober_marks_a_dead_endpoint_unhealthy_and_routing_avoids_it(probing_gateway: Gateway, make_cluster: Callable[..., Cluster]) -> None:
     gateway = probing_gateway
     cluster = make_cluster(gateway)
-    dead = add_endpoint(cluster, "context", dead_url())
+    dead = add_endpoint(cluster, "context", refused_url())
     wait_until(lambda: not WorkerEndpoint.objects.get(pk=dead.pk).healthy, timeout=5, message="dead endpoint never marked unhealthy")
     row = WorkerEndpoint.objects.get(pk=dead.pk)
     assert row.last_error and row.last_checked_at is not None and "127.0.0.1" not in row.last_error
@@ -177,7 +170,7 @@ def test_prober_marks_a_revived_endpoint_healthy(probing_gateway: Gateway, make_
 def test_context_connection_failure_is_retried_once_elsewhere(gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster]) -> None:
     gateway = gateways()
     cluster = make_cluster(gateway)
-    dead = add_endpoint(cluster, "context", dead_url())
+    dead = add_endpoint(cluster, "context", refused_url())
     wait_registered(gateway, cluster)
     outcomes = []
     for _ in range(4):  # round robin reaches the dead endpoint within two requests
@@ -194,7 +187,7 @@ def test_context_connection_failure_is_retried_once_elsewhere(gateways: Callable
 def test_breaker_opens_on_generation_failures_without_blaming_context(gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster]) -> None:
     gateway = gateways(BREAKER_FAILURE_THRESHOLD="3", BREAKER_COOLDOWN_S="60")
     cluster = make_cluster(gateway)
-    dead = add_endpoint(cluster, "generation", dead_url())
+    dead = add_endpoint(cluster, "generation", refused_url())
     wait_registered(gateway, cluster)
     failures = 0
     for _ in range(12):
@@ -293,7 +286,7 @@ def test_metrics_and_readiness(gateway: Gateway, make_cluster: Callable[..., Clu
 def test_generation_first_with_a_dead_generation_worker_stops_the_prefill(gateway: Gateway, make_cluster: Callable[..., Cluster]) -> None:
     cluster = make_cluster(gateway, schedule_style="generation_first")
     WorkerEndpoint.objects.filter(pool=cluster.pool, role="generation").update(enabled=False)
-    add_endpoint(cluster, "generation", dead_url())
+    add_endpoint(cluster, "generation", refused_url())
 
     def only_the_dead_one_routable() -> bool:
         pool = httpx.get(gateway.url + "/ready").json()["pools"][cluster.pool.name]["generation"]

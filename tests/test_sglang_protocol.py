@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.ports import unused_port
 from tests.conftest import MODEL, Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
@@ -317,10 +317,7 @@ def sglang_router(sim_pair: pair_of, tmp_path: Any) -> Iterator[tuple[str, SimWo
     prefill, decode = sim_pair("sglang")
     prefill.reset()
     decode.reset()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # the router binds it itself; a race with another binder only fails this test
+    port = unused_port()  # the router binds it itself
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import io
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from django.test import Client
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.ports import refused_url, unused_port
 from tests.conftest import SIGNING_KEY, Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
 from tests.simworkers import SimWorker
@@ -226,19 +226,13 @@ def test_an_auth_rejection_is_the_gateways_failure_and_says_why() -> None:
 # --- /server_info, cached --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_server_info_is_read_once_per_ttl_and_a_failure_is_not_kept(sim_pair: Callable[..., tuple[SimWorker, SimWorker]]) -> None:
     context, _ = sim_pair("trtllm")
     cache = trtllm.ServerInfoCache(ttl_s=60.0, size=2)
     params = await cache.read(context.url)
     assert params == {"ctx_info_endpoint": transceiver(context), "ctx_dp_rank": 0}
     assert cache.get(context.url) == params
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = refused_url()
     with pytest.raises(WorkerUnreachable) as raised:
         await cache.read(dead)
     assert raised.value.stage == "context"
@@ -374,7 +368,7 @@ def test_generation_first_fails_cleanly_when_server_info_is_down(
         name="pool-no-server-info", model="no-server-info", schedule_style="generation_first", handoff_signing_key=SIGNING_KEY
     )
     # Nothing listens there: its /server_info cannot be read (and no probe has failed it yet).
-    WorkerEndpoint.objects.create(pool=pool, role="context", url=f"http://127.0.0.1:{free_port()}")
+    WorkerEndpoint.objects.create(pool=pool, role="context", url=refused_url())
     WorkerEndpoint.objects.create(pool=pool, role="generation", url=generation_worker.url)
     _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
     cluster = Cluster(pool=pool, key=key, model=pool.model, context=generation_worker, generation=generation_worker)
@@ -467,7 +461,7 @@ def test_quickstart_sims_and_pool_share_a_generated_key(transactional_db: Any) -
     from workers.models import WorkerPool
     from workers.sim.process import stop_process
 
-    port = free_port()
+    port = unused_port()
     env = {**os.environ, **DEFAULT_ENV, "DJANGO_SETTINGS_MODULE": "disagg_project.test_settings",
            "DATABASE_URL": test_database_url(), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(

@@ -4,7 +4,6 @@ through daphne in front of a pair of vLLM-dialect sim workers."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -13,6 +12,7 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 
+from tests.ports import refused_url
 from tests.conftest import Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
@@ -378,9 +378,7 @@ def test_a_context_connection_failure_is_retried_before_any_decode(gateway: Gate
     from workers.models import WorkerEndpoint
 
     cluster = vllm_cluster
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    dead = refused_url()
     WorkerEndpoint.objects.create(pool=cluster.pool, role="context", url=dead)
     wait_registered(gateway, cluster)
     retried = 0

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.ports import unused_port
 from tests.conftest import register_cluster, wait_registered, wait_until
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
@@ -49,13 +50,6 @@ def router_binary() -> str:
     if os.environ.get("REQUIRE_VLLM_ROUTER") == "1":
         pytest.fail(reason)
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class OutboundTrap:
@@ -92,7 +86,7 @@ class Router:
     """vllm-router in PD mode in front of one prefill and one decode worker."""
 
     def __init__(self, prefill: str, decode: str, trap: OutboundTrap, log: Path) -> None:
-        self.port = free_port()
+        self.port = unused_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
@@ -104,7 +98,7 @@ class Router:
             router_binary(), "--vllm-pd-disaggregation",
             "--prefill", prefill, "--decode", decode,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(unused_port()),
             # A policy that needs no tokenizer; startup checks every second, not every 30.
             "--policy", "round_robin", "--worker-startup-check-interval", "1",
         ]

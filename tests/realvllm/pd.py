@@ -15,7 +15,8 @@ import os
 import subprocess
 
 from tests.realvllm.paths import LOG_DIR, VENV_PYTHON
-from tests.realvllm.server import REQUIRE_ENV, RealVllm, free_port, require_engine
+from tests.ports import unused_port
+from tests.realvllm.server import REQUIRE_ENV, RealVllm, require_engine, start_on_fresh_ports
 
 KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 # The prefill server's log line when a decode read KV blocks after their lease expired
@@ -76,20 +77,14 @@ def start_pair(progress_thread: bool = True) -> tuple[RealVllm, RealVllm]:
         patch_dir.mkdir(parents=True, exist_ok=True)
         (patch_dir / "sitecustomize.py").write_text(NO_PROGRESS_THREAD)
         env["PYTHONPATH"] = str(patch_dir)
-    servers = [
-        RealVllm(
-            "--kv-transfer-config", json.dumps(KV_CONFIG), name=role,
-            env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-        )
-        for role in ("prefill", "decode")
-    ]  # fmt: skip
-    try:
-        for server in servers:
-            server.launch()  # both start at once, from this (the main) thread
-        for server in servers:
-            server.wait_healthy()
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers[0], servers[1]
+    def build() -> list[RealVllm]:
+        return [
+            RealVllm(
+                "--kv-transfer-config", json.dumps(KV_CONFIG), name=role,
+                env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(unused_port())},
+            )
+            for role in ("prefill", "decode")
+        ]  # fmt: skip
+
+    prefill, decode = start_on_fresh_ports(build)
+    return prefill, decode

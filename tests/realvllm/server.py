@@ -14,7 +14,6 @@ import atexit
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import IO
 
 import httpx
 
+from tests.ports import unused_port
 from tests.realvllm.paths import (
     INSTALL_STAMP,
     LOG_DIR,
@@ -45,6 +45,11 @@ START_TIMEOUT_S = float(os.environ.get("REAL_VLLM_START_TIMEOUT_S", "420"))
 #: (vLLM refuses to start below one). The 1 GiB the probe used made each server 2.5 GB and the
 #: prefill/decode pair 5.0 GB (bench/vllm_memory.py), over the real-engine part's 4 GB budget.
 KV_CACHE_BYTES = 256 * 1024 * 1024
+#: What vLLM logs when a port it was given is taken. Its NIXL handshake listener is a thread: when
+#: it dies of this the server stays up but never answers /health, so the log is the only sign.
+PORT_TAKEN = b"Address already in use"
+#: Start-ups that found a port taken before one is given up.
+START_ATTEMPTS = 3
 #: The parser that reads the template's `<tool_call>{json}</tool_call>` (see build_model.py).
 TOOL_CALL_PARSER = "hermes"
 
@@ -81,13 +86,6 @@ def require_engine() -> None:
     pytest.skip(reason)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _own_group_dying_with_parent() -> None:
     """In the child: its own process group (so stop() reaches vLLM's engine-core children too),
     and SIGTERM when the test process dies however it dies (Linux)."""
@@ -100,11 +98,15 @@ def _own_group_dying_with_parent() -> None:
         pass
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind a port it was given; a start on fresh ports may succeed."""
+
+
 class RealVllm:
     """One `vllm.entrypoints.openai.api_server` process on a free loopback port."""
 
     def __init__(self, *extra_args: str, env: dict[str, str] | None = None, name: str = "vllm") -> None:
-        self.port = free_port()
+        self.port = unused_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = SERVED_MODEL
         self.max_model_len = MAX_MODEL_LEN
@@ -115,6 +117,7 @@ class RealVllm:
         self._log: IO[bytes] | None = None
         self.startup_seconds = 0.0
         self._launched_at = 0.0
+        self._log_scanned = 0
 
     def command(self) -> list[str]:
         return [
@@ -154,6 +157,9 @@ class RealVllm:
         assert self.process is not None, "launch() first"
         deadline = self._launched_at + timeout
         while True:
+            if self._log_says_port_taken():
+                self.stop()
+                raise PortTaken(f"vLLM found a port it was given taken:\n{self.log_tail()}")
             if self.process.poll() is not None:
                 self.stop()
                 raise RuntimeError(f"vLLM exited with {self.process.returncode} while starting:\n{self.log_tail()}")
@@ -165,6 +171,18 @@ class RealVllm:
             time.sleep(0.5)
         self.startup_seconds = time.monotonic() - self._launched_at
         return self
+
+    def _log_says_port_taken(self) -> bool:
+        """Whether the log written since the last call (and a needle's length before it, for a
+        line written in two pieces) says a port was taken."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(max(0, self._log_scanned - len(PORT_TAKEN)))
+                fresh = log.read()
+        except OSError:
+            return False
+        self._log_scanned = max(self._log_scanned - len(PORT_TAKEN), 0) + len(fresh)
+        return PORT_TAKEN in fresh
 
     def _healthy(self) -> bool:
         try:
@@ -256,6 +274,30 @@ _shared: RealVllm | None = None
 _failed: str | None = None
 
 
+def start_on_fresh_ports(build: Callable[[], list[RealVllm]], attempts: int = START_ATTEMPTS) -> list[RealVllm]:
+    """Launch the servers `build` makes (each picks its ports when built), all at once, and wait
+    until every one is healthy. When one finds a port taken, stop them all and build anew."""
+    for attempt in range(1, attempts + 1):
+        servers = build()
+        try:
+            for server in servers:
+                server.launch()  # at once, from this (the main) thread
+            for server in servers:
+                server.wait_healthy()
+        except PortTaken:
+            for server in servers:
+                server.stop()
+            if attempt == attempts:
+                raise
+            continue
+        except BaseException:
+            for server in servers:
+                server.stop()
+            raise
+        return servers
+    raise AssertionError("unreachable")
+
+
 def shared_server() -> RealVllm:
     """This process's one real server (started on first use); skips/fails when not installed."""
     global _shared, _failed
@@ -264,7 +306,7 @@ def shared_server() -> RealVllm:
         raise RuntimeError(_failed)
     if _shared is None:
         try:
-            _shared = RealVllm().start()
+            _shared = start_on_fresh_ports(lambda: [RealVllm()])[0]
         except RuntimeError as exc:
             _failed = str(exc)  # one start-up failure, not one per test
             raise

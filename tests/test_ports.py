@@ -1,0 +1,120 @@
+"""The ports handed to child processes that bind their own, and the real-vLLM start-up's retry
+when one of them was taken anyway (CI lost a 7-minute vLLM start to that once)."""
+
+from __future__ import annotations
+
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests import ports
+from tests.realvllm import server as realvllm_server
+from tests.realvllm.server import PortTaken, RealVllm, start_on_fresh_ports
+
+
+def test_unused_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
+    ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    handed = [ports.unused_port() for _ in range(50)]
+    assert len(set(handed)) == len(handed)
+    assert all(ports.LOWEST <= port < ephemeral_start for port in handed)
+    for port in handed[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_port_someone_holds_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        choices = iter([taken, taken, free])
+        monkeypatch.setattr(ports, "LOWEST", 1024)
+        monkeypatch.setattr(ports, "_ephemeral_start", lambda: 65536)
+        monkeypatch.setattr(random, "randint", lambda low, high: next(choices))
+        assert ports.unused_port() == free
+
+
+def test_a_refused_url_refuses() -> None:
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(ports.refused_url(), timeout=5)
+
+
+class ScriptedServer(RealVllm):
+    """A RealVllm whose process is a short script: it says its port is taken (the way vLLM's NIXL
+    handshake listener dies, leaving the server up and unhealthy) or serves /health."""
+
+    def __init__(self, port_taken: bool) -> None:
+        super().__init__(name="scripted")
+        self.port_taken = port_taken
+
+    def command(self) -> list[str]:
+        if self.port_taken:
+            script = (
+                "import sys, time; print('zmq.error.ZMQError: Address already in use', flush=True);"
+                " time.sleep(600)"
+            )
+        else:
+            script = (
+                "import http.server as h\n"
+                "class H(h.BaseHTTPRequestHandler):\n"
+                "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+                f"h.HTTPServer(('127.0.0.1', {self.port}), H).serve_forever()\n"
+            )
+        return [sys.executable, "-c", script]
+
+
+def test_a_start_that_finds_a_port_taken_stops_at_once_and_starts_again_on_fresh_ports() -> None:
+    built: list[ScriptedServer] = []
+
+    def build() -> list[RealVllm]:
+        # The first start's second server finds its port taken; the second start succeeds.
+        pair = [ScriptedServer(port_taken=False), ScriptedServer(port_taken=not built)]
+        built.extend(pair)
+        return list(pair)
+
+    started = time.monotonic()
+    servers = start_on_fresh_ports(build)
+    try:
+        assert time.monotonic() - started < 30  # not the 420 s /health deadline
+        assert len(built) == 4 and servers == built[2:]
+        assert len({server.port for server in built}) == 4
+        assert all(server.process is not None and server.process.poll() is not None for server in built[:2])
+        assert all(httpx.get(server.url + "/health", timeout=5).status_code == 200 for server in servers)
+    finally:
+        for server in built:
+            server.stop(grace=5)
+
+
+def test_a_port_taken_on_every_attempt_is_reported() -> None:
+    built: list[ScriptedServer] = []
+
+    def build() -> list[RealVllm]:
+        built.append(ScriptedServer(port_taken=True))
+        return [built[-1]]
+
+    try:
+        with pytest.raises(PortTaken, match="Address already in use"):
+            start_on_fresh_ports(build, attempts=2)
+        assert len(built) == 2
+        assert all(server.process is not None and server.process.poll() is not None for server in built)
+    finally:
+        for server in built:
+            server.stop(grace=5)
+
+
+def test_the_needle_is_found_when_the_log_writes_it_in_two_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(realvllm_server, "LOG_DIR", tmp_path)
+    server = RealVllm(name="pieces")
+    server.log_path = tmp_path / "pieces.log"
+    server.log_path.write_bytes(b"zmq.error.ZMQError: Address already")
+    assert not server._log_says_port_taken()
+    with server.log_path.open("ab") as log:
+        log.write(b" in use (addr='tcp://127.0.0.1:41259')\n")
+    assert server._log_says_port_taken()
