@@ -50,8 +50,9 @@ class ScriptedServer(RealVllm):
     """A RealVllm whose process is a short script: it says its port is taken (the way vLLM's NIXL
     handshake listener dies, leaving the server up and unhealthy) or serves /health."""
 
-    def __init__(self, port_taken: bool) -> None:
+    def __init__(self, port_taken: bool, log_dir: Path) -> None:
         super().__init__(name="scripted")
+        self.log_path = log_dir / self.log_path.name
         self.port_taken = port_taken
 
     def command(self) -> list[str]:
@@ -70,12 +71,12 @@ class ScriptedServer(RealVllm):
         return [sys.executable, "-c", script]
 
 
-def test_a_start_that_finds_a_port_taken_stops_at_once_and_starts_again_on_fresh_ports() -> None:
+def test_a_start_that_finds_a_port_taken_stops_at_once_and_starts_again_on_fresh_ports(tmp_path: Path) -> None:
     built: list[ScriptedServer] = []
 
     def build() -> list[RealVllm]:
         # The first start's second server finds its port taken; the second start succeeds.
-        pair = [ScriptedServer(port_taken=False), ScriptedServer(port_taken=not built)]
+        pair = [ScriptedServer(False, tmp_path), ScriptedServer(not built, tmp_path)]
         built.extend(pair)
         return list(pair)
 
@@ -92,11 +93,11 @@ def test_a_start_that_finds_a_port_taken_stops_at_once_and_starts_again_on_fresh
             server.stop(grace=5)
 
 
-def test_a_port_taken_on_every_attempt_is_reported() -> None:
+def test_a_port_taken_on_every_attempt_is_reported(tmp_path: Path) -> None:
     built: list[ScriptedServer] = []
 
     def build() -> list[RealVllm]:
-        built.append(ScriptedServer(port_taken=True))
+        built.append(ScriptedServer(True, tmp_path))
         return [built[-1]]
 
     try:
