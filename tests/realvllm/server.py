@@ -11,6 +11,7 @@ finalizer) or, at the latest, when the process exits.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 import signal
@@ -86,10 +87,37 @@ def require_engine() -> None:
     pytest.skip(reason)
 
 
-def _own_group_dying_with_parent() -> None:
+#: Which CPUs the engine may run on: "all", or a comma-separated list. By default the upper half
+#: of this process's CPUs (CPU 1 of 2), so the gateway and the test keep a core of their own.
+CPUS_ENV = "REAL_VLLM_CPUS"
+
+
+def engine_cpus() -> set[int]:
+    """The CPUs the engine's processes are confined to.
+
+    Unconfined on the 2-core machines, vLLM's decoding left every other process unscheduled for
+    0.3-2.7 s at a time (a bare `time.sleep(0.01)` loop in another process, measured 2026-12-04:
+    17 such gaps in one 130 s decode) and, with the test suite's gateways and sims running too, for
+    10-34 s: the real-engine hang-up tests saw their first delta a minute late, and daphne's own
+    timers stall, while the gateway had nothing to do but wait for the CPU. Two plain busy loops
+    on both cores cause no gaps, so it is vLLM's own CPU binding (it pins its OpenMP thread to one
+    core and reserves the other) together with its busy-polling processes. Confined to one core
+    from launch, vLLM binds to that core, the same decode left no gap over 160 s, and decoded
+    ~20 % slower."""
+    allowed = sorted(os.sched_getaffinity(0))
+    wanted = os.environ.get(CPUS_ENV, "").strip()
+    if wanted == "all":
+        return set(allowed)
+    if wanted:
+        return {int(cpu) for cpu in wanted.split(",")} & set(allowed) or set(allowed)
+    return set(allowed[len(allowed) // 2 :])
+
+
+def _own_group_dying_with_parent(cpus: set[int]) -> None:
     """In the child: its own process group (so stop() reaches vLLM's engine-core children too),
-    and SIGTERM when the test process dies however it dies (Linux)."""
+    SIGTERM when the test process dies however it dies (Linux), and the engine's CPUs."""
     os.setsid()
+    os.sched_setaffinity(0, cpus)
     try:
         import ctypes
 
@@ -149,7 +177,7 @@ class RealVllm:
         self._launched_at = time.monotonic()
         self.process = subprocess.Popen(
             self.command(), cwd=PROJECT_ROOT, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_own_group_dying_with_parent,
+            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=functools.partial(_own_group_dying_with_parent, engine_cpus()),
         )  # fmt: skip
         return self
 

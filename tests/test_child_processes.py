@@ -1,8 +1,10 @@
-"""The ports handed to child processes that bind their own, and the real-vLLM start-up's retry
-when one of them was taken anyway (CI lost a 7-minute vLLM start to that once)."""
+"""How the tests start processes they do not write: the ports handed to those that bind their own,
+the real-vLLM start-up's retry when one was taken anyway (CI lost a 7-minute vLLM start to that
+once), and the CPUs the engine is confined to."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -14,7 +16,7 @@ import pytest
 
 from tests import ports
 from tests.realvllm import server as realvllm_server
-from tests.realvllm.server import PortTaken, RealVllm, start_on_fresh_ports
+from tests.realvllm.server import CPUS_ENV, PortTaken, RealVllm, engine_cpus, start_on_fresh_ports
 
 
 def test_unused_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
@@ -119,3 +121,30 @@ def test_the_needle_is_found_when_the_log_writes_it_in_two_pieces(tmp_path: Path
     with server.log_path.open("ab") as log:
         log.write(b" in use (addr='tcp://127.0.0.1:41259')\n")
     assert server._log_says_port_taken()
+
+
+def test_the_engine_gets_the_upper_half_of_the_cpus_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv(CPUS_ENV, raising=False)
+    assert engine_cpus() == {1}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert engine_cpus() == {2, 3, 4}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert engine_cpus() == {3}  # one CPU: shared, there is no other
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setenv(CPUS_ENV, "all")
+    assert engine_cpus() == {0, 1, 2, 3}
+    monkeypatch.setenv(CPUS_ENV, "0,2")
+    assert engine_cpus() == {0, 2}
+    monkeypatch.setenv(CPUS_ENV, "7")  # none of them allowed here: all allowed ones
+    assert engine_cpus() == {0, 1, 2, 3}
+
+
+def test_a_launched_engine_runs_on_its_cpus(tmp_path: Path) -> None:
+    server = ScriptedServer(False, tmp_path)
+    server.launch()
+    try:
+        assert server.process is not None
+        assert os.sched_getaffinity(server.process.pid) == engine_cpus()
+    finally:
+        server.stop(grace=5)
