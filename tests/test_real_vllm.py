@@ -330,16 +330,17 @@ def hang_up_mid_stream(gateway: Gateway, cluster: EngineCluster, max_tokens: int
     first delta and leaves at once. Returns the request id.
 
     `max_tokens` is most of the window, a minute or more of decoding: long enough that the engine
-    cannot finish before the hang-up reaches it even when this machine stalls. It does stall:
-    while vLLM decodes on the CPU, every process here (a bare `time.sleep(0.01)` loop included)
-    is intermittently not scheduled for 1-7 s (measured 2026-12-03 on the 2-core CI machine); with
-    the former 4,096-token window vLLM finished the whole answer (~6 s) within one such stall, so
-    it completed a request whose client had left. The gateway itself notices the hang-up within
-    milliseconds of getting the CPU again (tests/test_cancellation.py gates that). On failure the
-    assertion carries the gateway's and the engine's logs."""
+    cannot finish before the hang-up reaches it even if this machine stalls. It used to: while
+    vLLM decoded on both cores, every other process (a bare `time.sleep(0.01)` loop included) went
+    unscheduled for seconds, and in the full suite for 10-34 s, so the first delta reached this
+    client a minute late; with the former 4,096-token window vLLM even finished whole answers
+    within one stall. The engine now runs on a core of its own (`realvllm.server.engine_cpus`),
+    and the suite saw no such gap since. The gateway notices a hang-up within milliseconds
+    (tests/test_cancellation.py gates that). On failure the assertion carries the gateway's and
+    the engine's logs."""
     s = stream(gateway, cluster, body(max_tokens=max_tokens))
-    # A first delta this late has been seen while the engine streamed hundreds of tokens a second:
-    # the gateway's stacks then, in its log, say where the relay waits.
+    # Should the first delta be this late again, the gateway's stacks, in its log, say whether
+    # the relay waits on something (a gateway too starved to write them says so too).
     late_dump = threading.Timer(STALL_DUMP_AFTER_S, gateway.dump_stacks)
     late_dump.start()
     try:
