@@ -100,10 +100,9 @@ def engine_cpus() -> set[int]:
     17 such gaps in one 130 s decode) and, with the test suite's gateways and sims running too, for
     10-34 s: the real-engine hang-up tests saw their first delta a minute late, and daphne's own
     timers stall, while the gateway had nothing to do but wait for the CPU. Two plain busy loops
-    on both cores cause no gaps, so it is vLLM's own CPU binding (it pins its OpenMP thread to one
-    core and reserves the other) together with its busy-polling processes. Confined to one core
-    from launch, vLLM binds to that core, the same decode left no gap over 160 s, and decoded
-    ~20 % slower."""
+    on both cores cause no gaps; what in vLLM does was not pinned down (it binds its OpenMP thread
+    to CPU 0, "reserves" CPU 1, and its processes busy-poll). Confined to one core from launch,
+    vLLM binds to that core, the same decode left no gap over 160 s, and decoded ~20 % slower."""
     allowed = sorted(os.sched_getaffinity(0))
     wanted = os.environ.get(CPUS_ENV, "").strip()
     if wanted == "all":
