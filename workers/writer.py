@@ -19,12 +19,30 @@ import time
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection, models, transaction
 from django.db.models import Field, Model
 
 logger = logging.getLogger(__name__)
 
 RowKey = tuple[type[Model], str]
+
+#: Django's field classes whose `get_db_prep_save` hands a value of these exact types back as it
+#: is, on SQLite and PostgreSQL alike (None too). The writer passes such values through and
+#: prepares only the rest (datetimes above all): Django's preparation of every value was half the
+#: CPU of an audit row's write (31 of ~60 µs, 22 columns). Exact classes, not subclasses: a
+#: subclass may prepare its values its own way.
+PASSED_THROUGH: dict[type[Field[Any, Any]], tuple[type, ...]] = {
+    models.CharField: (str,),
+    models.TextField: (str,),
+    models.BooleanField: (bool,),
+    models.IntegerField: (int,),
+    models.SmallIntegerField: (int,),
+    models.BigIntegerField: (int,),
+    models.PositiveIntegerField: (int,),
+    models.PositiveSmallIntegerField: (int,),
+    models.PositiveBigIntegerField: (int,),
+    models.FloatField: (float,),
+}
 
 
 class RowWriter:
@@ -134,9 +152,7 @@ class RowWriter:
         with connection.cursor() as cursor:
             for shape, same in by_shape.items():
                 sql, fields = self._upsert_sql(model, shape, unique_field)
-                cursor.executemany(
-                    sql, [[field.get_db_prep_save(row[name], connection) for name, field in zip(shape, fields, strict=True)] for row in same]
-                )
+                cursor.executemany(sql, [prepare_row(row, shape, fields) for row in same])
 
     def _upsert_sql(self, model: type[Model], shape: tuple[str, ...], unique_field: str) -> tuple[str, list[Field[Any, Any]]]:
         key = (model, shape)
@@ -161,6 +177,18 @@ class RowWriter:
         with self._lock:
             self._stopping = True
         self.flush()
+
+
+def prepare_row(row: dict[str, Any], shape: tuple[str, ...], fields: list[Field[Any, Any]]) -> list[Any]:
+    """The row's values as the database driver takes them: what Django's `get_db_prep_save`
+    returns, computed only where it is not the value itself (`PASSED_THROUGH`)."""
+    prepared = []
+    for name, field in zip(shape, fields, strict=True):
+        value = row[name]
+        if value is not None and type(value) not in PASSED_THROUGH.get(type(field), ()):
+            value = field.get_db_prep_save(value, connection)
+        prepared.append(value)
+    return prepared
 
 
 def _column_field(model: type[Model], name: str) -> Field[Any, Any]:

@@ -1,0 +1,73 @@
+"""The row writer's value preparation: what it passes through untouched is exactly what Django's
+own `get_db_prep_save` would have returned, on whichever database the suite runs."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from django.db import connection, models
+
+from messages_api.models import MessageRequest
+from workers.models import Reservation
+from workers.writer import PASSED_THROUGH, _column_field, prepare_row
+
+NOW = datetime(2026, 12, 4, 15, 0, 0, 123456, tzinfo=timezone.utc)
+
+
+def sample_values(field: models.Field[Any, Any]) -> list[Any]:
+    """Values of the type the gateway writes to `field`, None included where it is allowed."""
+    if isinstance(field, models.DateTimeField):
+        values: list[Any] = [NOW, NOW + timedelta(hours=5)]
+    elif isinstance(field, models.BooleanField):
+        values = [True, False]
+    elif isinstance(field, models.FloatField):
+        values = [0.0, 12.345, 1e9]
+    elif isinstance(field, (models.IntegerField, models.ForeignKey)):
+        values = [0, 7, 2**31 - 1]
+    else:
+        values = ["", "req_abc", "é ünïcode ✓", "x" * 300]
+    return values + ([None] if field.null else [])
+
+
+@pytest.mark.parametrize("model, unique_field", [(MessageRequest, "request_id"), (Reservation, "reservation_id")])
+def test_prepared_values_are_djangos_own(db: Any, model: type[models.Model], unique_field: str) -> None:
+    names = [f.attname for f in model._meta.concrete_fields if not f.primary_key]
+    fields = [_column_field(model, name) for name in names]
+    shape = tuple(names)
+    for column, field in enumerate(fields):
+        for value in sample_values(field):
+            row = {name: value if i == column else None for i, name in enumerate(names)}
+            expected = [f.get_db_prep_save(row[name], connection) for name, f in zip(names, fields)]
+            assert prepare_row(row, shape, fields) == expected, (field.name, value)
+
+
+def test_a_value_of_another_type_or_a_field_subclass_is_prepared_by_django(db: Any) -> None:
+    class Shouting(models.CharField):  # type: ignore[type-arg]
+        def get_prep_value(self, value: Any) -> Any:
+            return str(value).upper()
+
+    shouting = Shouting(max_length=10)
+    integer: models.IntegerField[int, int] = models.IntegerField()
+    assert type(shouting) not in PASSED_THROUGH
+    assert prepare_row({"a": "quiet", "b": "12"}, ("a", "b"), [shouting, integer]) == ["QUIET", 12]
+
+
+def test_rows_written_through_the_writer_read_back_equal(transactional_db: Any) -> None:
+    from workers.writer import RowWriter
+
+    writer = RowWriter(0.0)
+    values = {
+        "request_id": "req_prepared", "received_at": NOW, "route": "POST /v1/messages", "model": "m",
+        "stream": True, "status": "completed", "stage": "done", "http_status": 200, "error_type": "",
+        "error_message": "", "pool_name": "p", "context_endpoint": "", "generation_endpoint": "http://g",
+        "headers_sent_ms": 1.5, "context_done_ms": None, "first_token_ms": 2.25, "finished_ms": 9.0,
+        "pings_sent": 3, "input_tokens": 11, "output_tokens": 22, "api_key_name": "k", "gateway_instance": "gw",
+    }  # fmt: skip
+    writer.upsert(MessageRequest, "request_id", values)
+    assert writer.flush()
+    row = MessageRequest.objects.get(request_id="req_prepared")
+    for name, value in values.items():
+        assert getattr(row, name) == value, name
+    writer.close()
