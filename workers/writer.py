@@ -143,7 +143,8 @@ class RowWriter:
 
         Plain SQL rather than `bulk_create(update_conflicts=True)`: the ORM's per-row compilation
         was most of the writer's CPU, and this thread shares the GIL with the event loop. SQLite
-        and PostgreSQL both speak this form; values go through each field's own DB preparation.
+        and PostgreSQL both speak this form; values are prepared as each field's own
+        `get_db_prep_save` would (`prepare_row`).
         """
         unique_field = self._unique_field[model]
         by_shape: dict[tuple[str, ...], list[dict[str, Any]]] = {}
