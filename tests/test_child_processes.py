@@ -60,7 +60,7 @@ class ScriptedServer(RealVllm):
     def command(self) -> list[str]:
         if self.port_taken:
             script = (
-                "import sys, time; print('zmq.error.ZMQError: Address already in use', flush=True);"
+                "import time; print('zmq.error.ZMQError: Address already in use', flush=True);"
                 " time.sleep(600)"
             )
         else:

@@ -10,7 +10,6 @@ import httpx
 import pytest
 from django.core.management import call_command
 
-from tests.ports import refused_url
 from tests.conftest import (
     Cluster,
     audit_row,
@@ -21,6 +20,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.gateway import Gateway
+from tests.ports import refused_url
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker
 from workers.models import WorkerEndpoint

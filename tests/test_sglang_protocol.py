@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.ports import unused_port
 from tests.conftest import MODEL, Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
+from tests.ports import unused_port
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker
 from workers.errors import WorkerError

@@ -24,9 +24,9 @@ from django.test import Client
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.ports import refused_url, unused_port
 from tests.conftest import SIGNING_KEY, Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
+from tests.ports import refused_url, unused_port
 from tests.simworkers import SimWorker
 from workers.errors import MalformedAnswer, WorkerError, WorkerUnreachable
 from workers.protocols import trtllm

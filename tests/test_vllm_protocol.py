@@ -12,9 +12,9 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 
-from tests.ports import refused_url
 from tests.conftest import Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.gateway import Gateway
+from tests.ports import refused_url
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker
 from workers import protocols

@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.ports import unused_port
 from tests.conftest import register_cluster, wait_registered, wait_until
 from tests.gateway import Gateway
+from tests.ports import unused_port
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker
 from workers.sim.process import stop_process
