@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
 
 from workers import client
+from workers.db_thread import DatabaseThread
 from workers.errors import StreamBroken, WorkerError, WorkerUnreachable
 from workers.registry import EndpointInfo, get_registry
 
@@ -215,22 +214,23 @@ class EndpointHealth:
             logger.warning("endpoint %s is now %s", endpoint.url, "healthy" if state.healthy else "unhealthy")
         if changed or now - state.last_written_at >= settings.HEALTH_WRITE_INTERVAL_S:
             state.last_written_at = now
-            await sync_to_async(_write_probe, thread_sensitive=False)(endpoint.id, state)
+            await _PROBE_WRITES.run(_write_probe, endpoint.id, state)
 
 
 def _write_probe(endpoint_id: int, state: ProbeState) -> None:
     from workers.models import WorkerEndpoint
 
-    try:
-        # update(): the admin's edits to other fields are never overwritten by a stale copy.
-        WorkerEndpoint.objects.filter(pk=endpoint_id).update(
-            healthy=state.healthy,
-            consecutive_failures=state.consecutive_failures,
-            last_error=state.last_error[:1000],
-            last_checked_at=datetime.now(timezone.utc),
-        )
-    finally:
-        close_old_connections()
+    # update(): the admin's edits to other fields are never overwritten by a stale copy.
+    WorkerEndpoint.objects.filter(pk=endpoint_id).update(
+        healthy=state.healthy,
+        consecutive_failures=state.consecutive_failures,
+        last_error=state.last_error[:1000],
+        last_checked_at=datetime.now(timezone.utc),
+    )
+
+
+# The probes' writes' own thread (see workers.db_thread).
+_PROBE_WRITES = DatabaseThread("health-db")
 
 
 health = EndpointHealth()

@@ -21,7 +21,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from django.conf import settings
-from django.db import close_old_connections
 from django.dispatch import Signal
 
 from workers.instance import GATEWAY_INSTANCE
@@ -37,12 +36,7 @@ _STARTED_AT = datetime.now(timezone.utc)
 
 def heartbeat() -> None:
     now = datetime.now(timezone.utc)
-    try:
-        GatewayProcess.objects.update_or_create(
-            instance=GATEWAY_INSTANCE, defaults={"last_seen_at": now, "started_at": _STARTED_AT}
-        )
-    finally:
-        close_old_connections()
+    GatewayProcess.objects.update_or_create(instance=GATEWAY_INSTANCE, defaults={"last_seen_at": now, "started_at": _STARTED_AT})
 
 
 def _pid_on_this_host(instance: str) -> int | None:
@@ -79,7 +73,7 @@ def dead_instances(dead_after: float, hung_after: float | None = None) -> list[s
     now = datetime.now(timezone.utc)
     stale_before = now - timedelta(seconds=dead_after)
     hung_before = now - timedelta(seconds=hung_after if hung_after is not None else settings.GATEWAY_HUNG_AFTER_S)
-    known = {p.instance: p for p in GatewayProcess.objects.filter(recovered_at__isnull=True)}
+    known = {p.instance: p for p in GatewayProcess.objects.filter(recovered_at__isnull=True).order_by()}
     # A process can die before its first heartbeat reached the database: its open rows name it.
     with_open_rows = set(
         Reservation.objects.filter(released_at__isnull=True).values_list("gateway_instance", flat=True).distinct()
@@ -109,20 +103,17 @@ def _oldest_open_before(instance: str, moment: datetime) -> bool:
 
 def sweep(dead_after: float) -> list[str]:
     """Close the open rows of dead processes; returns the instances recovered."""
-    try:
-        dead = dead_instances(dead_after)
-        if not dead:
-            return []
-        now = datetime.now(timezone.utc)
-        reason = "the gateway process handling this request died"
-        # Separate statements, not one transaction: each is idempotent, and holding one table's
-        # lock while waiting for another's could deadlock with other writers.
-        closed = Reservation.objects.filter(gateway_instance__in=dead, released_at__isnull=True).update(
-            released_at=now, outcome=Outcome.ABANDONED
-        )
-        process_abandoned.send(sender=GatewayProcess, instances=dead, reason=reason)
-        GatewayProcess.objects.filter(instance__in=dead).update(recovered_at=now)
-        logger.warning("recovered %d reservation(s) of dead gateway process(es) %s", closed, ", ".join(dead))
-        return dead
-    finally:
-        close_old_connections()
+    dead = dead_instances(dead_after)
+    if not dead:
+        return []
+    now = datetime.now(timezone.utc)
+    reason = "the gateway process handling this request died"
+    # Separate statements, not one transaction: each is idempotent, and holding one table's
+    # lock while waiting for another's could deadlock with other writers.
+    closed = Reservation.objects.filter(gateway_instance__in=dead, released_at__isnull=True).update(
+        released_at=now, outcome=Outcome.ABANDONED
+    )
+    process_abandoned.send(sender=GatewayProcess, instances=dead, reason=reason)
+    GatewayProcess.objects.filter(instance__in=dead).update(recovered_at=now)
+    logger.warning("recovered %d reservation(s) of dead gateway process(es) %s", closed, ", ".join(dead))
+    return dead

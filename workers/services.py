@@ -14,10 +14,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from workers import recovery
+from workers.db_thread import DatabaseThread
 from workers.health import health
 from workers.registry import get_registry
 
@@ -40,9 +40,13 @@ def ensure_started() -> None:
     ]
 
 
+# The heartbeat's and the sweep's own thread (see workers.db_thread).
+_RECOVERY = DatabaseThread("recovery-db")
+
+
 async def _heartbeat_and_recover() -> None:
-    await sync_to_async(recovery.heartbeat, thread_sensitive=False)()
-    await sync_to_async(recovery.sweep, thread_sensitive=False)(settings.GATEWAY_DEAD_AFTER_S)
+    await _RECOVERY.run(recovery.heartbeat)
+    await _RECOVERY.run(recovery.sweep, settings.GATEWAY_DEAD_AFTER_S)
 
 
 async def _every(interval: float, work: Callable[[], Awaitable[object]], first_delay: float | None = None) -> None:
