@@ -51,12 +51,15 @@ def body_writer(send: Any) -> BodyWriter | None:
     ):
         return None
     connections: dict[Any, dict[str, Any]] = getattr(server, "connections")
+    # daphne keeps one entry per request from its connection to its end and marks it
+    # "disconnected" in place: looked up once, not per token (a lookup hashes the request
+    # in Python, `WebRequest.__hash__`).
+    connection = connections.get(request)
     write: Callable[[Any, bytes], None] = http.Request.write
 
     def write_body(body: bytes) -> None:
         # daphne's Server.handle_reply: nothing for a connection it no longer serves.
-        connection = connections.get(request)
-        if connection is None or connection.get("disconnected"):
+        if connection is None or "disconnected" in connection:
             return
         # WebRequest.handle_reply: nothing for a finished request; a body needs a started response.
         if request.finished or request.channel is None:

@@ -462,18 +462,18 @@ class MessagesConsumer(ApiConsumer):
         # A text token on the open block (nearly every chunk) is framed without the event dict;
         # anything else goes through the reframer's general path.
         frames = reframer.text_frame(chunk)
-        if frames is None:
-            events = reframer.feed(chunk)
-            frames = encode_events(events) if events else None
-        return frames
+        return frames if frames is not None else _event_frames(reframer, chunk)
 
     def _frame_writer(self, reframer: StreamReframer, writer: BodyWriter) -> Callable[[dict[str, Any]], None]:
         """The sink of a pushed stream (`ChatRun.relay`): each chunk's frames written to the
         connection as the worker's bytes arrive, in the worker connection's receive callback."""
-        frames_for, heartbeat = self._frames, self.heartbeat
+        text_frame, heartbeat = reframer.text_frame, self.heartbeat
 
         def write_chunk(chunk: dict[str, Any]) -> None:
-            frames = frames_for(reframer, chunk)
+            # `_frames`, inlined: this runs per token.
+            frames = text_frame(chunk)
+            if frames is None:
+                frames = _event_frames(reframer, chunk)
             if frames is not None:
                 writer(frames)
                 if heartbeat is not None:
@@ -505,6 +505,12 @@ class MessagesConsumer(ApiConsumer):
         if self.reframer is not None and self.reframer.started:
             record.input_tokens = self.reframer.input_tokens
             record.output_tokens = self.reframer.output_tokens
+
+
+def _event_frames(reframer: StreamReframer, chunk: dict[str, Any]) -> bytes | None:
+    """The SSE frames of a chunk that is not one more text token: the reframer's general path."""
+    events = reframer.feed(chunk)
+    return encode_events(events) if events else None
 
 
 def new_message_id() -> str:

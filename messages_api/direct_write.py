@@ -22,7 +22,7 @@ from twisted.internet import abstract, tcp
 # The Twisted names this module overrides or reads (tests/test_direct_write.py checks them).
 RELIED_ON: dict[type, tuple[str, ...]] = {
     tcp.Port: ("transport",),
-    tcp.Server: ("write", "writeSequence", "writeSomeData", "SEND_LIMIT"),
+    tcp.Server: ("write", "writeSequence", "socket", "SEND_LIMIT"),
     abstract.FileDescriptor: (
         "dataBuffer", "offset", "_tempDataLen", "connected", "disconnecting", "_writeDisconnected",
         "_writeDisconnecting", "producer",
@@ -34,43 +34,31 @@ class DirectWriteServer(tcp.Server):
     """An accepted TCP connection that writes through when its send queue is empty."""
 
     def write(self, data: bytes) -> None:
-        if data and self._queue_empty():
-            data = self._send_now(data)
-            if not data:
-                return
-        super().write(data)  # type: ignore[no-untyped-call]
-
-    def writeSequence(self, iovec: Iterable[bytes]) -> None:
-        if self._queue_empty():
-            parts = list(iovec)
-            rest = self._send_now(b"".join(parts))
-            if rest:
-                super().write(rest)  # type: ignore[no-untyped-call]  # Twisted's signature is untyped
-            return
-        super().writeSequence(iovec)  # type: ignore[no-untyped-call]
-
-    def _queue_empty(self) -> bool:
-        """Nothing queued, connection open for writing, no TLS layer: a direct send keeps order."""
-        return bool(
-            self.connected
+        # Runs once per relayed token: the checks and the send are inline, not calls.
+        if (
+            data
+            and self.connected
             and not self.disconnecting
             and not self._writeDisconnected
             and not self._writeDisconnecting
             and not self._tempDataLen
-            and self.offset == len(self.dataBuffer)
+            and self.offset == len(self.dataBuffer)  # nothing queued: a direct send keeps order
+            and len(data) <= self.SEND_LIMIT
             and not getattr(self, "TLS", False)
-        )
+        ):
+            try:
+                sent = self.socket.send(data)
+            except OSError:
+                # Full (EAGAIN), interrupted or failing: Twisted's queued write retries it, or
+                # meets the same error and closes the connection its usual way.
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
+        super().write(data)  # type: ignore[no-untyped-call]
 
-    def _send_now(self, data: bytes) -> bytes:
-        """Send what the kernel takes now; returns the rest for Twisted's queue. An error sends
-        nothing and returns everything: the queued write meets the same error and Twisted closes
-        the connection its usual way."""
-        if len(data) > self.SEND_LIMIT:
-            return data
-        sent = self.writeSomeData(data)
-        if not isinstance(sent, int) or sent <= 0:
-            return data
-        return data[sent:]
+    def writeSequence(self, iovec: Iterable[bytes]) -> None:
+        self.write(b"".join(iovec))
 
 
 def install() -> None:

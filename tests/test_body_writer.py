@@ -145,3 +145,21 @@ def test_the_daphne_and_twisted_names_relied_on_exist() -> None:
     for name in body_writer_module.RELIED_ON_TWISTED:
         assert name in vars(http.Request) or name in names, name
     assert {"toChunk", "writeSequence", "sentLength", "chunked", "startedWriting", "_disconnected", "finished"} <= set(names)
+
+
+async def test_daphnes_own_disconnect_mark_stops_the_writer_it_made_earlier() -> None:
+    """The writer looks daphne's entry for the request up once; daphne marks that same entry
+    disconnected (and only then drops it), so a writer made before the mark still sees it."""
+    send, request, transport, server = await daphne_request()
+    try:
+        await send(START)
+        write = body_writer(send)
+        assert write is not None
+        write(b"first")
+        sent = transport.value()
+        server.protocol_disconnected(request)  # daphne's mark alone, Twisted's state untouched
+        assert request.channel is not None and not request.finished
+        write(b"second")
+        assert transport.value() == sent
+    finally:
+        stop(server)

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import re
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
@@ -572,6 +573,8 @@ class ChunkStream:
         decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
         deadline = self._deadline = _StreamDeadline(loop)
         idle_s, ends_by = self._idle_s, self._ends_by
+        # The loop's clock, read per token: asyncio's is time.monotonic behind a Python method.
+        clock = time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
 
         def deliver(events: list[Event]) -> bool:
             """Pass on the events' chunks; False once the stream is over ([DONE] or a failure)."""
@@ -595,7 +598,7 @@ class ChunkStream:
                 if events or self._first_byte_by is not None:
                     # The first byte, then every complete event, restarts the idle gap.
                     self._first_byte_by = None
-                    deadline.move(min(loop.time() + idle_s, ends_by))
+                    deadline.move(min(clock() + idle_s, ends_by))
                 return deliver(events)
             except Exception as exc:  # malformed, an error frame, a line too long
                 outcome.set_exception(exc)
