@@ -326,13 +326,20 @@ async def test_bytes_that_arrived_before_the_connection_was_lost_come_before_the
         assert received == b"last word"
 
 
-async def test_an_unread_answer_stops_reading_from_the_socket() -> None:
-    # Back-pressure: the gateway does not buffer an answer its client is not taking.
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_an_unread_answer_stops_reading_from_the_socket(chunked: bool) -> None:
+    # Back-pressure: the gateway does not buffer an answer its client is not taking (a chunked
+    # body goes through workers.worker_protocol's decoder, any other through aiohttp's parser).
     payload = b"x" * (16 * 1024 * 1024)  # more than the kernel buffers of both sides hold
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(payload) + payload)
+        if chunked:
+            pieces = [payload[i : i + 60_000] for i in range(0, len(payload), 60_000)]
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(payload) + payload)
         await writer.drain()
 
     async with ScriptedServer(handler) as server, worker_transport() as transport:
@@ -341,6 +348,8 @@ async def test_an_unread_answer_stops_reading_from_the_socket() -> None:
         await wait_for(lambda: writer.transport.get_write_buffer_size() > 0)
         await asyncio.sleep(0.05)
         assert writer.transport.get_write_buffer_size() > 0  # still stuck: the client is not reading
+        content = response.stream._response.content  # type: ignore[attr-defined]
+        assert content._size < 1024 * 1024  # what the gateway holds meanwhile is bounded
         body = b"".join([chunk async for chunk in response.aiter_raw()])
     assert body == payload
 
