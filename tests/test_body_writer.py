@@ -80,7 +80,10 @@ async def test_middle_frames_give_the_bytes_daphnes_path_gives() -> None:
         stop(server_b)
 
 
-async def test_nothing_is_written_once_the_client_is_gone_or_the_response_finished() -> None:
+@pytest.mark.parametrize("how", ["connection lost", "daphne's mark alone"])
+async def test_nothing_is_written_once_the_client_is_gone(how: str) -> None:
+    """The writer looks daphne's entry for the request up once, when it is made; daphne marks that
+    same entry disconnected (and only drops it after), so the writer sees the mark."""
     send, request, transport, server = await daphne_request()
     try:
         await send(START)
@@ -88,13 +91,19 @@ async def test_nothing_is_written_once_the_client_is_gone_or_the_response_finish
         assert write is not None
         write(b"first")
         sent = transport.value()
-        request.connectionLost(Failure(ConnectionError("gone")))  # daphne marks it disconnected
+        if how == "connection lost":
+            request.connectionLost(Failure(ConnectionError("gone")))  # daphne marks it disconnected
+        else:
+            server.protocol_disconnected(request)  # Twisted's state untouched
+            assert request.channel is not None and not request.finished
         assert server.connections[request].get("disconnected")
         write(b"second")
         assert transport.value() == sent
     finally:
         stop(server)
 
+
+async def test_nothing_is_written_once_the_response_finished() -> None:
     send, request, transport, server = await daphne_request()
     try:
         await send(START)
@@ -146,20 +155,3 @@ def test_the_daphne_and_twisted_names_relied_on_exist() -> None:
         assert name in vars(http.Request) or name in names, name
     assert {"toChunk", "writeSequence", "sentLength", "chunked", "startedWriting", "_disconnected", "finished"} <= set(names)
 
-
-async def test_daphnes_own_disconnect_mark_stops_the_writer_it_made_earlier() -> None:
-    """The writer looks daphne's entry for the request up once; daphne marks that same entry
-    disconnected (and only then drops it), so a writer made before the mark still sees it."""
-    send, request, transport, server = await daphne_request()
-    try:
-        await send(START)
-        write = body_writer(send)
-        assert write is not None
-        write(b"first")
-        sent = transport.value()
-        server.protocol_disconnected(request)  # daphne's mark alone, Twisted's state untouched
-        assert request.channel is not None and not request.finished
-        write(b"second")
-        assert transport.value() == sent
-    finally:
-        stop(server)
