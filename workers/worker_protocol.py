@@ -11,16 +11,17 @@ attached (`workers.transport.push_body`), straight to it.
 
 What stays aiohttp's: the connection pool, TLS, timeouts, and parsing every response head
 (`RelayedBodyParser` hands its C parser the head alone, up to the blank line, and takes the body
-only when the head it parsed announces a chunked one). Anything else (a Content-Length body, a
-1xx head, an empty body) stays with the C parser from there on. A body decoded here ends as the C
+only when the head it parsed announces a chunked one; after an informational 1xx head it looks
+at the next). Anything else (a Content-Length body, a body ending with the connection, no body,
+an upgrade) stays with the C parser from there on. A body decoded here ends as the C
 parser would end it: the reader gets its end (`feed_eof`), so aiohttp releases the connection
 back to the pool, and a new request installs a new parser. Bytes after the end, or malformed
 framing, close the connection; a connection lost mid-body fails the reader (and the push) as
 aiohttp's own parser would: `ClientPayloadError`.
 
-Relies on aiohttp's `ResponseHandler` calling `self._parser.feed_data`/`feed_eof` and setting
-`_parser` in `set_response_params`, and on the connector building protocols with `_factory`;
-tests/test_worker_protocol.py fails if those change.
+Relies on aiohttp's `ResponseHandler` calling `self._parser.feed_data`/`feed_eof`/`pause_reading`
+and setting `_parser` in `set_response_params`, and on the connector building protocols with
+`_factory`; tests/test_worker_protocol.py and tests/test_transport.py fail if those change.
 """
 
 from __future__ import annotations
