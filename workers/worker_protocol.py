@@ -103,10 +103,13 @@ class RelayedBodyParser:
         self._head_end_seen = b""
         messages, upgraded, tail = self._head_parser.feed_data(data[:cut])
         rest = data[cut:]
-        if not messages or upgraded:
+        if upgraded:  # the bytes after the head belong to the new protocol, as aiohttp returns them
+            self._state = _HEAD_PARSER
+            return messages, True, tail + rest
+        if not messages:
             self._state = _HEAD_PARSER  # the C parser decides what the bytes mean
             more = self._head_parser.feed_data(rest) if rest else _NOTHING
-            return [*messages, *more[0]], upgraded or more[1], tail + more[2]
+            return [*more[0]], more[1], tail + more[2]
         message, payload = messages[-1]
         if 100 <= message.code < 200 and message.code != 101:
             # An informational head: the answer's own head follows.
