@@ -32,18 +32,16 @@ class ChunkedFramingError(ValueError):
 
 
 class ChunkedDecoder:
-    __slots__ = ("_state", "_remaining", "_pending", "_trailer_bytes", "leftover")
+    __slots__ = ("_state", "_remaining", "_pending", "_trailer_bytes", "done", "leftover")
 
     def __init__(self) -> None:
         self._state = _SIZE
         self._remaining = 0  # bytes of the current chunk's data still to come
         self._pending = b""  # a size line, a chunk's CRLF or the trailer section, in part
         self._trailer_bytes = 0
+        # A plain attribute, not a property: the relay reads it after every read.
+        self.done = False
         self.leftover = b""
-
-    @property
-    def done(self) -> bool:
-        return self._state == _DONE
 
     def feed(self, data: bytes) -> bytes:
         """The payload bytes in `data` (b"" when it carries none). After the end, every byte is
@@ -109,6 +107,7 @@ class ChunkedDecoder:
                     break
                 if line_end == position:
                     self._state = _DONE
+                    self.done = True
                 self._trailer_bytes += line_end + 2 - position
                 position = line_end + 2
             else:  # done: whatever follows is not this body's
