@@ -104,10 +104,21 @@ async def test_a_pushed_body_is_intact_however_the_worker_writes_split_it(cuts: 
 
 
 async def test_an_informational_head_before_the_answer_is_passed_over() -> None:
-    answer = b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + CHUNKED_HEAD + CHUNKED_BODY
-    async with ScriptedServer(serve_in_pieces(answer, [20])) as server, worker_transport() as transport:
+    rest = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + CHUNKED_HEAD + CHUNKED_BODY[:20])
+        await rest.wait()
+        writer.write(CHUNKED_BODY[20:])
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
         response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
         assert response.status_code == 200
+        parser = parser_of(response)
+        assert isinstance(parser, RelayedBodyParser)
+        assert parser.decoding is response.stream._response.content  # type: ignore[attr-defined]  # the answer's body is ours
+        rest.set()
         assert await read_all(response) == b"".join(BODY)
 
 

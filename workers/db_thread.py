@@ -38,7 +38,6 @@ class DatabaseThread:
     """Runs synchronous ORM functions, one at a time, on a thread of its own."""
 
     def __init__(self, name: str) -> None:
-        self.name = name
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:

@@ -178,20 +178,23 @@ class PushedBody:
         request: httpx.Request,
         on_data: Callable[[bytes], bool],
         on_end: Callable[[BaseException | None], None],
+        parser: RelayedBodyParser | None = None,
     ) -> None:
         self._content = content
         self._request = request
         self.on_data = on_data
         self._on_end = on_end
         self._finished = False
-        self._parser: RelayedBodyParser | None = None  # set when the parser pushes (see `attach`)
-        # Reading what was fed makes the reader resume its protocol, which feeds its parser an
-        # empty buffer: from inside the parser's own callback (here) that re-entered the C
-        # parser, which then never released the outer buffer (each received chunk leaked). The
-        # reader is drained at every feed, so it never pauses its protocol and needs no resume:
-        # a negative low-water mark keeps it from trying while pushes run. Restored by `stop`.
+        self._parser = parser  # the parser that pushes (see `attach`); None: the reader wakes us
         self._low_water = content._low_water
-        content._low_water = -1
+        if parser is None:
+            # Reading what was fed makes the reader resume its protocol, which feeds its parser an
+            # empty buffer: from inside the parser's own callback (here) that re-entered the C
+            # parser, which then never released the outer buffer (each received chunk leaked).
+            # The reader is drained at every feed, so it never pauses its protocol and needs no
+            # resume: a negative low-water mark keeps it from trying while pushes run. Restored
+            # by `stop`.
+            content._low_water = -1
         # A worker's burst (an unpaced stream, or tokens that queued up) comes as reads of up to
         # 256 KiB (asyncio's `max_size`), each relayed in one callback: it would hold the loop for
         # every event in it, keeping other streams and this client's own hang-up waiting. While
@@ -250,12 +253,11 @@ class PushedBody:
             self.stop()
             self._on_end(None)
 
-    def attach(self, parser: RelayedBodyParser) -> None:
-        """Take the body from `parser`: what its reader holds already first, then every read."""
-        self._parser = parser
-        self._content._low_water = self._low_water  # the reader is never read inside a callback here
+    def attach(self) -> None:
+        """Take the body from the parser: what its reader holds already first, then every read."""
+        assert self._parser is not None
         if self._take_what_arrived():
-            parser.sink = self
+            self._parser.sink = self
 
     def stop(self) -> None:
         """No more pushes (idempotent); the body's rest, if any, is left to a plain read."""
@@ -289,11 +291,12 @@ def push_body(
     content = stream._content
     if content._waiter is not None:
         raise RuntimeError("the response body is already being read")
-    waiter = PushedBody(content, stream._request, on_data, on_end)
     parser = getattr(content._protocol, "_parser", None)
     if isinstance(parser, RelayedBodyParser) and parser.decoding is content:
-        waiter.attach(parser)
+        waiter = PushedBody(content, stream._request, on_data, on_end, parser)
+        waiter.attach()
         return waiter
+    waiter = PushedBody(content, stream._request, on_data, on_end)
     if content._exception is not None:
         # What arrived before the failure, first.
         if not content._buffer or on_data(content._read_nowait(-1)):

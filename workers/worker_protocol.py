@@ -27,7 +27,7 @@ and setting `_parser` in `set_response_params`, and on the connector building pr
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -36,7 +36,10 @@ from aiohttp.streams import StreamReader
 
 from workers.chunked import ChunkedDecoder, ChunkedFramingError
 
-_NOTHING: tuple[list[Any], bool, bytes] = ([], False, b"")
+# What a parser's feed_data returns to aiohttp: the messages (heads) completed, whether the
+# connection was upgraded, and the bytes after an upgrade.
+Parsed = tuple[Sequence[Any], bool, bytes]
+_NOTHING: Parsed = ((), False, b"")
 _HEAD_END = b"\r\n\r\n"
 
 # What a RelayedBodyParser does with the bytes it is fed.
@@ -78,13 +81,13 @@ class RelayedBodyParser:
         """The reader whose body this parser decodes (None when the C parser has it)."""
         return self._payload if self._state == _BODY else None
 
-    def feed_data(self, data: bytes) -> tuple[list[Any], bool, bytes]:
+    def feed_data(self, data: bytes) -> Parsed:
         state = self._state
         if state == _BODY:
             self._body(data)
             return _NOTHING
         if state == _HEAD_PARSER:
-            result: tuple[list[Any], bool, bytes] = self._head_parser.feed_data(data)
+            result: Parsed = self._head_parser.feed_data(data)
             return result
         if state == _DONE:
             if data:
@@ -92,12 +95,12 @@ class RelayedBodyParser:
             return _NOTHING
         return self._head(data)
 
-    def _head(self, data: bytes) -> tuple[list[Any], bool, bytes]:
+    def _head(self, data: bytes) -> Parsed:
         seen = self._head_end_seen + data
         at = seen.find(_HEAD_END)
         if at < 0:
             self._head_end_seen = seen[-3:]
-            result: tuple[list[Any], bool, bytes] = self._head_parser.feed_data(data)
+            result: Parsed = self._head_parser.feed_data(data)
             return result
         cut = at + len(_HEAD_END) - len(self._head_end_seen)
         self._head_end_seen = b""
@@ -106,25 +109,21 @@ class RelayedBodyParser:
         if upgraded:  # the bytes after the head belong to the new protocol, as aiohttp returns them
             self._state = _HEAD_PARSER
             return messages, True, tail + rest
-        if not messages:
-            self._state = _HEAD_PARSER  # the C parser decides what the bytes mean
-            more = self._head_parser.feed_data(rest) if rest else _NOTHING
-            return [*more[0]], more[1], tail + more[2]
-        message, payload = messages[-1]
-        if 100 <= message.code < 200 and message.code != 101:
+        message, payload = messages[-1] if messages else (None, None)
+        if message is not None and 100 <= message.code < 200 and message.code != 101:
             # An informational head: the answer's own head follows.
             more = self._head(rest) if rest else _NOTHING
-            return [*messages, *more[0]], more[1], more[2]
-        if not (message.chunked and isinstance(payload, StreamReader)):
-            self._state = _HEAD_PARSER  # not a chunked body: aiohttp's parser reads it
+        elif message is None or not (message.chunked and isinstance(payload, StreamReader)):
+            self._state = _HEAD_PARSER  # not a chunked body: aiohttp's parser reads the rest
             more = self._head_parser.feed_data(rest) if rest else _NOTHING
-            return [*messages, *more[0]], more[1], more[2]
-        self._state = _BODY
-        self._decoder = ChunkedDecoder()
-        self._payload = payload
-        if rest:
-            self._body(rest)
-        return messages, False, tail
+        else:
+            self._state = _BODY
+            self._decoder = ChunkedDecoder()
+            self._payload = payload
+            if rest:
+                self._body(rest)
+            return messages, False, tail
+        return [*messages, *more[0]], more[1], more[2]
 
     def _body(self, data: bytes) -> None:
         assert self._decoder is not None and self._payload is not None
