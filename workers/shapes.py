@@ -39,59 +39,64 @@ class ShapeError(ValueError):
 
 def check_chunk(chunk: Any) -> dict[str, Any]:
     """A `chat.completion.chunk`: a usage-only chunk has `"choices": []` (or none)."""
-    if not isinstance(chunk, dict):
-        raise ShapeError("the chunk", "is not an object")
-    choices = chunk.get("choices")
-    if choices is not None:
-        if not isinstance(choices, list):
-            raise ShapeError("choices", "is not a list")
-        for i, choice in enumerate(choices):
-            _check_choice(choice, f"choices[{i}]", "delta", streamed=True)
-    _check_usage(chunk.get("usage"))
-    return chunk
+    return _checked(chunk, "the chunk", "delta", streamed=True)
 
 
 def check_completion(completion: Any) -> dict[str, Any]:
     """A non-streamed `chat.completion`: at least one choice, each with a `message` object."""
-    if not isinstance(completion, dict):
-        raise ShapeError("the answer", "is not an object")
-    choices = completion.get("choices")
-    if not isinstance(choices, list):
-        raise ShapeError("choices", "is not a list")
-    if not choices:
-        raise ShapeError("choices", "is empty")
-    for i, choice in enumerate(choices):
-        _check_choice(choice, f"choices[{i}]", "message", streamed=False)
-    _check_usage(completion.get("usage"))
-    return completion
+    return _checked(completion, "the answer", "message", streamed=False)
 
 
-def _check_choice(choice: Any, where: str, body_name: str, *, streamed: bool) -> None:
-    if not isinstance(choice, dict):
-        raise ShapeError(where, "is not an object")
-    index = choice.get("index")
-    if index is not None and not _is_count(index):
-        raise ShapeError(f"{where}.index", "is not a non-negative integer")
-    finish_reason = choice.get("finish_reason")
-    if finish_reason is not None and not isinstance(finish_reason, str):
-        raise ShapeError(f"{where}.finish_reason", "is not a string")
-    body = choice.get(body_name)
-    if body is None:
-        if streamed and finish_reason is not None:
-            return  # a last chunk may carry only the finish reason
-        raise ShapeError(f"{where}.{body_name}", "is missing or null")
-    if not isinstance(body, dict):
-        raise ShapeError(f"{where}.{body_name}", "is not an object")
-    # Over the fields present (a delta has one or two), not over every field checked: this runs
-    # once per relayed token.
-    for field, value in body.items():
-        if value is None:
-            continue
-        if field in _TEXT_FIELDS:
-            if type(value) is not str:
-                raise ShapeError(f"{where}.{body_name}.{field}", "is not a string")
-        elif field == "tool_calls":
-            _check_tool_calls(value, f"{where}.{body_name}.tool_calls", streamed=streamed)
+def _checked(answer: Any, what: str, body_name: str, *, streamed: bool) -> dict[str, Any]:
+    """Both shapes' checks in one function: a chunk is checked per relayed token, and under load
+    every Python call on that path costs (see workers.worker_protocol). So the choices and the
+    usage are checked inline, and the field's name for the error is only built to raise it."""
+    if not isinstance(answer, dict):
+        raise ShapeError(what, "is not an object")
+    choices = answer.get("choices")
+    if choices is not None or not streamed:
+        if not isinstance(choices, list):
+            raise ShapeError("choices", "is not a list")
+        if not streamed and not choices:
+            raise ShapeError("choices", "is empty")
+        for i, choice in enumerate(choices):
+            if not isinstance(choice, dict):
+                raise ShapeError(f"choices[{i}]", "is not an object")
+            index = choice.get("index")
+            if index is not None and not (type(index) is int and index >= 0):  # _is_count, inline
+                raise ShapeError(f"choices[{i}].index", "is not a non-negative integer")
+            finish_reason = choice.get("finish_reason")
+            if finish_reason is not None and not isinstance(finish_reason, str):
+                raise ShapeError(f"choices[{i}].finish_reason", "is not a string")
+            body = choice.get(body_name)
+            if body is None:
+                if streamed and finish_reason is not None:
+                    continue  # a last chunk may carry only the finish reason
+                raise ShapeError(f"choices[{i}].{body_name}", "is missing or null")
+            if not isinstance(body, dict):
+                raise ShapeError(f"choices[{i}].{body_name}", "is not an object")
+            # Over the fields present (a delta has one or two), not over every field checked.
+            for field, value in body.items():
+                if value is None:
+                    continue
+                if field in _TEXT_FIELDS:
+                    if type(value) is not str:
+                        raise ShapeError(f"choices[{i}].{body_name}.{field}", "is not a string")
+                elif field == "tool_calls":
+                    _check_tool_calls(value, f"choices[{i}].{body_name}.tool_calls", streamed=streamed)
+    usage = answer.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            raise ShapeError("usage", "is not an object")
+        for field, value in usage.items():
+            if value is None:
+                continue
+            if field in _USAGE_COUNTS:
+                if not (type(value) is int and value >= 0):  # _is_count, inline
+                    raise ShapeError(f"usage.{field}", "is not a non-negative integer")
+            elif field in _DETAIL_COUNTS:
+                _check_usage_details(value, field)
+    return answer
 
 
 def _check_tool_calls(tool_calls: Any, where: str, *, streamed: bool) -> None:
@@ -121,24 +126,13 @@ def _check_tool_calls(tool_calls: Any, where: str, *, streamed: bool) -> None:
                 raise ShapeError(f"{at}.function.{field}", "is not a string")
 
 
-def _check_usage(usage: Any) -> None:
-    if usage is None:
-        return
-    if not isinstance(usage, dict):
-        raise ShapeError("usage", "is not an object")
-    for field, value in usage.items():
-        if value is None:
-            continue
-        if field in _USAGE_COUNTS:
-            if not _is_count(value):
-                raise ShapeError(f"usage.{field}", "is not a non-negative integer")
-        elif field in _DETAIL_COUNTS:
-            if not isinstance(value, dict):
-                raise ShapeError(f"usage.{field}", "is not an object")
-            for count in _DETAIL_COUNTS[field]:
-                detail = value.get(count)
-                if detail is not None and not _is_count(detail):
-                    raise ShapeError(f"usage.{field}.{count}", "is not a non-negative integer")
+def _check_usage_details(details: Any, field: str) -> None:
+    if not isinstance(details, dict):
+        raise ShapeError(f"usage.{field}", "is not an object")
+    for count in _DETAIL_COUNTS[field]:
+        detail = details.get(count)
+        if detail is not None and not _is_count(detail):
+            raise ShapeError(f"usage.{field}.{count}", "is not a non-negative integer")
 
 
 def _is_count(value: Any) -> bool:
