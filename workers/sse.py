@@ -83,6 +83,22 @@ class SSEDecoder:
         if not data:
             return []
         if not self._skip_lf and not self._at_start and b"\r" not in data:
+            if (
+                not self._buffer
+                and not self._data
+                and not self._event_type
+                and data.startswith(b"data:")
+                and data.endswith(b"\n\n")
+                and data.count(b"\n") == 2
+            ):
+                # One whole `data:` event per feed, the shape of a token relayed as it is made:
+                # decoded here, without `_feed_lf`'s call (this runs per relayed token).
+                if len(data) - 2 > self.max_line_bytes:  # the line, as the general path measures it
+                    raise SSELineTooLong(self.max_line_bytes)
+                self._scanned = 0
+                self._line_complete = True
+                value = data[6:-2] if data[5:6] == b" " else data[5:-2]
+                return [Event(value.decode("utf-8", "replace"), "message", self._last_id, self._retry)]
             return self._feed_lf(data)
         buffer = self._buffer
         if self._skip_lf:
@@ -125,21 +141,6 @@ class SSEDecoder:
         once, when the line they belong to ends."""
         buffer = self._buffer
         limit = self.max_line_bytes
-        if (
-            not buffer
-            and not self._data
-            and not self._event_type
-            and data.startswith(b"data:")
-            and data.endswith(b"\n\n")
-            and data.count(b"\n") == 2
-        ):
-            # One whole `data:` event per feed, the shape of a token relayed as it is made.
-            value = data[6:-2] if data[5:6] == b" " else data[5:-2]
-            if len(data) - 2 > limit:  # the line, as the general path measures it
-                raise SSELineTooLong(limit)
-            self._scanned = 0
-            self._line_complete = True
-            return [Event(value.decode("utf-8", "replace"), "message", self._last_id, self._retry)]
         if b"\n" not in data:
             buffer += data
             if len(buffer) > limit:
