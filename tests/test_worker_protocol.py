@@ -186,3 +186,62 @@ async def test_a_push_that_wants_no_more_is_over_and_the_rest_goes_to_the_reader
         assert not pushed.ended.is_set()
         assert (await fetch(transport, server.url)).content == b"hello"
     assert server.connections == 1
+
+
+def paced_body(reads: int, gap_s: float):  # type: ignore[no-untyped-def]
+    """A handler answering with a chunked head, then one chunk per `gap_s` for `reads` reads, then
+    the end."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD)
+        for i in range(reads):
+            await asyncio.sleep(gap_s)
+            part = b"data: %d\n\n" % i
+            writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    return handler
+
+
+async def test_a_decoded_body_bypasses_aiohttps_receive_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no read timeout, a body's bytes go from the connection straight to the decoder: not
+    through aiohttp's `ResponseHandler.data_received` (which would only feed the parser)."""
+    through_aiohttp: list[bytes] = []
+    original = ResponseHandler.data_received
+
+    def counting(self: ResponseHandler, data: bytes) -> None:
+        through_aiohttp.append(data)
+        original(self, data)
+
+    monkeypatch.setattr(ResponseHandler, "data_received", counting)
+    async with ScriptedServer(paced_body(5, 0.01)) as server, worker_transport() as transport:
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        head_reads = len(through_aiohttp)
+        assert head_reads >= 1
+        pushed = Pushed()
+        push = push_body(response, pushed.on_data, pushed.on_end)
+        assert push is not None
+        await asyncio.wait_for(pushed.ended.wait(), 5)
+        assert b"".join(pushed.data) == b"".join(b"data: %d\n\n" % i for i in range(5))
+        assert len(through_aiohttp) == head_reads  # five reads of the body, none through aiohttp
+
+
+async def test_a_read_timeout_is_restarted_by_every_read_of_a_decoded_body() -> None:
+    """With a read timeout (`sock_read`), every read restarts it, as aiohttp's own receive path
+    does: a body whose reads come closer together than the timeout completes, however long it
+    takes in all; a gap longer than the timeout fails it."""
+    timeout = {"connect": 5.0, "read": 0.25, "write": 5.0, "pool": 5.0}
+    async with ScriptedServer(paced_body(8, 0.08)) as server, worker_transport() as transport:
+        request = httpx.Request("POST", server.url, content=b"{}", extensions={"timeout": timeout})
+        response = await transport.handle_async_request(request)
+        assert isinstance(parser_of(response), RelayedBodyParser)
+        # 0.64 s in all, more than twice the timeout.
+        assert await read_all(response) == b"".join(b"data: %d\n\n" % i for i in range(8))
+
+    async with ScriptedServer(paced_body(2, 0.6)) as server, worker_transport() as transport:
+        request = httpx.Request("POST", server.url, content=b"{}", extensions={"timeout": timeout})
+        response = await transport.handle_async_request(request)
+        with pytest.raises(httpx.ReadTimeout):
+            await read_all(response)

@@ -20,8 +20,10 @@ framing, close the connection; a connection lost mid-body fails the reader (and 
 aiohttp's own parser would: `ClientPayloadError`.
 
 Relies on aiohttp's `ResponseHandler` calling `self._parser.feed_data`/`feed_eof`/`pause_reading`
-and setting `_parser` in `set_response_params`, and on the connector building protocols with
-`_factory`; tests/test_worker_protocol.py and tests/test_transport.py fail if those change.
+and setting `_parser` in `set_response_params`, on its `data_received` doing nothing but feed the
+parser when no read timeout (`_read_timeout`, `_read_timeout_handle`) is to be restarted, and on
+the connector building protocols with `_factory`; tests/test_worker_protocol.py and
+tests/test_transport.py fail if those change.
 """
 
 from __future__ import annotations
@@ -185,6 +187,22 @@ class RelayedBodyParser:
 
 class WorkerResponseHandler(ResponseHandler):
     """aiohttp's protocol with a `RelayedBodyParser` in front of each response's parser."""
+
+    def data_received(self, data: bytes) -> None:
+        parser = self._parser
+        if (
+            type(parser) is RelayedBodyParser
+            and parser._state == _BODY
+            and not self._read_timeout
+            and self._read_timeout_handle is None
+            and data
+        ):
+            # The bytes of a chunked body decoded here, with no read timeout to restart: what
+            # aiohttp's `data_received` would do comes down to feeding the parser, which takes
+            # them to its decoder. Straight there: two Python calls fewer per relayed token.
+            parser._body(data)
+            return
+        super().data_received(data)
 
     def set_response_params(self, **params: Any) -> None:
         early_bytes = bool(self._tail)  # bytes before the request: aiohttp's parser sees them alone
