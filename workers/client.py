@@ -436,7 +436,8 @@ class _StreamDeadline:
     A stream's deadline moves with every event (the idle gap counts from the last one); entering
     `asyncio.timeout_at` around each read cost about as much as decoding the event (measured,
     ~8 µs on the test machine). Here moving the deadline is an assignment; the timer, when it
-    fires early, re-arms itself for the deadline's new value.
+    fires early, re-arms itself for the deadline's new value. So a deadline moved later may be
+    assigned to `when` directly (per relayed token); `move` is needed only for an earlier one.
 
     The reader sets `waiting` (the task to cancel when the deadline passes while it waits) and
     `fired` (False) before each read, and `waiting` back to None after it: plain fields, not
@@ -595,10 +596,14 @@ class ChunkStream:
                 return False
             try:
                 events = decoder.feed(data)
-                if events or self._first_byte_by is not None:
-                    # The first byte, then every complete event, restarts the idle gap.
+                # The first byte, then every complete event, restarts the idle gap.
+                if self._first_byte_by is not None:
                     self._first_byte_by = None
                     deadline.move(min(clock() + idle_s, ends_by))
+                elif events:
+                    # Later than the deadline before it (the clock only moves on; `ends_by` is
+                    # fixed), so an assignment, not `move`: the timer re-arms itself when it fires.
+                    deadline.when = min(clock() + idle_s, ends_by)
                 return deliver(events)
             except Exception as exc:  # malformed, an error frame, a line too long
                 outcome.set_exception(exc)
