@@ -579,7 +579,8 @@ def add_common_arguments(parser: Any) -> None:
         "--profile",
         action="store_true",
         help="sample the gateway with py-spy during the run (bench/results/<name>-gateway.txt: collapsed "
-        "stacks, and a summary printed at the end); needs `.venv/bin/pip install py-spy`",
+        "stacks, and a summary printed at the end), at BENCH_PROFILE_RATE samples per second (default 250); "
+        "needs `.venv/bin/pip install py-spy`",
     )
     parser.add_argument(
         "--quiet-wait",
@@ -609,7 +610,7 @@ def resolve(args: Any, quick: dict[str, Any], full: dict[str, Any]) -> None:
 class Profiler:
     """`py-spy record` on one process, collapsed stacks, and a top-functions summary."""
 
-    def __init__(self, pid: int, name: str, rate: int = 250) -> None:
+    def __init__(self, pid: int, name: str, rate: int = int(os.environ.get("BENCH_PROFILE_RATE", "250"))) -> None:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         self.path = RESULTS_DIR / f"{name}.txt"
         spy = Path(PYTHON).parent / "py-spy"

@@ -189,7 +189,7 @@ class WorkerResponseHandler(ResponseHandler):
     """aiohttp's protocol with a `RelayedBodyParser` in front of each response's parser."""
 
     def data_received(self, data: bytes) -> None:
-        parser = self._parser
+        parser: Any = self._parser  # a RelayedBodyParser in aiohttp's HttpParser slot
         if (
             type(parser) is RelayedBodyParser
             and parser._state == _BODY
