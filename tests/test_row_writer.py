@@ -71,3 +71,27 @@ def test_rows_written_through_the_writer_read_back_equal(transactional_db: Any) 
     for name, value in values.items():
         assert getattr(row, name) == value, name
     writer.close()
+
+
+def test_a_flush_does_not_wait_for_the_batching_window(transactional_db: Any) -> None:
+    """Rows wait up to the window for more to share their transaction, but a flush (shutdown,
+    tests) writes them at once; rows that come meanwhile still join a batch."""
+    import time
+
+    from workers.writer import RowWriter
+
+    writer = RowWriter(30.0)
+    try:
+        started = time.monotonic()
+        for i in range(3):
+            writer.upsert(Reservation, "reservation_id", {
+                "reservation_id": f"res_{i}", "request_id": f"req_{i}", "endpoint_id": 1, "endpoint_url": "http://w",
+                "pool_name": "p", "stage": "generation", "gateway_instance": "gw", "reserved_at": NOW,
+                "released_at": None, "outcome": "",
+            })  # fmt: skip
+        assert writer.flush(timeout=10.0)
+        assert time.monotonic() - started < 5.0
+        assert Reservation.objects.filter(reservation_id__startswith="res_").count() == 3
+        assert writer.batches_written == 1  # the three rows in one transaction
+    finally:
+        writer.close()

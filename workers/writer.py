@@ -1,9 +1,15 @@
 """A background writer that keeps database rows off the request's path.
 
-Requests hand it the current state of a row (`upsert`); one thread per process writes batches in a
-single transaction, each row once per batch with its latest state (`bulk_create` with
-`update_conflicts`). A request therefore never waits on the database, and the ORM's single shared
-async thread is never busy with audit writes.
+Requests hand it the current state of a row (`upsert`); one thread per process writes batches, one
+transaction per table, each row once per batch with its latest state (`INSERT … ON CONFLICT DO
+UPDATE`). A request therefore never waits on the database, and the ORM's single shared async thread
+is never busy with audit writes.
+
+A batch is what came within `AUDIT_FLUSH_INTERVAL_S` of its first row. The window is the writer's
+main cost lever: a transaction's work is mostly the pages it rewrites (on SQLite 13 WAL frames for
+one audit row, whose table has nine indexes), and rows written together share most of them.
+Measured on the paced relay benchmark, 250 ms instead of 50 ms took the writer from ~7 to ~4 µs
+per relayed event at 2,500 events/s. `flush()` (tests, shutdown) does not wait for the window.
 
 The cost is a window of at most `AUDIT_FLUSH_INTERVAL_S` (plus the write itself) in which a row is
 only in memory: a process killed in that window loses it. Crash recovery closes what did reach the
@@ -53,6 +59,7 @@ class RowWriter:
         self._sql: dict[tuple[type[Model], tuple[str, ...]], tuple[str, list[Field[Any, Any]]]] = {}
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        self._hurry = threading.Event()  # a flush waits: write without waiting for the window
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._thread: threading.Thread | None = None
@@ -81,12 +88,12 @@ class RowWriter:
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until everything queued so far is written (tests, shutdown). Not for async code."""
         deadline = time.monotonic() + timeout
-        self._wakeup.set()
         with self._lock:
             while self._pending or self._in_flight:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
+                self._hurry.set()
                 self._wakeup.set()
                 self._idle.wait(remaining)
         return True
@@ -100,8 +107,9 @@ class RowWriter:
         while True:
             self._wakeup.wait(timeout=1.0)
             self._wakeup.clear()
-            # Let a burst accumulate into one transaction.
-            time.sleep(self.flush_interval)
+            # Let what comes within the window join this batch, unless a flush waits for it.
+            self._hurry.wait(self.flush_interval)
+            self._hurry.clear()
             with self._lock:
                 batch, self._pending = self._pending, {}
                 self._in_flight = len(batch)
@@ -209,7 +217,7 @@ def get_writer() -> RowWriter:
     if _writer is None:
         with _writer_lock:
             if _writer is None:
-                _writer = RowWriter(getattr(settings, "AUDIT_FLUSH_INTERVAL_S", 0.05))
+                _writer = RowWriter(settings.AUDIT_FLUSH_INTERVAL_S)
                 atexit.register(_writer.close)
     return _writer
 
