@@ -95,3 +95,26 @@ def test_a_flush_does_not_wait_for_the_batching_window(transactional_db: Any) ->
         assert writer.batches_written == 1  # the three rows in one transaction
     finally:
         writer.close()
+
+
+def test_a_full_batch_is_written_without_waiting_for_the_window(transactional_db: Any) -> None:
+    """`BATCH_ROWS` rows are written at once: a big batch would hold the GIL for longer."""
+    import time
+
+    from workers.writer import BATCH_ROWS, RowWriter
+
+    writer = RowWriter(30.0)
+    try:
+        for i in range(BATCH_ROWS):
+            writer.upsert(Reservation, "reservation_id", {
+                "reservation_id": f"full_{i}", "request_id": f"req_{i}", "endpoint_id": 1, "endpoint_url": "http://w",
+                "pool_name": "p", "stage": "generation", "gateway_instance": "gw", "reserved_at": NOW,
+                "released_at": None, "outcome": "",
+            })  # fmt: skip
+        deadline = time.monotonic() + 10.0
+        while writer.rows_written < BATCH_ROWS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writer.rows_written == BATCH_ROWS
+        assert Reservation.objects.filter(reservation_id__startswith="full_").count() == BATCH_ROWS
+    finally:
+        writer.close()
