@@ -97,24 +97,24 @@ def test_a_flush_does_not_wait_for_the_batching_window(transactional_db: Any) ->
         writer.close()
 
 
-def test_a_full_batch_is_written_without_waiting_for_the_window(transactional_db: Any) -> None:
-    """`BATCH_ROWS` rows are written at once: a big batch would hold the GIL for longer."""
-    import time
 
-    from workers.writer import BATCH_ROWS, RowWriter
+def test_a_batch_bigger_than_a_slice_is_written_whole_in_one_transaction(transactional_db: Any) -> None:
+    """A big batch is written in slices (the loop gets the GIL between them), all in one
+    transaction, and no row is lost or written twice at the slices' edges."""
+    from workers.writer import SLICE_ROWS, RowWriter
 
     writer = RowWriter(30.0)
+    count = 2 * SLICE_ROWS + 5
     try:
-        for i in range(BATCH_ROWS):
+        for i in range(count):
             writer.upsert(Reservation, "reservation_id", {
-                "reservation_id": f"full_{i}", "request_id": f"req_{i}", "endpoint_id": 1, "endpoint_url": "http://w",
+                "reservation_id": f"slice_{i}", "request_id": f"req_{i}", "endpoint_id": 1, "endpoint_url": "http://w",
                 "pool_name": "p", "stage": "generation", "gateway_instance": "gw", "reserved_at": NOW,
-                "released_at": None, "outcome": "",
+                "released_at": None, "outcome": str(i),
             })  # fmt: skip
-        deadline = time.monotonic() + 10.0
-        while writer.rows_written < BATCH_ROWS and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert writer.rows_written == BATCH_ROWS
-        assert Reservation.objects.filter(reservation_id__startswith="full_").count() == BATCH_ROWS
+        assert writer.flush(timeout=10.0)
+        assert writer.batches_written == 1 and writer.rows_written == count
+        rows = dict(Reservation.objects.filter(reservation_id__startswith="slice_").values_list("reservation_id", "outcome"))
+        assert rows == {f"slice_{i}": str(i) for i in range(count)}
     finally:
         writer.close()

@@ -9,11 +9,15 @@ A batch is what came within `AUDIT_FLUSH_INTERVAL_S` of its first row. The windo
 main cost lever: a transaction's work is mostly the pages it rewrites (on SQLite 13 WAL frames for
 one audit row, whose table has nine indexes), and rows written together share most of them.
 Measured on the paced relay benchmark, 250 ms instead of 50 ms took the writer from ~7 to ~4 µs
-per relayed event at 2,500 events/s. A batch of `BATCH_ROWS` rows is written without waiting
-for the rest of the window: its rows share most pages already, and a bigger batch holds the GIL
-against the event loop for longer (`bench/relay.py --part latency`, one request at a time, 2,000
-samples: the added latency's p99 was 2.8 ms with a 50 ms window, 4.1 ms with 250 ms alone, 3.0
-with 250 ms and this cap). `flush()` (tests, shutdown) does not wait for the window either.
+per relayed event at 2,500 events/s. `flush()` (tests, shutdown) does not wait for the window.
+
+A big batch is written in slices of `SLICE_ROWS` rows, with a pause between slices (still in
+the one transaction): preparing and binding rows holds the GIL, and a batch of a hundred rows
+in one go kept the event loop waiting long enough to show in its latency (`bench/relay.py --part
+latency`, one request at a time, 2,000 samples: the added p99 was 2.8 ms with the 50 ms window,
+4.1 ms with 250 ms in one go, 2.6 / 3.0 ms sliced). Cutting the batch itself short (writing at 32
+rows) did as well for latency but cost throughput: more, smaller transactions (non-streamed
+requests/s 529 against 608 sliced).
 
 The cost is a window of at most `AUDIT_FLUSH_INTERVAL_S` (plus the write itself) in which a row is
 only in memory: a process killed in that window loses it. Crash recovery closes what did reach the
@@ -36,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 RowKey = tuple[type[Model], str]
 
-# A batch this big is written at once, without waiting for the rest of the window (see above).
-BATCH_ROWS = 32
+# A batch is written this many rows at a time, with a pause between (see above).
+SLICE_ROWS = 32
+SLICE_PAUSE_S = 0.0005
 
 #: Django's field classes whose `get_db_prep_save` hands a value of these exact types back as it
 #: is, on SQLite and PostgreSQL alike (None too). The writer passes such values through and
@@ -66,7 +71,7 @@ class RowWriter:
         self._sql: dict[tuple[type[Model], tuple[str, ...]], tuple[str, list[Field[Any, Any]]]] = {}
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
-        self._hurry = threading.Event()  # a flush waits, or the batch is full: write now
+        self._hurry = threading.Event()  # a flush waits: write without waiting for the window
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._thread: threading.Thread | None = None
@@ -87,8 +92,6 @@ class RowWriter:
             previous = self._pending.get(key)
             if previous is None:
                 self._pending[key] = dict(values)
-                if len(self._pending) >= BATCH_ROWS:
-                    self._hurry.set()
             else:
                 previous.update(values)
             self._ensure_thread()
@@ -170,7 +173,11 @@ class RowWriter:
         with connection.cursor() as cursor:
             for shape, same in by_shape.items():
                 sql, fields = self._upsert_sql(model, shape, unique_field)
-                cursor.executemany(sql, [prepare_row(row, shape, fields) for row in same])
+                for start in range(0, len(same), SLICE_ROWS):
+                    if start:
+                        time.sleep(SLICE_PAUSE_S)  # the event loop's turn at the GIL
+                    rows_slice = same[start : start + SLICE_ROWS]
+                    cursor.executemany(sql, [prepare_row(row, shape, fields) for row in rows_slice])
 
     def _upsert_sql(self, model: type[Model], shape: tuple[str, ...], unique_field: str) -> tuple[str, list[Field[Any, Any]]]:
         key = (model, shape)
