@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pstats
 import re
 import signal
 import sys
@@ -29,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import pstats  # noqa: E402
 
 import _harness as h  # noqa: E402
 

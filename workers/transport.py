@@ -1,8 +1,8 @@
 """The httpx transport for calls to workers: aiohttp's connection pool and C response parser
 behind httpx's interface (the `httpx-aiohttp` package), configured and corrected for worker calls.
 A chunked body (every streamed answer) is decoded by the gateway's own decoder instead
-(`workers.worker_protocol`: four Python calls per relayed token where aiohttp's path made about
-a dozen).
+(`workers.worker_protocol`: three Python calls per relayed token, from the connection's
+`data_received` to the push, where aiohttp's path made about a dozen).
 
     transport = WorkerTransport(max_connections=4096, keepalive_expiry=4.0)
     response = await transport.handle_async_request(httpx.Request("POST", url, content=body))
