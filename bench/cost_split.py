@@ -15,7 +15,7 @@ offered load and pace (so the same number of concurrent streams), gateway and fl
 
 over the two runs (each run's events and streams are what its clients counted, partial streams
 included). Prints per-token µs, per-request µs, and what per-request work adds per event at 256
-tokens; writes bench/results/cost_split.json. About 3 minutes at the defaults.
+tokens; writes bench/results/cost_split.json. About 5 minutes at the defaults.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import _harness as h  # noqa: E402
 
 RELAY = Path(__file__).resolve().parent / "relay.py"
 TARGETS = {"gateway": "gateway", "floor reframe": "floor"}
+# The paced benchmark's stream length (relay.py --paced-tokens): per-request µs are also shown per event at it.
+REFERENCE_TOKENS = 256
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,11 +84,11 @@ def main() -> None:
                       "runs": {str(args.short): short[label]["proxy_cpu_us_per_event"],
                                str(args.long): long[label]["proxy_cpu_us_per_event"]}}
         rows.append([label, short[label]["proxy_cpu_us_per_event"], long[label]["proxy_cpu_us_per_event"],
-                     per_token, per_request, per_request / 256])
+                     per_token, per_request, per_request / REFERENCE_TOKENS])
     h.print_table(
         f"CPU split at {args.load:,} ev/s offered, one token every {args.ms_per_token:g} ms per stream",
         ("", f"µs/event, {args.short}-token", f"µs/event, {args.long}-token", "per token µs", "per request µs",
-         "per request, per event at 256"),
+         f"per request, per event at {REFERENCE_TOKENS}"),
         rows, digits=1,
     )
     h.write_result("cost_split", {
