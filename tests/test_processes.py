@@ -64,9 +64,14 @@ def test_sigkill_mid_stream_is_recovered_by_the_next_start(transactional_db: Any
     finally:
         first.stop()
     row = audit_row(request_id, terminal=False)
-    # Seen once in CI as already "failed" here: say by whom (a sweep writes "died") and show the log.
-    assert row.status == "in_progress", f"{row.status}: {row.error_message}\n--- gateway log ---\n{first.log()}"
-    assert Reservation.objects.filter(request_id=request_id, released_at__isnull=True).exists()
+    if row.status == "in_progress":
+        assert Reservation.objects.filter(request_id=request_id, released_at__isnull=True).exists()
+    else:
+        # The suite's other gateways (the session's `gateways`) share this database and sweep
+        # every heartbeat: one may see the dead PID before the next start does (twice in CI
+        # runs). Then it recovered the rows, with the same end state as checked below; anything
+        # else closing the row between the kill and here is a failure.
+        assert row.status == "failed" and "died" in row.error_message, f"{row.status}: {row.error_message}\n{first.log()}"
 
     with Gateway(FAST_HEARTBEAT) as second:
         row = audit_row(request_id, timeout=10)
