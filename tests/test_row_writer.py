@@ -3,6 +3,7 @@ own `get_db_prep_save` would have returned, on whichever database the suite runs
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -11,7 +12,7 @@ from django.db import connection, models
 
 from messages_api.models import MessageRequest
 from workers.models import Reservation
-from workers.writer import PASSED_THROUGH, _column_field, prepare_row
+from workers.writer import PASSED_THROUGH, SLICE_ROWS, RowWriter, _column_field, prepare_row
 
 NOW = datetime(2026, 12, 4, 15, 0, 0, 123456, tzinfo=timezone.utc)
 
@@ -54,9 +55,16 @@ def test_a_value_of_another_type_or_a_field_subclass_is_prepared_by_django(db: A
     assert prepare_row({"a": "quiet", "b": "12"}, ("a", "b"), [shouting, integer]) == ["QUIET", 12]
 
 
-def test_rows_written_through_the_writer_read_back_equal(transactional_db: Any) -> None:
-    from workers.writer import RowWriter
+def reservation_row(reservation_id: str, outcome: str = "") -> dict[str, Any]:
+    """A reservation's columns, as the gateway hands them to the writer."""
+    return {
+        "reservation_id": reservation_id, "request_id": f"req_{reservation_id}", "endpoint_id": 1,
+        "endpoint_url": "http://w", "pool_name": "p", "stage": "generation", "gateway_instance": "gw",
+        "reserved_at": NOW, "released_at": None, "outcome": outcome,
+    }  # fmt: skip
 
+
+def test_rows_written_through_the_writer_read_back_equal(transactional_db: Any) -> None:
     writer = RowWriter(0.0)
     values = {
         "request_id": "req_prepared", "received_at": NOW, "route": "POST /v1/messages", "model": "m",
@@ -76,19 +84,11 @@ def test_rows_written_through_the_writer_read_back_equal(transactional_db: Any) 
 def test_a_flush_does_not_wait_for_the_batching_window(transactional_db: Any) -> None:
     """Rows wait up to the window for more to share their transaction, but a flush (shutdown,
     tests) writes them at once; rows that come meanwhile still join a batch."""
-    import time
-
-    from workers.writer import RowWriter
-
     writer = RowWriter(30.0)
     try:
         started = time.monotonic()
         for i in range(3):
-            writer.upsert(Reservation, "reservation_id", {
-                "reservation_id": f"res_{i}", "request_id": f"req_{i}", "endpoint_id": 1, "endpoint_url": "http://w",
-                "pool_name": "p", "stage": "generation", "gateway_instance": "gw", "reserved_at": NOW,
-                "released_at": None, "outcome": "",
-            })  # fmt: skip
+            writer.upsert(Reservation, "reservation_id", reservation_row(f"res_{i}"))
         assert writer.flush(timeout=10.0)
         assert time.monotonic() - started < 5.0
         assert Reservation.objects.filter(reservation_id__startswith="res_").count() == 3
@@ -97,21 +97,14 @@ def test_a_flush_does_not_wait_for_the_batching_window(transactional_db: Any) ->
         writer.close()
 
 
-
 def test_a_batch_bigger_than_a_slice_is_written_whole_in_one_transaction(transactional_db: Any) -> None:
     """A big batch is written in slices (the loop gets the GIL between them), all in one
     transaction, and no row is lost or written twice at the slices' edges."""
-    from workers.writer import SLICE_ROWS, RowWriter
-
     writer = RowWriter(30.0)
     count = 2 * SLICE_ROWS + 5
     try:
         for i in range(count):
-            writer.upsert(Reservation, "reservation_id", {
-                "reservation_id": f"slice_{i}", "request_id": f"req_{i}", "endpoint_id": 1, "endpoint_url": "http://w",
-                "pool_name": "p", "stage": "generation", "gateway_instance": "gw", "reserved_at": NOW,
-                "released_at": None, "outcome": str(i),
-            })  # fmt: skip
+            writer.upsert(Reservation, "reservation_id", reservation_row(f"slice_{i}", outcome=str(i)))
         assert writer.flush(timeout=10.0)
         assert writer.batches_written == 1 and writer.rows_written == count
         rows = dict(Reservation.objects.filter(reservation_id__startswith="slice_").values_list("reservation_id", "outcome"))
