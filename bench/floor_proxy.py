@@ -37,7 +37,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from messages_api.sse import encode_events, text_delta_frame  # noqa: E402  (the gateway's frames)
+from messages_api.framing import encode_events, text_delta_frame  # noqa: E402  (the gateway's frames)
 
 _REFRAME_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
                  b"transfer-encoding: chunked\r\n\r\n")

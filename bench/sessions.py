@@ -443,8 +443,8 @@ def longest_chat(workload: Workload) -> dict[str, Any]:
 def index_marks(workload: Workload, args: argparse.Namespace) -> tuple[int, float]:
     """PREFIX_INDEX_CHUNKS_PER_ENDPOINT sized like the sims' caches, and the rendered bytes per
     sim token it assumed."""
-    from workers.prefix_index import Prompt
-    from workers.rendered_chat import RenderedChat
+    from workers.routing.prefix_index import Prompt
+    from workers.schedule.rendered_chat import RenderedChat
     from workers.sim.tokenizer import tokenize_chat
 
     chat = longest_chat(workload)
@@ -456,7 +456,7 @@ def index_marks(workload: Workload, args: argparse.Namespace) -> tuple[int, floa
 
 def index_cost(workload: Workload, chunk_bytes: int, sessions: int = 10000) -> dict[str, Any]:
     """CPU of one request's whole index work on the largest prompt of the workload, as
-    `workers.router` and the pipeline do it on a pool of 4 generation and 2 context endpoints that
+    `workers.routing.router` and the pipeline do it on a pool of 4 generation and 2 context endpoints that
     all know the prompt: the key (digests and offsets over the serialized prompt), the generation
     matches, the chosen one's held match, recording it and confirming it on the first token; with a
     context phase, also the context matches, recording and confirming the context endpoint. The
@@ -464,8 +464,8 @@ def index_cost(workload: Workload, chunk_bytes: int, sessions: int = 10000) -> d
     index, once, for its worker bodies; its cost is reported apart (`render_us`).
     Best of 15 rounds of 200, the variants interleaved (the machine is shared); page faults
     counted alongside. Then the index's memory with `sessions` conversations of that shape."""
-    from workers.prefix_index import PrefixIndex, Prompt
-    from workers.rendered_chat import RenderedChat
+    from workers.routing.prefix_index import PrefixIndex, Prompt
+    from workers.schedule.rendered_chat import RenderedChat
 
     chat = longest_chat(workload)
     rendered = RenderedChat(chat)

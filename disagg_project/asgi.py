@@ -14,8 +14,8 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
-from messages_api.routing import http_application  # noqa: E402
-from workers import services  # noqa: E402
+from messages_api.routes import http_application  # noqa: E402
+from workers.cluster import services  # noqa: E402
 
 application = ProtocolTypeRouter({"http": http_application(django_asgi_app)})
 
@@ -28,14 +28,14 @@ def _start_services_with_daphne() -> None:
         return
     loop = reactor._asyncioEventloop  # the loop daphne runs
     loop.call_soon(lambda: loop.create_task(_start()))
-    from messages_api import state_dump
+    from messages_api.server import state_dump
 
     state_dump.install(loop)  # kill -USR1: thread and task stacks to the log
     loop.call_soon(_no_delay_on_listening_sockets, reactor)
     # Close the worker connection pools while the loop still runs (after daphne has stopped the
     # applications), instead of leaving them to be collected.
     reactor.addSystemEventTrigger("before", "shutdown", _close_worker_transport)
-    from messages_api import drain
+    from messages_api.server import drain
 
     drain.install(reactor)
 
@@ -43,7 +43,7 @@ def _start_services_with_daphne() -> None:
 def _close_worker_transport() -> object:
     from twisted.internet.defer import Deferred
 
-    from workers.client import close_transport
+    from workers.wire.client import close_transport
 
     return Deferred.fromFuture(asyncio.ensure_future(close_transport()))
 
@@ -81,17 +81,17 @@ Gauge("gateway_gc_frozen_objects", "Objects loaded at start-up that the garbage 
 def _guard_http_intake() -> None:
     """Under daphne (its command line imports this module before it runs the server) bound what a
     client sends while daphne parses it: body limit, read deadline, errors in Anthropic's
-    envelope (messages_api/http_guard.py)."""
+    envelope (messages_api/server/http_guard.py)."""
     daphne_server = sys.modules.get("daphne.server")
     if daphne_server is None:
         return
-    from messages_api import http_guard
+    from messages_api.server import http_guard
 
     http_guard.install(daphne_server)
     from django.conf import settings
 
     if settings.GATEWAY_DIRECT_WRITES:
-        from messages_api import direct_write
+        from messages_api.server import direct_write
 
         direct_write.install()
 

@@ -199,7 +199,7 @@ MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
 MESSAGES_REQUEST_DEADLINE_S = env_float("MESSAGES_REQUEST_DEADLINE_S", 3600.0)
 # Largest request body accepted (Anthropic's limit is 32 MB); larger gets 413 request_too_large.
 MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
-# Request intake (messages_api/http_guard.py): enforced while daphne parses, before any body is
+# Request intake (messages_api/server/http_guard.py): enforced while daphne parses, before any body is
 # buffered and before the API key is looked at. A declared Content-Length over the limit is
 # refused before the body is read; a chunked body is cut at it. A request's line, headers and
 # body must all arrive within this many seconds of its first byte (408 otherwise).
@@ -210,7 +210,7 @@ MESSAGES_MAX_JSON_DEPTH = env_int("MESSAGES_MAX_JSON_DEPTH", 64)
 
 # Worker HTTP client. Every *_TIMEOUT_S below but the connect one is a deadline for a whole phase,
 # not a per-read timeout: a worker trickling a byte at a time cannot hold a request past it. A
-# passed deadline is a 504 `timeout` (workers.client).
+# passed deadline is a 504 `timeout` (workers.wire.client).
 WORKER_CONNECT_TIMEOUT_S = env_float("WORKER_CONNECT_TIMEOUT_S", 5.0)
 # The whole context-phase call, from sending it to the last byte of its answer (the prefill of a
 # long prompt may take minutes).
@@ -243,10 +243,10 @@ WORKER_MAX_RESPONSE_HEADER_BYTES = env_int("WORKER_MAX_RESPONSE_HEADER_BYTES", 6
 # generation worker to take the KV handoff (so the context worker frees it) before closing.
 WORKER_HANDOFF_RELEASE_TIMEOUT_S = env_float("WORKER_HANDOFF_RELEASE_TIMEOUT_S", 5.0)
 # On SIGTERM, stop accepting and let requests in flight finish for this long before cancelling
-# them (messages_api/drain.py); 0 stops at once. Below the usual 30 s grace of an orchestrator.
+# them (messages_api/server/drain.py); 0 stops at once. Below the usual 30 s grace of an orchestrator.
 GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 25.0)
 # Write response bytes straight to the client's socket when nothing is queued before them, instead
-# of on the next loop iteration (messages_api/direct_write.py); off only to compare.
+# of on the next loop iteration (messages_api/server/direct_write.py); off only to compare.
 GATEWAY_DIRECT_WRITES = env_bool("GATEWAY_DIRECT_WRITES", True)
 
 # How often each process re-reads pools and endpoints from the database.
@@ -256,7 +256,7 @@ REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
 # came. A transaction's cost is mostly the pages it rewrites (SQLite: ~13 for one audit row, whose
 # table has nine indexes; rows written together share most of them), so the window sets the
 # writer's CPU: at 10 streams/s, 1.1 ms per stream at 50 ms and 0.56 at 250 ms
-# (workers/writer.py). It is also how long a row may live only in memory.
+# (workers/cluster/writer.py). It is also how long a row may live only in memory.
 AUDIT_FLUSH_INTERVAL_S = env_float("AUDIT_FLUSH_INTERVAL_S", 0.25)
 # Requests refused without a valid API key are all counted (gateway_unauthenticated_rejections_total)
 # but only this many per second per process get an audit row, so a flood cannot fill the database.
@@ -286,14 +286,14 @@ BREAKER_KEY_WINDOW_S = env_float("BREAKER_KEY_WINDOW_S", 60.0)
 # reservations and in-progress audit rows are closed by the next live process that sweeps.
 GATEWAY_HEARTBEAT_INTERVAL_S = env_float("GATEWAY_HEARTBEAT_INTERVAL_S", 5.0)
 GATEWAY_DEAD_AFTER_S = env_float("GATEWAY_DEAD_AFTER_S", 3 * GATEWAY_HEARTBEAT_INTERVAL_S)
-# A process on the same host is judged by its PID instead (workers/recovery.py), and counted as
+# A process on the same host is judged by its PID instead (workers/cluster/recovery.py), and counted as
 # hung, hence dead, only when its heartbeat is this old: a starved host delays heartbeats.
 GATEWAY_HUNG_AFTER_S = env_float("GATEWAY_HUNG_AFTER_S", 300.0)
 
 # /metrics is served to loopback clients, or to any client presenting this bearer token.
 METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")
 
-# Prefix-cache-aware routing (`cache_aware`, workers/prefix_index.py). The gateway's index of what
+# Prefix-cache-aware routing (`cache_aware`, workers/routing/prefix_index.py). The gateway's index of what
 # each endpoint holds: prompts digested part by part (tools, then each message), with a mark kept
 # about every CHUNK_BYTES of prompt (about a quarter as many tokens) plus one at the shared head's
 # end and one at the prompt's end; at most CHUNKS_PER_ENDPOINT marks per endpoint (LRU; size it

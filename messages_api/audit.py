@@ -18,9 +18,9 @@ from django.conf import settings
 
 from messages_api import metrics
 from messages_api.models import MessageRequest, RequestStatus
-from workers.instance import GATEWAY_INSTANCE
-from workers.trace import RunTrace, Traced
-from workers.writer import get_writer
+from workers.cluster.instance import GATEWAY_INSTANCE
+from workers.schedule.trace import RunTrace, Traced
+from workers.cluster.writer import get_writer
 
 access_log = logging.getLogger("messages_api.access")
 
@@ -198,7 +198,7 @@ def sample_unauthenticated() -> int | None:
 
 
 def close_abandoned_requests(sender: object, instances: list[str], reason: str, **kwargs: Any) -> None:
-    """`workers.recovery.process_abandoned` receiver: a dead process's requests end `failed`."""
+    """`workers.cluster.recovery.process_abandoned` receiver: a dead process's requests end `failed`."""
     MessageRequest.objects.filter(gateway_instance__in=instances, status=RequestStatus.IN_PROGRESS).update(
         status=RequestStatus.FAILED, error_type="api_error", error_message=reason
     )

@@ -31,10 +31,10 @@ from django.conf import settings
 
 from messages_api import metrics
 from messages_api.accumulate import accumulate_message
-from messages_api.arrival import seconds_since_received
+from messages_api.server.arrival import seconds_since_received
 from messages_api.audit import AuditRecord, sample_unauthenticated
 from messages_api.auth import Principal, key_cache, key_from_headers
-from messages_api.body_writer import BodyWriter, body_writer
+from messages_api.server.body_writer import BodyWriter, body_writer
 from messages_api.convert import to_chat_request
 from messages_api.errors import (
     AnthropicError,
@@ -48,15 +48,15 @@ from messages_api.request_context import current_request_id
 from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
-from messages_api.sse import PING_FRAME, encode_events
+from messages_api.framing import PING_FRAME, encode_events
 from messages_api.validation import (
     validate_count_tokens_request,
     validate_messages_request,
 )
-from workers.errors import WorkerError
-from workers.pipeline import ChatRun
-from workers.prompt_tokens import count_prompt_tokens
-from workers.registry import PoolInfo, get_registry
+from workers.exceptions import WorkerError
+from workers.schedule.pipeline import ChatRun
+from workers.schedule.prompt_tokens import count_prompt_tokens
+from workers.cluster.registry import PoolInfo, get_registry
 
 if TYPE_CHECKING:
     from asgiref.typing import HTTPDisconnectEvent, HTTPRequestEvent
@@ -175,7 +175,7 @@ class ApiConsumer(AsyncHttpConsumer):
             self.response_finished = True
         else:
             # A middle frame (an SSE event, a ping): straight to daphne's request when this is
-            # daphne (messages_api/body_writer.py); the last one goes through `send`, which ends it.
+            # daphne (messages_api/server/body_writer.py); the last one goes through `send`, which ends it.
             writer = self._writer()
             if writer is not None:
                 writer(body)

@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from messages_api.errors import AnthropicError
-from messages_api.sse import text_delta_frame
+from messages_api.framing import text_delta_frame
 
 __all__ = ["StreamReframer"]
 

@@ -11,10 +11,10 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_safe
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from messages_api import drain
+from messages_api.server import drain
 from workers.protocols import AGGREGATED
-from workers.registry import PoolInfo, get_registry
-from workers.router import candidates
+from workers.cluster.registry import PoolInfo, get_registry
+from workers.routing.router import candidates
 
 
 @require_safe
@@ -60,7 +60,7 @@ async def ready(request: HttpRequest) -> JsonResponse:
                     ready = ready and counts[role]["routable"] > 0
             pools[pool.name] = {"id": pool.id, "model": pool.model, **counts}
         ready = ready and bool(snapshot.pools)
-    # A process finishing its requests after SIGTERM takes no new ones (messages_api/drain.py).
+    # A process finishing its requests after SIGTERM takes no new ones (messages_api/server/drain.py).
     status = "draining" if drain.is_draining() else "ready" if ready else "not ready"
     return JsonResponse(
         {"status": status, "database": "ok" if database else "unreachable", "pools": pools},

@@ -73,7 +73,7 @@ def sim_pair() -> Iterator[Callable[..., tuple[SimWorker, SimWorker]]]:
 async def close_worker_transport() -> AsyncIterator[None]:
     """A test that calls workers in-process gets its loop's connection pools; close them with it."""
     yield
-    from workers.client import close_transport
+    from workers.wire.client import close_transport
 
     await close_transport()
 
@@ -86,7 +86,7 @@ def release_test_database(django_db_setup: Any, django_db_blocker: Any) -> Itera
     yield
     from django.db import connection
 
-    from workers.writer import get_writer
+    from workers.cluster.writer import get_writer
 
     with django_db_blocker.unblock():
         get_writer().flush()

@@ -116,7 +116,7 @@ class Gateway:
 
     def dump_stacks(self) -> None:
         """Ask the process to write its thread and task stacks to its log (`kill -USR1`,
-        messages_api/state_dump.py)."""
+        messages_api/server/state_dump.py)."""
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGUSR1)
 

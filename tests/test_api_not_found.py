@@ -1,4 +1,4 @@
-"""Unknown API paths answer Anthropic's 404 envelope, through a real daphne (messages_api.routing)."""
+"""Unknown API paths answer Anthropic's 404 envelope, through a real daphne (messages_api.routes)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The request's arrival as daphne stamped it, read through the `send` daphne gives the
-application (messages_api.arrival), checked against daphne's own Server.create_application."""
+application (messages_api.server.arrival), checked against daphne's own Server.create_application."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from daphne.server import Server
 
-from messages_api.arrival import seconds_since_received
+from messages_api.server.arrival import seconds_since_received
 from messages_api.audit import AuditRecord
 
 

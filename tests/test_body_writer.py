@@ -1,4 +1,4 @@
-"""messages_api/body_writer.py: a stream's middle frames written to daphne's request directly give
+"""messages_api/server/body_writer.py: a stream's middle frames written to daphne's request directly give
 the bytes daphne's own path gives, and nothing once the client is gone. Run against daphne's real
 Server, HTTP factory and request (on a Twisted test transport), so a daphne or Twisted upgrade that
 changes what the writer relies on fails here."""
@@ -16,8 +16,8 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.web import http
 
-from messages_api import body_writer as body_writer_module
-from messages_api.body_writer import body_writer
+from messages_api.server import body_writer as body_writer_module
+from messages_api.server.body_writer import body_writer
 
 REQUEST = b"POST /v1/messages HTTP/1.1\r\nhost: gateway\r\ncontent-length: 2\r\n\r\n{}"
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}

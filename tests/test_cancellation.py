@@ -16,9 +16,9 @@ from channels.testing import ApplicationCommunicator
 
 from messages_api.consumers import MessagesConsumer
 from tests.conftest import Cluster, audit_row, consumer_scope, reservations_closed
-from workers import pipeline
+from workers.schedule import pipeline
 from workers.protocols import trtllm
-from workers.registry import get_registry
+from workers.cluster.registry import get_registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -1,4 +1,4 @@
-"""workers.chunked: the incremental chunked-coding decoder that relays a worker's stream."""
+"""workers.wire.chunked: the incremental chunked-coding decoder that relays a worker's stream."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.chunked import MAX_SIZE_LINE_BYTES, MAX_TRAILER_BYTES, ChunkedDecoder, ChunkedFramingError
+from workers.wire.chunked import MAX_SIZE_LINE_BYTES, MAX_TRAILER_BYTES, ChunkedDecoder, ChunkedFramingError
 
 
 def encode(chunks: list[bytes], extension: bytes = b"", trailer: bytes = b"") -> bytes:

@@ -1,4 +1,4 @@
-"""workers.completion.Completion: one outcome, many waiters, never cancelled by them."""
+"""workers.schedule.completion.Completion: one outcome, many waiters, never cancelled by them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from workers.completion import Completion
+from workers.schedule.completion import Completion
 
 
 async def test_waiters_get_the_result_on_the_next_turn_after_the_work_sets_it() -> None:

@@ -15,7 +15,7 @@ from channels.testing import ApplicationCommunicator
 from messages_api.consumers import MessagesConsumer
 from messages_api.reframe import StreamReframer
 from tests.conftest import Cluster, audit_row, consumer_scope, reservations_closed
-from workers.registry import get_registry
+from workers.cluster.registry import get_registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

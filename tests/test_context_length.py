@@ -27,8 +27,8 @@ from tests.conftest import Cluster, audit_row, wait_registered
 from tests.gateway import Gateway
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker
-from workers.client import open_stream, post_completion, worker_error
-from workers.errors import ContextLengthExceeded, OutputLimitExceeded, WorkerError
+from workers.wire.client import open_stream, post_completion, worker_error
+from workers.exceptions import ContextLengthExceeded, OutputLimitExceeded, WorkerError
 
 
 def too_long(prompt: int, maximum: int) -> str:

@@ -1,4 +1,4 @@
-"""workers.db_thread: background ORM work on a thread of its own, which keeps its SQLite
+"""workers.cluster.db_thread: background ORM work on a thread of its own, which keeps its SQLite
 connection between calls (opening one per call was ~30 % of an idle gateway's CPU), hands a
 pooled one back after every call, and drops either after a call that failed."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from workers.db_thread import DatabaseThread
+from workers.cluster.db_thread import DatabaseThread
 from workers.models import WorkerPool
 
 

@@ -1,4 +1,4 @@
-"""messages_api/direct_write.py: bytes go straight to the socket when nothing is queued, and
+"""messages_api/server/direct_write.py: bytes go straight to the socket when nothing is queued, and
 through Twisted's queue (in order) otherwise."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from twisted.internet import abstract, tcp
 
-from messages_api import direct_write
-from messages_api.direct_write import DirectWriteServer
+from messages_api.server import direct_write
+from messages_api.server.direct_write import DirectWriteServer
 
 
 class RecordingReactor:

@@ -13,7 +13,7 @@ from messages_api.errors import (
     from_error_event,
     operator_detail,
 )
-from workers.errors import ContextLengthExceeded, NoEndpointAvailable, StreamBroken, WorkerError
+from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, StreamBroken, WorkerError
 
 
 def test_every_error_type_maps_back_to_a_status_of_its_own_type() -> None:

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from workers import health as health_module
-from workers.errors import StreamBroken, WorkerError, WorkerUnreachable
-from workers.health import BreakerState, EndpointHealth, FailureScope, failure_scope
-from workers.registry import EndpointInfo
+from workers.cluster import health as health_module
+from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
+from workers.cluster.health import BreakerState, EndpointHealth, FailureScope, failure_scope
+from workers.cluster.registry import EndpointInfo
 
 ENDPOINT = EndpointInfo(id=7, pool_name="p", role="generation", url="http://w", enabled=True, draining=False, healthy=True)
 

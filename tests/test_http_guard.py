@@ -1,4 +1,4 @@
-"""The HTTP intake guard (messages_api/http_guard.py), against a real daphne process on real sockets:
+"""The HTTP intake guard (messages_api/server/http_guard.py), against a real daphne process on real sockets:
 body limits before buffering, the read deadline, and Twisted's and daphne's own rejections in
 Anthropic's envelope. None of the requests carries an API key: the guard acts before the
 application exists. The last tests check the daphne and Twisted internals the guard relies on."""
@@ -19,8 +19,8 @@ from daphne.http_protocol import HTTPFactory
 from daphne.server import Server
 from twisted.web.http import HTTPChannel
 
-from messages_api import http_guard
-from messages_api.http_guard import RELIED_ON, GuardedChannel, GuardedHTTPFactory, GuardedRequest
+from messages_api.server import http_guard
+from messages_api.server.http_guard import RELIED_ON, GuardedChannel, GuardedHTTPFactory, GuardedRequest
 from tests.gateway import Gateway
 
 LIMIT = 100_000

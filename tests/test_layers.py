@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from workers import services
-from workers.registry import Registry
+from workers.cluster import services
+from workers.cluster.registry import Registry
 
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 

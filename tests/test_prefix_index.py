@@ -12,12 +12,12 @@ from django.test import override_settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers import router
-from workers.prefix_index import PrefixIndex, Prompt, get_index
-from workers.rendered_chat import RenderedChat
-from workers.registry import EndpointInfo, PoolInfo
-from workers.reservations import Reservation
-from workers.writer import get_writer
+from workers.routing import router
+from workers.routing.prefix_index import PrefixIndex, Prompt, get_index
+from workers.schedule.rendered_chat import RenderedChat
+from workers.cluster.registry import EndpointInfo, PoolInfo
+from workers.routing.reservations import Reservation
+from workers.cluster.writer import get_writer
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 200}
 TOOLS = [{"type": "function", "function": {"name": f"tool{i}", "parameters": {"type": "object", "description": "x" * 300}}} for i in range(8)]

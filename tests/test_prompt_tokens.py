@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from messages_api.convert import to_chat_request
-from workers.prompt_tokens import _PER_IMAGE, _PER_MESSAGE, _text_tokens, estimate_prompt_tokens
+from workers.schedule.prompt_tokens import _PER_IMAGE, _PER_MESSAGE, _text_tokens, estimate_prompt_tokens
 
 _PIECE = re.compile(r"\w+|[^\w\s]")
 

@@ -22,10 +22,10 @@ from tests.conftest import Cluster, register_cluster, reservations_closed
 from tests.simworkers import SimWorker
 from workers import protocols
 from workers.checks import check_pool_protocols
-from workers.errors import WorkerError
-from workers.pipeline import ChatRun
+from workers.exceptions import WorkerError
+from workers.schedule.pipeline import ChatRun
 from workers.protocols.base import AGGREGATED, Call, WorkerProtocol
-from workers.registry import PoolInfo, get_registry
+from workers.cluster.registry import PoolInfo, get_registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

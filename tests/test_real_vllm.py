@@ -230,7 +230,7 @@ def test_claude_code_through_the_gateway(gateway: Gateway, cluster: EngineCluste
 
 
 def test_count_tokens_is_the_engines_own_count(gateway: Gateway, cluster: EngineCluster) -> None:
-    from workers.prompt_tokens import estimate_prompt_tokens
+    from workers.schedule.prompt_tokens import estimate_prompt_tokens
 
     payload = {"model": "tiny-llama", "system": SYSTEM, "messages": [{"role": "user", "content": QUESTION}], "tools": [WEATHER_TOOL]}
     answer = post(gateway, cluster, payload, "/v1/messages/count_tokens")
@@ -390,7 +390,7 @@ def engine_settles(gateway: Gateway, cluster: EngineCluster, request_id: str) ->
 
 def gateway_state(gateway: Gateway) -> str:
     """Whether the gateway still answers (a wedged event loop does not), after asking it to write
-    its thread and task stacks to its log (`kill -USR1`, messages_api/state_dump.py)."""
+    its thread and task stacks to its log (`kill -USR1`, messages_api/server/state_dump.py)."""
     gateway.dump_stacks()
     try:
         answered = f"answers /ready ({httpx.get(gateway.url + '/ready', timeout=5).status_code})"

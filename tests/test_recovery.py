@@ -1,4 +1,4 @@
-"""Which gateway processes count as dead (workers.recovery.dead_instances), against real processes.
+"""Which gateway processes count as dead (workers.cluster.recovery.dead_instances), against real processes.
 
 A process on this host is judged by its PID: a late heartbeat alone (a starved host) does not
 make a running process dead, while a gone PID or a zombie does, and so does a heartbeat older
@@ -47,7 +47,7 @@ def row(instance: str, *, started_ago: float = 0.0, seen_ago: float = 0.0) -> An
 
 
 def dead() -> list[str]:
-    from workers.recovery import dead_instances
+    from workers.cluster.recovery import dead_instances
 
     return dead_instances(DEAD_AFTER_S, HUNG_AFTER_S)
 
@@ -88,7 +88,7 @@ def test_a_zombie_on_this_host_is_dead() -> None:
 
 
 def test_this_process_is_never_dead() -> None:
-    from workers.instance import GATEWAY_INSTANCE
+    from workers.cluster.instance import GATEWAY_INSTANCE
 
     row(GATEWAY_INSTANCE, seen_ago=HUNG_AFTER_S * 2)
     assert dead() == []

@@ -1,10 +1,10 @@
-"""workers.redact: what a client, the audit row and the log see of a worker's error text."""
+"""workers.wire.redact: what a client, the audit row and the log see of a worker's error text."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.redact import CLIENT_LIMIT, audit_text, client_text, log_text, mask_credentials
+from workers.wire.redact import CLIENT_LIMIT, audit_text, client_text, log_text, mask_credentials
 
 # The probe from issue 9 (item 4): a FastAPI 500 carrying a traceback, an engine path, a peer's
 # address and a key.

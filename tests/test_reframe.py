@@ -20,8 +20,8 @@ from anthropic.lib.streaming._messages import accumulate_event
 from messages_api.accumulate import accumulate_message
 from messages_api.errors import AnthropicError
 from messages_api.reframe import StreamReframer
-from messages_api.sse import PING_FRAME, encode_event
-from workers.pipeline import completion_as_chunks
+from messages_api.framing import PING_FRAME, encode_event
+from workers.schedule.pipeline import completion_as_chunks
 
 Event = dict[str, Any]
 

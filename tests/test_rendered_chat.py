@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from messages_api.convert import to_chat_request
 from workers import protocols
 from workers.models import ScheduleStyle
-from workers.prompt_tokens import estimate_prompt_tokens
+from workers.schedule.prompt_tokens import estimate_prompt_tokens
 from workers.protocols import Call, ContextPeer, WorkerProtocol
-from workers.rendered_chat import RenderedChat
+from workers.schedule.rendered_chat import RenderedChat
 
 FIXTURE = Path(__file__).parent / "fixtures" / "claude_code_request.json"
 

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-import workers.metrics  # noqa: F401  (registers the cluster collector)
+import workers.cluster.metrics  # noqa: F401  (registers the cluster collector)
 from tests.conftest import reservations_closed
-from workers.registry import EndpointInfo
-from workers.reservations import Reservation, ledger
+from workers.cluster.registry import EndpointInfo
+from workers.routing.reservations import Reservation, ledger
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

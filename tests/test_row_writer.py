@@ -12,7 +12,7 @@ from django.db import connection, models
 
 from messages_api.models import MessageRequest
 from workers.models import Reservation
-from workers.writer import PASSED_THROUGH, SLICE_ROWS, RowWriter, _column_field, prepare_row
+from workers.cluster.writer import PASSED_THROUGH, SLICE_ROWS, RowWriter, _column_field, prepare_row
 
 NOW = datetime(2026, 12, 4, 15, 0, 0, 123456, tzinfo=timezone.utc)
 

@@ -16,7 +16,7 @@ import pytest
 from daphne.http_protocol import HTTPFactory
 from daphne.server import Server
 
-from messages_api import drain
+from messages_api.server import drain
 from messages_api.models import MessageRequest
 from tests.conftest import Cluster, audit_row, register_cluster, reservations_closed, wait_until
 from tests.gateway import PROJECT_ROOT, gateway_env

@@ -20,14 +20,14 @@ from tests.gateway import Gateway
 from tests.ports import unused_port
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker
-from workers.errors import WorkerError
+from workers.exceptions import WorkerError
 from workers.protocols import lookup
 from workers.protocols.base import AGGREGATED, GENERATION_FIRST, Call, ContextPeer
 from workers.protocols.sglang import PROTOCOL
 from workers.sim.config import SimConfig
 from workers.sim.dialects import get as dialect
 from workers.sim.dialects.sglang import NO_ROOM
-from workers.sim.errors import SimError
+from workers.sim.error_answers import SimError
 from workers.sim.process import stop_process
 
 CHAT: dict[str, Any] = {"model": "sim-model", "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}]}

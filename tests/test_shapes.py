@@ -1,4 +1,4 @@
-"""workers.shapes: worker answers checked against the documented OpenAI chat shapes."""
+"""workers.wire.shapes: worker answers checked against the documented OpenAI chat shapes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from workers.shapes import ShapeError, check_chunk, check_completion
+from workers.wire.shapes import ShapeError, check_chunk, check_completion
 
 
 def chunk(delta: Any = None, finish_reason: Any = None, **choice: Any) -> dict[str, Any]:
@@ -122,7 +122,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from messages_api.errors import AnthropicError  # noqa: E402
 from messages_api.reframe import StreamReframer  # noqa: E402
-from workers.pipeline import completion_as_chunks  # noqa: E402
+from workers.schedule.pipeline import completion_as_chunks  # noqa: E402
 
 # Wrong values, truthy ones first: a falsy wrong value is mostly skipped by its readers.
 JUNK = st.sampled_from([5, 1.5, True, [1], {"a": 1}, "x", -1, None, [], {}])

@@ -1,4 +1,4 @@
-"""workers.sse: the event stream decoder, without an event loop.
+"""workers.wire.sse_decoder: the event stream decoder, without an event loop.
 
 The property tests compare the decoder, fed a stream in any split, with a reference that reads
 the whole stream at once; the cost tests show a line without a newline is refused in linear time.
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.sse import Event, SSEDecoder, SSELineTooLong
+from workers.wire.sse_decoder import Event, SSEDecoder, SSELineTooLong
 
 LIMIT = 8 * 1024 * 1024
 

@@ -1,5 +1,5 @@
 """`kill -USR1` makes a gateway write its threads' stacks and its asyncio tasks' await chains to
-its log (messages_api/state_dump.py): the evidence a stuck request leaves."""
+its log (messages_api/server/state_dump.py): the evidence a stuck request leaves."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import io
 import time
 from typing import Any
 
-from messages_api.state_dump import await_chain, dump_tasks
+from messages_api.server.state_dump import await_chain, dump_tasks
 from tests.gateway import Gateway
 
 

@@ -1,9 +1,9 @@
 """A worker stream whose bytes are all buffered still gives the event loop a turn every
-`YIELD_EVERY_CHUNKS` chunks (workers/client.py): otherwise one fast stream holds the loop while
+`YIELD_EVERY_CHUNKS` chunks (workers/wire/client.py): otherwise one fast stream holds the loop while
 it relays, and other streams and this client's own hang-up wait behind it. Both ways a stream is
 read: iterated, and pushed (`ChunkStream.pump`, as the gateway relays under daphne), where each
 read is relayed in the callback that received it, so a read is bounded instead
-(`workers.transport.PUSH_READ_BYTES`)."""
+(`workers.wire.transport.PUSH_READ_BYTES`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.simworkers import SimWorker, start_simworker
-from workers import client
-from workers.transport import PUSH_READ_BYTES
+from workers.wire import client
+from workers.wire.transport import PUSH_READ_BYTES
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from messages_api.reframe import StreamReframer
-from messages_api.sse import encode_event, encode_events, text_delta_frame
+from messages_api.framing import encode_event, encode_events, text_delta_frame
 
 
 def reframer() -> StreamReframer:

@@ -1,4 +1,4 @@
-"""The worker transport (workers.transport, on aiohttp) against real TCP servers whose answers each
+"""The worker transport (workers.wire.transport, on aiohttp) against real TCP servers whose answers each
 test scripts byte by byte: keep-alive reuse, framing, the retry of a stale kept-alive connection,
 timeouts, the pool bound, back-pressure, closing a half-read answer, bounded response heads, TLS.
 Each test states what worker calls need, not how the transport does it (until issue 10 the same
@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from workers import client
-from workers.errors import WorkerError
-from workers.transport import WorkerTransport, body_reader, push_body
+from workers.wire import client
+from workers.exceptions import WorkerError
+from workers.wire.transport import WorkerTransport, body_reader, push_body
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -329,7 +329,7 @@ async def test_bytes_that_arrived_before_the_connection_was_lost_come_before_the
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 async def test_an_unread_answer_stops_reading_from_the_socket(chunked: bool) -> None:
     # Back-pressure: the gateway does not buffer an answer its client is not taking (a chunked
-    # body goes through workers.worker_protocol's decoder, any other through aiohttp's parser).
+    # body goes through workers.wire.connection's decoder, any other through aiohttp's parser).
     payload = b"x" * (16 * 1024 * 1024)  # more than the kernel buffers of both sides hold
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -526,7 +526,7 @@ async def test_the_client_maps_a_huge_head_to_a_worker_error() -> None:
     assert "127.0.0.1" not in str(caught.value)
 
 
-# --- pushed bodies (workers.transport.push_body: aiohttp's reader internals, checked here) ------------
+# --- pushed bodies (workers.wire.transport.push_body: aiohttp's reader internals, checked here) ------------
 
 
 class Pushed:

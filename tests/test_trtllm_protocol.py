@@ -28,7 +28,7 @@ from tests.conftest import SIGNING_KEY, Cluster, audit_row, register_cluster, re
 from tests.gateway import Gateway
 from tests.ports import refused_url, unused_port
 from tests.simworkers import SimWorker
-from workers.errors import MalformedAnswer, WorkerError, WorkerUnreachable
+from workers.exceptions import MalformedAnswer, WorkerError, WorkerUnreachable
 from workers.protocols import trtllm
 from workers.protocols.base import Call
 

@@ -18,11 +18,11 @@ from tests.ports import refused_url
 from tests.rawclient import RawStream
 from tests.simworkers import SimWorker
 from workers import protocols
-from workers.errors import MalformedAnswer
-from workers.pipeline import ChatRun
+from workers.exceptions import MalformedAnswer
+from workers.schedule.pipeline import ChatRun
 from workers.protocols import vllm
 from workers.protocols.base import Call, ContextPeer
-from workers.registry import get_registry
+from workers.cluster.registry import get_registry
 from workers.sim.dialects.vllm import engine_id
 
 PREFILL_PARAMS = {

@@ -1,4 +1,4 @@
-"""workers.client against a worker scripted byte by byte on a real socket: phase deadlines that a
+"""workers.wire.client against a worker scripted byte by byte on a real socket: phase deadlines that a
 trickling worker cannot stretch, size limits, malformed answers, error frames and scrubbed
 error text, each ending as its WorkerError in time.
 
@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 import pytest
 
-from workers import client
-from workers.errors import (
+from workers.wire import client
+from workers.exceptions import (
     AnswerTooLarge,
     ContextLengthExceeded,
     MalformedAnswer,
@@ -323,7 +323,7 @@ PROBE = (
 
 async def test_a_worker_error_answer_reaches_the_client_scrubbed_and_the_audit_redacted(caplog: pytest.LogCaptureFixture) -> None:
     body = orjson.dumps({"error": {"message": PROBE, "type": "InternalServerError", "code": 500}})
-    with caplog.at_level(logging.WARNING, logger="workers.client"):
+    with caplog.at_level(logging.WARNING, logger="workers.wire.client"):
         async with fake_worker(reply(json_answer(body, "500 Internal Server Error"))) as worker:
             error, _ = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
     assert error.status == 500

@@ -1,4 +1,4 @@
-"""workers.worker_protocol: a chunked answer's body is decoded by the gateway's own decoder (its
+"""workers.wire.connection: a chunked answer's body is decoded by the gateway's own decoder (its
 head, and every other body, by aiohttp's parser), against real TCP servers scripted byte by byte.
 What the relay needs of it: the body intact however the worker's writes split it, pushed or read,
 the connection back in the pool after a body read to its end, and never reused after a broken one.
@@ -13,8 +13,8 @@ import pytest
 from aiohttp.client_proto import ResponseHandler
 
 from tests.test_transport import Pushed, ScriptedServer, fetch, ok, read_request, wait_for, worker_transport
-from workers.transport import push_body
-from workers.worker_protocol import RelayedBodyParser, WorkerResponseHandler
+from workers.wire.transport import push_body
+from workers.wire.connection import RelayedBodyParser, WorkerResponseHandler
 
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 BODY = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]

@@ -169,7 +169,7 @@ class GatewayProcess(models.Model):
     """A running (or dead) gateway process, seen through its heartbeat.
 
     Rows a process leaves open when it dies (reservations, in-progress audit rows) are closed by
-    the first live process that notices it is gone (see `workers.recovery`).
+    the first live process that notices it is gone (see `workers.cluster.recovery`).
     """
 
     instance = models.CharField(max_length=64, unique=True)

@@ -1,7 +1,7 @@
 """The interface every worker protocol implements, and the neutral handoff between its phases.
 
 A protocol turns one OpenAI chat request into the worker requests of a schedule and reads the
-context worker's answer. The pipeline (`workers.pipeline`) drives the schedule: it routes,
+context worker's answer. The pipeline (`workers.schedule.pipeline`) drives the schedule: it routes,
 reserves, sends, retries and cleans up, and never looks inside what a protocol builds or reads.
 
 Schedules (`ScheduleStyle` values):
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from workers.errors import WorkerError
+from workers.exceptions import WorkerError
 
 AGGREGATED = "aggregated"
 CONTEXT_FIRST = "context_first"

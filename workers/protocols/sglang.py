@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from workers.errors import WorkerError
+from workers.exceptions import WorkerError
 from workers.protocols.base import (
     AGGREGATED,
     GENERATION_FIRST,

@@ -41,8 +41,8 @@ from typing import Any, ClassVar
 
 import orjson
 
-from workers import client
-from workers.errors import MalformedAnswer, WorkerError
+from workers.wire import client
+from workers.exceptions import MalformedAnswer, WorkerError
 from workers.protocols.base import (
     AGGREGATED,
     CONTEXT_FIRST,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from workers.errors import MalformedAnswer
+from workers.exceptions import MalformedAnswer
 from workers.protocols.base import (
     AGGREGATED,
     CONTEXT_FIRST,

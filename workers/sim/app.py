@@ -38,7 +38,7 @@ from .asgi import (
 )
 from .chat import ChatCompletions
 from .config import SimConfig
-from .errors import SimError, SimulatedDrop
+from .error_answers import SimError, SimulatedDrop
 from .handoffs import HandoffStore
 from .stats import Outcome, RequestLog, Stats
 from .tokenizer import tokenize, tokenize_chat

@@ -8,7 +8,7 @@ from typing import Any, Final, TypeVar
 
 import orjson
 
-from .errors import SimError
+from .error_answers import SimError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

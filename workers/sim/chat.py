@@ -11,7 +11,7 @@ import orjson
 from .asgi import Send, send_bytes, send_error
 from .config import SimConfig
 from .emit import EmitOptions, respond, stream
-from .errors import SimError, context_length_exceeded
+from .error_answers import SimError, context_length_exceeded
 from .handoffs import HandoffStore
 from .output import plan_generation, prompt_seed
 from .prefix_cache import PrefixCache

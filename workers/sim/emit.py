@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from .asgi import JSON_HEADERS, SSE_HEADERS, Send
-from .errors import SimulatedDrop
+from .error_answers import SimulatedDrop
 from .output import Generation
 from .wire import DONE_FRAME, ChunkFramer, chat_completion
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .directives import Directives, parse_messages
-from .errors import SimError
+from .error_answers import SimError
 
 RequestType = Literal["plain", "context_only", "generation_only"]
 

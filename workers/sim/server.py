@@ -12,7 +12,7 @@ import uvicorn
 
 from .app import SimApp
 from .config import SimConfig
-from .errors import SimulatedDrop
+from .error_answers import SimulatedDrop
 
 BACKLOG = 4096
 

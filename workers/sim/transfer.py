@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import orjson
 
-from .errors import SimError
+from .error_answers import SimError
 from .schema import DisaggParams
 
 TAKE_PATH = "/sim/kv/take"

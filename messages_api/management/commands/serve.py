@@ -10,7 +10,7 @@ process that accepted it, so that process sees its client leave. Under systemd s
 (`LISTEN_FDS`), the socket systemd passes is used instead of binding one.
 
 Signals: SIGTERM (or SIGINT) is forwarded to every child; each drains (stops accepting, finishes
-its requests for up to `GATEWAY_DRAIN_TIMEOUT_S`, see messages_api/drain.py) and exits; the
+its requests for up to `GATEWAY_DRAIN_TIMEOUT_S`, see messages_api/server/drain.py) and exits; the
 supervisor exits when they have, killing any still running `GATEWAY_DRAIN_TIMEOUT_S + 10` s
 later. A child that dies on its own is restarted; more than `MAX_RESTARTS` deaths within
 `RESTART_WINDOW_S` stop the whole server with exit status 1 (something is wrong that a restart

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import SimConfig
-from ..errors import SimError
+from ..error_answers import SimError
 from ..schema import DisaggParams
 
 

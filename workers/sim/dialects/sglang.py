@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 
 from ..config import SimConfig
-from ..errors import SimError
+from ..error_answers import SimError
 from ..schema import DisaggParams
 from ..wire import prefill_completion, usage
 from .base import ContextIssue, Dialect

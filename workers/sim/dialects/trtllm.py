@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from ..config import SimConfig
-from ..errors import SimError
+from ..error_answers import SimError
 from ..schema import DisaggParams, optional_int, optional_str
 from ..wire import prefill_completion
 from .base import ContextIssue, Dialect

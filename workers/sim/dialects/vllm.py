@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from ..config import SimConfig
-from ..errors import SimError
+from ..error_answers import SimError
 from ..schema import DisaggParams
 from ..wire import prefill_completion, usage
 from .base import ContextIssue, Dialect

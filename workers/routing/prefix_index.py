@@ -2,7 +2,7 @@
 
 The gateway routes before any worker has tokenized the prompt, so the index keys prompts by their
 rendered form: the OpenAI chat body's tools (one part), then each message (one part each),
-serialized as they go to the worker (`workers.rendered_chat.RenderedChat`). Each part's digest is
+serialized as they go to the worker (`workers.schedule.rendered_chat.RenderedChat`). Each part's digest is
 xxh3-64 seeded with the digest of the parts before it, so a digest stands for the whole prompt up
 to that part's end (as engines chain KV block hashes over token ids; a collision costs one wrong
 routing guess, never a wrong answer).
@@ -40,7 +40,7 @@ last-first, so the shared head of a conversation outlives its tail, as in the si
 vLLM's) cache.
 
 Context endpoints are indexed too: a context phase goes where the most of its prompt was sent
-(`workers.router.reserve` with the placement), and a context worker holds the prefix once it has
+(`workers.routing.router.reserve` with the placement), and a context worker holds the prefix once it has
 answered.
 
 An endpoint's entries are dropped when its cache is probably gone:
@@ -48,7 +48,7 @@ An endpoint's entries are dropped when its cache is probably gone:
   each routing decision): a worker that was down long enough for the prober to notice has very
   likely restarted with an empty cache;
 - a request to it fails in a way that says the endpoint itself failed (refused, reset or cut
-  connection, timeout; `workers.health.failure_scope` ENDPOINT): the process may have died, and
+  connection, timeout; `workers.cluster.health.failure_scope` ENDPOINT): the process may have died, and
   a restart between two probes would otherwise go unnoticed;
 - the worker itself reports no cached tokens for a prompt the index expected it to hold (the
   pipeline's `_check_cached_tokens`): its entries are dropped and that prompt recorded anew,
@@ -85,7 +85,7 @@ from typing import NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
-from workers.rendered_chat import RenderedChat
+from workers.schedule.rendered_chat import RenderedChat
 
 
 class PromptKey(NamedTuple):

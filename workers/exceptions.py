@@ -2,7 +2,7 @@
 
 `workers` knows nothing of Anthropic: a `WorkerError` carries the worker's HTTP status, a message
 a client may read (the engine's own words, scrubbed of addresses, paths, tracebacks and
-secrets: `workers.redact`), the stage it happened in, a machine-readable code, and `detail`, the
+secrets: `workers.wire.redact`), the stage it happened in, a machine-readable code, and `detail`, the
 fuller text an operator reads in the audit row (secrets masked).
 
     WorkerError
@@ -17,7 +17,7 @@ fuller text an operator reads in the audit row (secrets masked).
     ├── ContextLengthExceeded    400  the prompt (or prompt + output) does not fit the context window
     └── OutputLimitExceeded      400  the requested output alone is larger than the context window
 
-`workers.client` raises all but `NoEndpointAvailable` (the router's), from one place
+`workers.wire.client` raises all but `NoEndpointAvailable` (the router's), from one place
 (`client.boundary`).
 """
 

@@ -14,7 +14,7 @@ frame (`Request.write` itself: it writes the head), the last one (`more_body=Fal
 finishes the request and logs it) and every other message still go through `send`.
 
 It reads what daphne's `Server.create_application` binds into the application's `send`
-(`functools.partial(server.handle_reply, request)`, as messages_api/arrival.py does) and the
+(`functools.partial(server.handle_reply, request)`, as messages_api/server/arrival.py does) and the
 request and server attributes named in `RELIED_ON`; tests/test_body_writer.py checks them against
 daphne's own classes and the bytes against daphne's path. Any other server: None, and the
 consumer sends as before.

@@ -1,6 +1,6 @@
 """The identity of this gateway process in the rows it writes.
 
-The next start-up closes the open rows of instances that are gone (see `workers.recovery`).
+The next start-up closes the open rows of instances that are gone (see `workers.cluster.recovery`).
 """
 
 import os

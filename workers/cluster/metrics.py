@@ -13,9 +13,9 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from workers.health import BreakerState, health
-from workers.registry import get_registry
-from workers.reservations import ledger
+from workers.cluster.health import BreakerState, health
+from workers.cluster.registry import get_registry
+from workers.routing.reservations import ledger
 
 worker_retries = Counter(
     "gateway_worker_retries", "Worker requests retried on another endpoint, by stage.", ["stage"]

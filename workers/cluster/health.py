@@ -32,10 +32,10 @@ from enum import Enum
 
 from django.conf import settings
 
-from workers import client
-from workers.db_thread import DatabaseThread
-from workers.errors import StreamBroken, WorkerError, WorkerUnreachable
-from workers.registry import EndpointInfo, get_registry
+from workers.wire import client
+from workers.cluster.db_thread import DatabaseThread
+from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
+from workers.cluster.registry import EndpointInfo, get_registry
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def _write_probe(endpoint_id: int, state: ProbeState) -> None:
     )
 
 
-# The probes' writes' own thread (see workers.db_thread).
+# The probes' writes' own thread (see workers.cluster.db_thread).
 _PROBE_WRITES = DatabaseThread("health-db")
 
 

@@ -2,8 +2,8 @@
 
 A request's prompt is most of its bytes (a Claude Code turn: ~20k tokens of system prompt, tools
 and conversation, 80-190 KB of JSON), and three things need it as JSON: the prefix index keys it
-(`workers.prefix_index.Prompt`), the token estimate counts the tools' JSON
-(`workers.prompt_tokens`), and every worker request carries it (the context request and the
+(`workers.routing.prefix_index.Prompt`), the token estimate counts the tools' JSON
+(`workers.schedule.prompt_tokens`), and every worker request carries it (the context request and the
 generation request each). Serialized once here, the worker bodies embed the same bytes as
 `orjson.Fragment`s, which orjson copies instead of serializing the objects again.
 

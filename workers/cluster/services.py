@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable
 
 from django.conf import settings
 
-from workers import recovery
-from workers.db_thread import DatabaseThread
-from workers.health import health
-from workers.registry import get_registry
+from workers.cluster import recovery
+from workers.cluster.db_thread import DatabaseThread
+from workers.cluster.health import health
+from workers.cluster.registry import get_registry
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def ensure_started() -> None:
     ]
 
 
-# The heartbeat's and the sweep's own thread (see workers.db_thread).
+# The heartbeat's and the sweep's own thread (see workers.cluster.db_thread).
 _RECOVERY = DatabaseThread("recovery-db")
 
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import orjson
 
-from workers import client
-from workers.errors import WorkerError
-from workers.health import health
-from workers.registry import PoolInfo
+from workers.wire import client
+from workers.exceptions import WorkerError
+from workers.cluster.health import health
+from workers.cluster.registry import PoolInfo
 
 logger = logging.getLogger(__name__)
 

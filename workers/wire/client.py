@@ -1,15 +1,15 @@
 """HTTP to workers: JSON calls and OpenAI SSE streams over httpx, on the worker transport
-(`workers.transport`: aiohttp's pool and parser), one per event loop.
+(`workers.wire.transport`: aiohttp's pool and parser), one per event loop.
 
     completion = await post_completion(url, body, stage="context")   # validated chat.completion
     stream = await open_stream(url, body, stage="generation")        # headers in
     async for chunk in stream: ...                                    # validated chunks to [DONE]
     await stream.aclose()
 
-Every failure leaves this module as a `WorkerError` (workers.errors), and from one place,
+Every failure leaves this module as a `WorkerError` (workers.exceptions), and from one place,
 `boundary()`: transport errors, passed deadlines, answers too large, undecodable or of the wrong
 shape. A worker's non-2xx answer becomes one in `worker_error()`, whose client message is the
-engine's own, scrubbed (`workers.redact`), never an httpx exception's text (which names the
+engine's own, scrubbed (`workers.wire.redact`), never an httpx exception's text (which names the
 worker's address).
 
 Deadlines are totals per phase, kept here (`asyncio.timeout` per call, one `_StreamDeadline`
@@ -33,8 +33,8 @@ import httpx
 import orjson
 from django.conf import settings
 
-from workers import redact
-from workers.errors import (
+from workers.wire import redact
+from workers.exceptions import (
     AnswerTooLarge,
     ContextLengthExceeded,
     MalformedAnswer,
@@ -46,9 +46,9 @@ from workers.errors import (
     WorkerTimeout,
     WorkerUnreachable,
 )
-from workers.shapes import ShapeError, check_chunk, check_completion
-from workers.sse import Event, SSEDecoder, SSELineTooLong
-from workers.transport import MalformedResponse, WorkerTransport, body_reader, push_body
+from workers.wire.shapes import ShapeError, check_chunk, check_completion
+from workers.wire.sse_decoder import Event, SSEDecoder, SSELineTooLong
+from workers.wire.transport import MalformedResponse, WorkerTransport, body_reader, push_body
 
 logger = logging.getLogger(__name__)
 
@@ -418,7 +418,7 @@ async def post_completion(
     url: str, body: JsonBody, *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """POST a non-streamed chat request and return its chat completion, checked against the
-    documented shape (workers.shapes), all within `timeout` (default WORKER_CONTEXT_TIMEOUT_S)."""
+    documented shape (workers.wire.shapes), all within `timeout` (default WORKER_CONTEXT_TIMEOUT_S)."""
     completion = await post_json(url, body, stage=stage, timeout=timeout or settings.WORKER_CONTEXT_TIMEOUT_S, headers=headers)
     with boundary(stage):
         return check_completion(completion)

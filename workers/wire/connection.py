@@ -6,8 +6,8 @@ reader is a dozen Python calls (`data_received`, the C parser's callbacks into t
 chunk's start, data and end, the reader waking its waiter twice, reading its buffer back). Under
 load each Python call costs a fraction of a µs in cache misses (measured: ten more trivial calls
 per token cost ~2.5 µs per relayed event at 10,000 events/s). Here a chunked body's bytes go
-through one small decoder (`workers.chunked`) and on to the response's reader, or, while a push is
-attached (`workers.transport.push_body`), straight to it.
+through one small decoder (`workers.wire.chunked`) and on to the response's reader, or, while a push is
+attached (`workers.wire.transport.push_body`), straight to it.
 
 What stays aiohttp's: the connection pool, TLS, timeouts, and parsing every response head
 (`RelayedBodyParser` hands its C parser the head alone, up to the blank line, and takes the body
@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.streams import StreamReader
 
-from workers.chunked import ChunkedDecoder, ChunkedFramingError
+from workers.wire.chunked import ChunkedDecoder, ChunkedFramingError
 
 # What a parser's feed_data returns to aiohttp: the messages (heads) completed, whether the
 # connection was upgraded, and the bytes after an upgrade.
@@ -49,7 +49,7 @@ _HEAD, _HEAD_PARSER, _BODY, _DONE = range(4)
 
 
 class BodySink(Protocol):
-    """Where a pushed body goes (workers.transport.PushedBody)."""
+    """Where a pushed body goes (workers.wire.transport.PushedBody)."""
 
     # The body's bytes as they arrive; False when no more are wanted.
     on_data: Callable[[bytes], bool]

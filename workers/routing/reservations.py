@@ -13,11 +13,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from workers.instance import GATEWAY_INSTANCE
+from workers.cluster.instance import GATEWAY_INSTANCE
 from workers.models import Outcome
 from workers.models import Reservation as ReservationRow
-from workers.registry import EndpointInfo
-from workers.writer import get_writer
+from workers.cluster.registry import EndpointInfo
+from workers.cluster.writer import get_writer
 
 
 class ReservationLedger:

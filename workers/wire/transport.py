@@ -1,7 +1,7 @@
 """The httpx transport for calls to workers: aiohttp's connection pool and C response parser
 behind httpx's interface (the `httpx-aiohttp` package), configured and corrected for worker calls.
 A chunked body (every streamed answer) is decoded by the gateway's own decoder instead
-(`workers.worker_protocol`: three Python calls per relayed token, from the connection's
+(`workers.wire.connection`: three Python calls per relayed token, from the connection's
 `data_received` to the push, where aiohttp's path made about a dozen).
 
     transport = WorkerTransport(max_connections=4096, keepalive_expiry=4.0)
@@ -55,7 +55,7 @@ import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
-from workers.worker_protocol import RelayedBodyParser, use_worker_protocol
+from workers.wire.connection import RelayedBodyParser, use_worker_protocol
 
 # aiohttp pauses reading from a connection when twice this many body bytes are unread.
 READ_BUFSIZE = 128 * 1024
@@ -164,7 +164,7 @@ class PushedBody:
     selector transport's;
     tests/test_transport.py and tests/test_stream_fairness.py fail if they change.
 
-    A chunked body decoded by `workers.worker_protocol.RelayedBodyParser` (a worker's stream,
+    A chunked body decoded by `workers.wire.connection.RelayedBodyParser` (a worker's stream,
     nearly always) is pushed from there instead: the parser calls `on_data` with the body's bytes
     and `body_ended` at its end, and the reader is left alone."""
 
@@ -356,7 +356,7 @@ class WorkerTransport(AiohttpTransport):
             keepalive_timeout=self.limits.keepalive_expiry,
             ssl=self.ssl_context,
         )
-        use_worker_protocol(connector)  # chunked bodies decoded by workers.worker_protocol
+        use_worker_protocol(connector)  # chunked bodies decoded by workers.wire.connection
         field_size = min(MAX_FIELD_SIZE, self.max_response_header_bytes)
         return aiohttp.ClientSession(
             connector=connector,

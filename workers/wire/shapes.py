@@ -49,7 +49,7 @@ def check_completion(completion: Any) -> dict[str, Any]:
 
 def _checked(answer: Any, what: str, body_name: str, *, streamed: bool) -> dict[str, Any]:
     """Both shapes' checks in one function: a chunk is checked per relayed token, and under load
-    every Python call on that path costs (see workers.worker_protocol). So the choices and the
+    every Python call on that path costs (see workers.wire.connection). So the choices and the
     usage are checked inline, and the field's name for the error is only built to raise it."""
     if not isinstance(answer, dict):
         raise ShapeError(what, "is not an object")

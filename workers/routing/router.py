@@ -2,7 +2,7 @@
 
 Routing reads only memory: the registry snapshot and this process's open reservations (plus, for
 `least_loaded`, the other processes' open reservations as of the last registry refresh), and for
-`cache_aware` this process's prefix index (`workers.prefix_index`).
+`cache_aware` this process's prefix index (`workers.routing.prefix_index`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from dataclasses import dataclass, replace
 
 from django.conf import settings
 
-from workers.errors import NoEndpointAvailable
-from workers.health import health
+from workers.exceptions import NoEndpointAvailable
+from workers.cluster.health import health
 from workers.models import Role, RoutingPolicy
-from workers.prefix_index import Prompt, PromptKey, get_index
-from workers.rendered_chat import RenderedChat
-from workers.registry import EndpointInfo, PoolInfo
-from workers.reservations import Reservation, ledger
+from workers.routing.prefix_index import Prompt, PromptKey, get_index
+from workers.schedule.rendered_chat import RenderedChat
+from workers.cluster.registry import EndpointInfo, PoolInfo
+from workers.routing.reservations import Reservation, ledger
 
 Policy = Callable[[PoolInfo, str, list[EndpointInfo], str | None], EndpointInfo]
 

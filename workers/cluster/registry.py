@@ -18,8 +18,8 @@ from typing import Any
 
 from django.db.models import Count
 
-from workers.db_thread import DatabaseThread
-from workers.instance import GATEWAY_INSTANCE
+from workers.cluster.db_thread import DatabaseThread
+from workers.cluster.instance import GATEWAY_INSTANCE
 from workers.models import Reservation, WorkerEndpoint, WorkerPool
 
 
@@ -116,7 +116,7 @@ def load_snapshot() -> ClusterSnapshot:
     )
 
 
-# The reloads' own thread (see workers.db_thread).
+# The reloads' own thread (see workers.cluster.db_thread).
 _RELOADS = DatabaseThread("registry-db")
 
 
@@ -128,7 +128,7 @@ class Registry:
         self._first_load: asyncio.Lock | None = None
 
     async def snapshot(self) -> ClusterSnapshot:
-        """The current snapshot (loaded on first use; `workers.services` keeps it fresh)."""
+        """The current snapshot (loaded on first use; `workers.cluster.services` keeps it fresh)."""
         if self._snapshot is None:
             if self._first_load is None:
                 self._first_load = asyncio.Lock()
@@ -138,7 +138,7 @@ class Registry:
                     # Under daphne the services are already running (started with the loop, see
                     # `disagg_project.asgi`); under any other ASGI server the first request that
                     # needs the cluster starts them. Once per process, never per request.
-                    from workers import services
+                    from workers.cluster import services
 
                     services.ensure_started()
         assert self._snapshot is not None

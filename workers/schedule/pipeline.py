@@ -45,21 +45,25 @@ from typing import Any
 
 from django.conf import settings
 
-from workers import client, protocols, router
-from workers.client import ChunkStream
-from workers.completion import Completion
-from workers.errors import WorkerError, WorkerUnreachable
-from workers.health import FailureScope, failure_scope, health
-from workers.metrics import worker_retries
+from workers.wire import client
+
+from workers import protocols
+
+from workers.routing import router
+from workers.wire.client import ChunkStream
+from workers.schedule.completion import Completion
+from workers.exceptions import WorkerError, WorkerUnreachable
+from workers.cluster.health import FailureScope, failure_scope, health
+from workers.cluster.metrics import worker_retries
 from workers.models import Outcome, Role, RoutingPolicy, ScheduleStyle, Stage
-from workers.prefix_index import get_index
-from workers.prompt_tokens import estimate_prompt_tokens
+from workers.routing.prefix_index import get_index
+from workers.schedule.prompt_tokens import estimate_prompt_tokens
 from workers.protocols import Call, ContextPeer, Handoff, WorkerProtocol
-from workers.registry import EndpointInfo, PoolInfo
-from workers.rendered_chat import RenderedChat
-from workers.reservations import Reservation
-from workers.router import Placement
-from workers.trace import RunTrace
+from workers.cluster.registry import EndpointInfo, PoolInfo
+from workers.schedule.rendered_chat import RenderedChat
+from workers.routing.reservations import Reservation
+from workers.routing.router import Placement
+from workers.schedule.trace import RunTrace
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +87,7 @@ class ChatRun:
     ) -> None:
         """`session` keeps a conversation on one generation endpoint (session affinity);
         `tenant` names the API key, so a worker failure that may follow this client's request
-        content counts against the endpoint only with other keys' (see `workers.health`)."""
+        content counts against the endpoint only with other keys' (see `workers.cluster.health`)."""
         self.chat = chat
         self.pool = pool
         self.request_id = request_id
@@ -99,7 +103,7 @@ class ChatRun:
         self._reservations: list[Reservation] = []
         self._open_task: asyncio.Task[None] | None = None
         # Set by the pipeline's and the generation request's own last steps: waiters wake a loop
-        # turn sooner than by awaiting the tasks (workers/completion.py).
+        # turn sooner than by awaiting the tasks (workers/schedule/completion.py).
         self._settled: Completion[None] = Completion()
         self._generation_open: asyncio.Task[ChunkStream] | None = None
         self._generation_opened: Completion[ChunkStream] = Completion()
