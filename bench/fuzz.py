@@ -1,6 +1,6 @@
 """Fuzz a gateway with N hostile requests (default 10,000) and count what must never happen.
 
-The generators are tests/hostile.py's (the same ones tests/test_fuzz.py runs under pytest):
+The generators are tests/support/hostile.py's (the same ones tests/e2e/test_fuzz.py runs under pytest):
 random JSON in every field of a valid request, wrong types, deep nesting, huge strings, invalid
 UTF-8, bad headers, unknown paths under /v1/, wrong methods. Each request goes on its own socket;
 the answer must be below 500, in Anthropic's envelope (or a valid message or stream) and complete
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402  (puts the project on the path)
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
-from tests import hostile  # noqa: E402
+from tests.support import hostile  # noqa: E402
 
 CATEGORIES = ("hang", "no_answer", "5xx", "non_envelope")
 

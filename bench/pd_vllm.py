@@ -4,7 +4,7 @@ machine, what does the prefill answer hand over, how long does decode take, does
     make vllm
     .venv/bin/python bench/pd_vllm.py [--runs 5] [--max-tokens 16]
 
-Two real servers (tests/realvllm/pd.py, the tiny model), both `kv_both` with NixlConnector and
+Two real servers (tests/support/realvllm/pd.py, the tiny model), both `kv_both` with NixlConnector and
 a CPU KV buffer, each with its own NIXL side-channel port. Each run sends what a disaggregating
 proxy sends (vLLM's own toy proxy, and the gateway's vLLM protocol): the prompt to the prefill
 server with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode: true}`, then the same
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import _harness as h  # noqa: E402
 from bench._harness import write_result  # noqa: E402
-from tests.realvllm.pd import KV_CONFIG, LATE_READ, NO_KV_TRANSFER, prompt, start_pair  # noqa: E402
-from tests.realvllm.server import RealVllm, missing  # noqa: E402
+from tests.support.realvllm.pd import KV_CONFIG, LATE_READ, NO_KV_TRANSFER, prompt, start_pair  # noqa: E402
+from tests.support.realvllm.server import RealVllm, missing  # noqa: E402
 
 def run_once(prefill: RealVllm, decode: RealVllm, run: int, max_tokens: int, stall_s: float) -> dict[str, Any]:
     messages = [{"role": "user", "content": prompt(run)}]

@@ -5,7 +5,7 @@ then the invariants a long-running gateway must hold.
     .venv/bin/python bench/soak.py --streams 50 --minutes 1  # a short proof run
     .venv/bin/python bench/soak.py --database-url postgres://user:pw@127.0.0.1/soak
 
-The world: a sim context + generation pair (pool `soak-sim-*`) and tests/badworker.py registered
+The world: a sim context + generation pair (pool `soak-sim-*`) and tests/support/badworker.py registered
 as both roles of a second pool (`soak-bad-*`, its own model). Each of the N client loops sends
 one request after another, each a random scenario:
 - healthy streams (`[sim tokens=K]`), and one in ten non-streamed;
@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402  (puts the project on the path)
 import h11  # noqa: E402
 
-from tests.badworker import start_badworker  # noqa: E402
-from tests.rawclient import parse_frame  # noqa: E402
+from tests.support.badworker import start_badworker  # noqa: E402
+from tests.support.rawclient import parse_frame  # noqa: E402
 
 RSS_GROWTH_TARGET_PCT = 5.0
 

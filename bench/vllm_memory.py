@@ -3,13 +3,13 @@
     make vllm
     .venv/bin/python bench/vllm_memory.py [--pair] [--extra-arg=--max-num-batched-tokens=8192]
 
-Starts the server tests/realvllm/server.py starts (the tiny model, the test window), sends it one
+Starts the server tests/support/realvllm/server.py starts (the tiny model, the test window), sends it one
 streamed request of the Claude Code fixture's size (the largest prompt the tests send), and
 samples the proportional set size (PSS, so pages shared between the API server and its engine
 core process count once) of the server's whole process tree every 0.1 s: the peak during start-up
 (vLLM profiles a forward pass of `max_num_batched_tokens` tokens to size its KV cache), the
 steady size once healthy, and the peak while serving. `--pair` does the same for the
-prefill/decode pair tests/test_vllm_pd_real.py starts (tests/realvllm/pd.py).
+prefill/decode pair tests/realengine/test_vllm_pd_real.py starts (tests/support/realvllm/pd.py).
 
 Not gating (prints a table, writes bench/results/vllm_memory.json).
 """
@@ -30,8 +30,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._harness import write_result  # noqa: E402
-from tests.realvllm.pd import start_pair  # noqa: E402
-from tests.realvllm.server import RealVllm, missing  # noqa: E402
+from tests.support.realvllm.pd import start_pair  # noqa: E402
+from tests.support.realvllm.server import RealVllm, missing  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "claude_code_request.json"
 

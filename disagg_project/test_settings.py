@@ -1,7 +1,7 @@
 """Settings for the test suite and the processes it starts (daphne, sim workers).
 
 The same module serves both; the processes a test starts get the test database's URL in
-DATABASE_URL (tests/gateway.py).
+DATABASE_URL (tests/support/gateway.py).
 """
 
 import os

@@ -109,7 +109,7 @@ class ApiConsumer(AsyncHttpConsumer):
         """`AsyncConsumer.__call__` for a deployment without a channel layer, less its loop's cost.
 
         Channels reads every message through a new task and `asyncio.wait`, so even a request body
-        already queued reaches `dispatch` four loop turns after the scope (`tests/test_intake.py`
+        already queued reaches `dispatch` four loop turns after the scope (`tests/unit/test_intake.py`
         counts them); under load each turn is a pass over every ready stream, and the status line
         waits for all of them. With no channel layer there is one source of messages, so reading
         it in place is the same loop: dispatch each message in order until a handler stops the

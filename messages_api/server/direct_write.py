@@ -10,7 +10,7 @@ take (a slow client) or when anything is already queued (so bytes never overtake
 
 Installed by `install()` (from `disagg_project.asgi`, under daphne) as the transport class of
 every accepted TCP connection (`tcp.Port.transport`). `GATEWAY_DIRECT_WRITES=0` turns it off. The
-Twisted names it relies on are in `RELIED_ON`; tests/test_direct_write.py checks them.
+Twisted names it relies on are in `RELIED_ON`; tests/unit/test_direct_write.py checks them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from twisted.internet import abstract, tcp
 
-# The Twisted names this module overrides or reads (tests/test_direct_write.py checks them).
+# The Twisted names this module overrides or reads (tests/unit/test_direct_write.py checks them).
 RELIED_ON: dict[type, tuple[str, ...]] = {
     tcp.Port: ("transport",),
     tcp.Server: ("write", "writeSequence", "socket", "SEND_LIMIT"),

@@ -41,7 +41,7 @@ Installation: `install()` makes daphne's `Server.run()` build its HTTP factory f
 `GuardedHTTPFactory` (it instantiates the module global `daphne.server.HTTPFactory`);
 `disagg_project/asgi.py` calls it when loaded under daphne, whose command line imports the
 application before it runs the server. Every daphne and Twisted internal used here is listed in
-`RELIED_ON` and checked by tests/test_http_guard.py, so an upgrade that changes one fails there.
+`RELIED_ON` and checked by tests/e2e/test_http_guard.py, so an upgrade that changes one fails there.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 # answer either way.
 LINGER_S = 2.0
 
-# The daphne and Twisted names this module overrides or reads; tests/test_http_guard.py checks
+# The daphne and Twisted names this module overrides or reads; tests/e2e/test_http_guard.py checks
 # that each still exists (an override of a method that was renamed would silently do nothing).
 RELIED_ON: dict[object, tuple[str, ...]] = {
     HTTPChannel: (

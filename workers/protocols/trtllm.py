@@ -331,7 +331,7 @@ class TrtllmProtocol(WorkerProtocol):
     """The functions above behind the `WorkerProtocol` interface.
 
     They are looked up in this module when called, so a test that replaces one (as
-    `tests/test_cancellation.py` does) changes what the pipeline runs.
+    `tests/e2e/test_cancellation.py` does) changes what the pipeline runs.
     """
 
     name: ClassVar[str] = "trtllm"

@@ -44,7 +44,6 @@ What this adds to `httpx_aiohttp.AiohttpTransport`, and why:
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -134,7 +133,7 @@ class _ResponseStream(httpx.AsyncByteStream):
             # aiohttp raises a lost connection as soon as it has seen it, even while bytes that
             # arrived before it are still buffered: a dying worker's last tokens belong to the
             # answer, so hand them over first. `_buffer`/`_read_nowait` are aiohttp internals
-            # (tests/test_transport.py fails if they change).
+            # (tests/unit/test_transport.py fails if they change).
             leftover = content._read_nowait(-1) if content._buffer else b""
             if leftover:
                 self._failed = mapped
@@ -162,7 +161,7 @@ class PushedBody:
     otherwise. `StreamReader._waiter`, `_buffer`, `_eof`, `_exception`, `_low_water`, `_protocol`
     (and its `_reading_paused`) and `_read_nowait` are aiohttp internals, and `max_size` asyncio's
     selector transport's;
-    tests/test_transport.py and tests/test_stream_fairness.py fail if they change.
+    tests/unit/test_transport.py and tests/e2e/test_stream_fairness.py fail if they change.
 
     A chunked body decoded by `workers.wire.connection.RelayedBodyParser` (a worker's stream,
     nearly always) is pushed from there instead: the parser calls `on_data` with the body's bytes

@@ -1,0 +1,173 @@
+"""The operators' admin end to end: headless Chromium (playwright) against the real daphne gateway.
+
+Needs Debian's `chromium` (/usr/bin/chromium) and the `playwright` Python package; playwright's
+own browser downloads are not used. Screenshots go to .gateway/screenshots/.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.cluster import audit_row, register_cluster, wait_registered
+from tests.support.gateway import PROJECT_ROOT, Gateway
+from tests.support.simworkers import SimWorker
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+SCREENSHOTS = PROJECT_ROOT / ".gateway" / "screenshots"
+NEW_ENDPOINT_URL = "http://127.0.0.1:9/"  # discard port: nothing answers there
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)"
+)
+
+
+def send(gateway: Gateway, headers: dict[str, str], model: str, text: str) -> httpx.Response:
+    payload = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": text}]}
+    return httpx.post(gateway.url + "/v1/messages", json=payload, headers=headers, timeout=30)
+
+
+def test_operator_admin_in_a_browser(
+    transactional_db: Any,
+    gateway: Gateway,
+    context_worker: SimWorker,
+    generation_worker: SimWorker,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # playwright's sync API runs its event loop on this thread (in a greenlet), so Django sees a
+    # running loop and refuses ORM calls; this test's ORM calls are plain sync code.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    # Imported here: without the package this one test fails, the rest of the suite still runs.
+    from django.contrib.auth import get_user_model
+    from django.db import connections
+    from playwright.sync_api import expect, sync_playwright
+
+    from messages_api.auth import hash_key
+    from messages_api.models import ApiKey
+    from workers.models import WorkerEndpoint
+
+    cluster = register_cluster(context_worker, generation_worker)
+    wait_registered(gateway, cluster)
+    pool = cluster.pool
+
+    # Traffic first, while the pool holds only the two sim workers (the endpoint added below
+    # points at nothing and must never be routed to).
+    failed = send(gateway, cluster.headers(), cluster.model, "hi [sim context_status=503]")
+    assert failed.status_code == 503, failed.text
+    failed_id = failed.headers["request-id"]
+    completed = send(gateway, cluster.headers(), cluster.model, "hello [sim tokens=3]")
+    assert completed.status_code == 200, completed.text
+    completed_id = completed.headers["request-id"]
+    failed_row = audit_row(failed_id)
+    assert failed_row.status == "failed" and failed_row.error_message
+    assert audit_row(completed_id).status == "completed"
+
+    # The admin's static files are served under daphne (whitenoise, no collectstatic).
+    css = httpx.get(gateway.url + "/static/admin/css/base.css", timeout=5)
+    assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+
+    password = "operator-password-1"
+    get_user_model().objects.create_superuser("operator", "operator@example.com", password)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    admin = gateway.url + "/admin/"
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(10_000)
+            bad_responses: list[str] = []
+            page.on("response", lambda r: bad_responses.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+
+            # Log in.
+            page.goto(admin + "login/")
+            page.fill("#id_username", "operator")
+            page.fill("#id_password", password)
+            page.click("input[type=submit]")
+            expect(page.locator("#user-tools")).to_contain_text("operator")
+            # The stylesheet was loaded and applied, not just reachable.
+            assert page.evaluate(
+                "[...document.styleSheets].some(s => (s.href || '').endsWith('/admin/css/base.css') && s.cssRules.length > 0)"
+            )
+
+            # The pool page: add a generation endpoint in the inline.
+            page.goto(f"{admin}workers/workerpool/{pool.pk}/change/")
+            expect(page.locator("#endpoints-group")).to_be_visible()
+            page.click("#endpoints-group .add-row a")
+            new_row = "#endpoints-2"
+            expect(page.locator(new_row)).to_be_visible()
+            page.select_option(f"{new_row} select[name='endpoints-2-role']", "generation")
+            page.fill(f"{new_row} input[name='endpoints-2-url']", NEW_ENDPOINT_URL)
+            page.click("input[name='_continue']")
+            expect(page.locator("ul.messagelist li.success")).to_contain_text("was changed successfully")
+            endpoint = WorkerEndpoint.objects.get(pool=pool, url=NEW_ENDPOINT_URL)
+            assert endpoint.role == "generation" and endpoint.enabled and not endpoint.draining
+            assert pool.endpoints.count() == 3
+            page.screenshot(path=str(SCREENSHOTS / "admin-pool.png"), full_page=True)
+
+            # The endpoint changelist: drain the new endpoint with the action.
+            page.goto(admin + "workers/workerendpoint/")
+            page.check(f"input[name='_selected_action'][value='{endpoint.pk}']")
+            page.select_option("select[name='action']", "drain")
+            with page.expect_navigation():  # the action's POST has returned: its writes are committed
+                page.click("#changelist-form button[name='index']")
+            endpoint.refresh_from_db()
+            assert endpoint.draining and endpoint.enabled
+            assert not WorkerEndpoint.objects.filter(pool=pool, draining=True).exclude(pk=endpoint.pk).exists()
+
+            # The audit: filter to failed requests.
+            page.goto(admin + "messages_api/messagerequest/")
+            expect(page.locator("#result_list")).to_contain_text(completed_id)
+            page.click("#changelist-filter a[href*='status__exact=failed']")
+            page.wait_for_url(re.compile(r"status__exact=failed"))
+            rows = page.locator("#result_list tbody tr")
+            expect(rows).to_have_count(1)
+            expect(rows.first).to_contain_text(failed_id)
+            expect(page.locator("#result_list")).not_to_contain_text(completed_id)
+            page.screenshot(path=str(SCREENSHOTS / "admin-failed-requests.png"), full_page=True)
+
+            # Its detail page shows the error.
+            rows.first.locator("a", has_text=failed_id).click()
+            expect(page.locator(".field-request_id")).to_contain_text(failed_id)
+            expect(page.locator(".field-status")).to_contain_text("failed")
+            expect(page.locator(".field-error_message")).to_contain_text(failed_row.error_message.strip()[:200])
+
+            # A new API key: shown once on the page after saving, stored only as its hash.
+            page.goto(admin + "messages_api/apikey/add/")
+            page.fill("#id_name", "browser-made-key")
+            page.click("input[name='_save']")
+            shown_key = page.locator("#new-api-key")
+            expect(shown_key).to_contain_text("sk-gw-")
+            shown = re.search(r"sk-gw-[A-Za-z0-9_\-]+", shown_key.inner_text())
+            assert shown, shown_key.inner_text()
+            # Shown straight in the response: not passed through the messages cookie or session.
+            assert not any("sk-gw-" in c["value"] for c in page.context.cookies())
+            key = shown.group(0)
+            api_key = ApiKey.objects.get(name="browser-made-key")
+            assert api_key.key_hash == hash_key(key) and key.startswith(api_key.prefix)
+            for field in ApiKey._meta.concrete_fields:
+                assert key not in str(field.value_from_object(api_key)), f"the key is stored in {field.name}"
+
+            assert not bad_responses, bad_responses
+        except Exception:
+            for open_page in browser.contexts[0].pages if browser.contexts else []:
+                open_page.screenshot(path=str(SCREENSHOTS / "admin-failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+            # The ORM calls above ran in playwright's greenlet, whose context holds a connection
+            # of its own: close it here, or PostgreSQL cannot drop the test database at the end.
+            connections.close_all()

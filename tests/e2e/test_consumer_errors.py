@@ -1,0 +1,88 @@
+"""A bug in our own code while a stream is being relayed, driven in-process (a socket client
+cannot make the reframer raise): the error boundary still ends the stream with an `error` event,
+closes it, stops the heartbeat and writes one `failed` row. Real sim workers, real database."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import ApplicationCommunicator
+
+from messages_api.consumers import MessagesConsumer
+from messages_api.reframe import StreamReframer
+from tests.support.cluster import Cluster, audit_row, consumer_scope, reservations_closed
+from workers.cluster.registry import get_registry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def break_reframer_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    feed = StreamReframer.feed
+    calls = 0
+
+    def broken_feed(self: StreamReframer, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            raise RuntimeError("a bug in the reframer")
+        return feed(self, chunk)
+
+    monkeypatch.setattr(StreamReframer, "feed", broken_feed)
+
+
+async def read_response(communicator: ApplicationCommunicator) -> tuple[int, dict[bytes, bytes], bytes]:
+    start = await communicator.receive_output(10)
+    assert start["type"] == "http.response.start"
+    body = b""
+    while True:
+        message = await communicator.receive_output(10)
+        assert message["type"] == "http.response.body"
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            return start["status"], dict(start["headers"]), body
+
+
+def sse_events(body: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(frame.split(b"\ndata: ", 1)[1]) for frame in body.split(b"\n\n") if frame]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_a_bug_mid_stream_ends_the_stream(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, settings: Any, stream: bool
+) -> None:
+    settings.MESSAGES_PING_INTERVAL_S = 0.1
+    await get_registry().refresh()
+    break_reframer_at(monkeypatch, 3)  # after message_start and a first delta went out
+    communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), consumer_scope(cluster))
+    body = {"model": cluster.model, "max_tokens": 64, "stream": stream, "messages": [{"role": "user", "content": "x [sim tokens=20]"}]}
+    await communicator.send_input({"type": "http.request", "body": orjson.dumps(body)})
+
+    status, headers, raw = await read_response(communicator)
+    request_id = headers[b"request-id"].decode()
+    if stream:
+        assert status == 200
+        events = [e["type"] for e in sse_events(raw)]
+        assert events[0] == "message_start" and events[-1] == "error", events
+        assert "message_stop" not in events and "message_delta" not in events
+        assert events[-2] == "content_block_stop"  # the open block is closed before the error
+        error = sse_events(raw)[-1]["error"]
+    else:
+        assert status == 500
+        error = orjson.loads(raw)["error"]
+        assert orjson.loads(raw)["request_id"] == request_id
+    assert error == {"type": "api_error", "message": "Internal server error"}
+    # Nothing after the last frame: the heartbeat stopped with the stream.
+    assert await communicator.receive_nothing(0.5)
+
+    await communicator.send_input({"type": "http.disconnect"})
+    await communicator.wait(5)
+    row = await sync_to_async(audit_row)(request_id)
+    assert row.status == "failed" and row.http_status == status and row.error_type == "api_error"
+    assert "RuntimeError" in row.error_message  # for the operator; the client saw none of it
+    rows = await sync_to_async(reservations_closed)(request_id)
+    assert {r.stage: r.outcome for r in rows}["generation"] == "failure"
+    await asyncio.to_thread(cluster.generation.wait_for, lambda s: s["active"] == 0)

@@ -1,0 +1,90 @@
+"""Running the real Claude Code CLI (`claude -p`) against a gateway, in a clean environment."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.gateway import PROJECT_ROOT
+
+CLAUDE_BIN = PROJECT_ROOT / ".ci" / "node" / "node_modules" / ".bin" / "claude"
+CLAUDE_PACKAGE = PROJECT_ROOT / ".ci" / "node" / "node_modules" / "@anthropic-ai" / "claude-code"
+INSTALL_HINT = "npm install --prefix .ci/node @anthropic-ai/claude-code"
+CLAUDE_TIMEOUT_S = 120
+
+
+def claude_command() -> list[str]:
+    """The CLI to run; skips (or fails, with REQUIRE_CLAUDE_CODE=1) when it is not installed."""
+    if not CLAUDE_BIN.exists():
+        message = f"Claude Code is not installed at {CLAUDE_BIN.relative_to(PROJECT_ROOT)} (CI runs `{INSTALL_HINT}`)"
+        if os.environ.get("REQUIRE_CLAUDE_CODE"):
+            pytest.fail(message)
+        pytest.skip(message)
+    # When npm did not run the package's postinstall, bin/claude.exe is a small placeholder and
+    # the package's documented fallback is `node cli-wrapper.cjs`.
+    wrapper = CLAUDE_PACKAGE / "cli-wrapper.cjs"
+    if CLAUDE_BIN.resolve().stat().st_size < 4096 and wrapper.exists() and shutil.which("node"):
+        return ["node", str(wrapper)]
+    return [str(CLAUDE_BIN)]
+
+
+def claude_env(
+    base_url: str, key: str, home: Path, credential: str = "ANTHROPIC_API_KEY", model: str = "sim-model", **extra: str
+) -> dict[str, str]:
+    """A clean environment: no proxies, no inherited Anthropic/Claude settings, a fresh HOME;
+    every model alias names `model`; `extra` adds variables (e.g. CLAUDE_CODE_MAX_OUTPUT_TOKENS)."""
+
+    def inherited(name: str) -> bool:
+        upper = name.upper()
+        return not (
+            upper.endswith("_PROXY")
+            or upper.startswith(("ANTHROPIC_", "CLAUDE_", "CLAUDECODE"))
+            or upper in ("DISABLE_TELEMETRY", "DISABLE_AUTOUPDATER")
+        )
+
+    env = {name: value for name, value in os.environ.items() if inherited(name)}
+    env.update(
+        HOME=str(home),
+        ANTHROPIC_BASE_URL=base_url,
+        ANTHROPIC_MODEL=model,
+        ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
+        ANTHROPIC_DEFAULT_SONNET_MODEL=model,
+        ANTHROPIC_DEFAULT_OPUS_MODEL=model,
+        DISABLE_TELEMETRY="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        DISABLE_AUTOUPDATER="1",
+    )
+    env[credential] = key  # ANTHROPIC_API_KEY → x-api-key; ANTHROPIC_AUTH_TOKEN → Authorization: Bearer
+    env.update(extra)
+    return env
+
+
+def run_claude(
+    base_url: str,
+    key: str,
+    prompt: str,
+    workdir: Path,
+    *extra: str,
+    credential: str = "ANTHROPIC_API_KEY",
+    model: str = "sim-model",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`claude -p PROMPT --output-format json`; in print mode no approval of the key is asked for."""
+    home = workdir / "home"
+    cwd = workdir / "project"
+    home.mkdir(parents=True, exist_ok=True)
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        [*claude_command(), "-p", prompt, "--output-format", "json", *extra],
+        env=claude_env(base_url, key, home, credential, model, **(env or {})),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=CLAUDE_TIMEOUT_S,
+    )
