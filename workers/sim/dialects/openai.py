@@ -5,7 +5,7 @@ Disaggregation fields of any engine (`disaggregated_params`, `kv_transfer_params
 vLLM's request models accept unknown fields and log them as ignored, SGLang's are pydantic
 models that drop them (pydantic's default `extra="ignore"`), llama.cpp and Ollama read only the
 keys they know. A malformed body is still refused by the shared validation (vLLM: HTTP 400 with
-the field named, /work/shared/reference/vllm-cpu/16_bad_request.txt).
+the field named; tests/realengine/test_sim_matches_vllm.py holds the sim to it).
 """
 
 from __future__ import annotations
