@@ -14,8 +14,8 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
-from messages_api.routes import http_application  # noqa: E402
-from workers.cluster import services  # noqa: E402
+from messages_api import http_application  # noqa: E402
+from workers import start_services  # noqa: E402
 
 application = ProtocolTypeRouter({"http": http_application(django_asgi_app)})
 
@@ -28,22 +28,22 @@ def _start_services_with_daphne() -> None:
         return
     loop = reactor._asyncioEventloop  # the loop daphne runs
     loop.call_soon(lambda: loop.create_task(_start()))
-    from messages_api.server import state_dump
+    from messages_api import install_state_dump
 
-    state_dump.install(loop)  # kill -USR1: thread and task stacks to the log
+    install_state_dump(loop)  # kill -USR1: thread and task stacks to the log
     loop.call_soon(_no_delay_on_listening_sockets, reactor)
     # Close the worker connection pools while the loop still runs (after daphne has stopped the
     # applications), instead of leaving them to be collected.
     reactor.addSystemEventTrigger("before", "shutdown", _close_worker_transport)
-    from messages_api.server import drain
+    from messages_api import install_drain
 
-    drain.install(reactor)
+    install_drain(reactor)
 
 
 def _close_worker_transport() -> object:
     from twisted.internet.defer import Deferred
 
-    from workers.wire.client import close_transport
+    from workers import close_transport
 
     return Deferred.fromFuture(asyncio.ensure_future(close_transport()))
 
@@ -59,7 +59,7 @@ def _no_delay_on_listening_sockets(reactor: object) -> None:
 
 
 async def _start() -> None:
-    services.ensure_started()
+    start_services()
     _freeze_startup_heap()
 
 
@@ -85,15 +85,15 @@ def _guard_http_intake() -> None:
     daphne_server = sys.modules.get("daphne.server")
     if daphne_server is None:
         return
-    from messages_api.server import http_guard
+    from messages_api import install_http_guard
 
-    http_guard.install(daphne_server)
+    install_http_guard(daphne_server)
     from django.conf import settings
 
     if settings.GATEWAY_DIRECT_WRITES:
-        from messages_api.server import direct_write
+        from messages_api import install_direct_writes
 
-        direct_write.install()
+        install_direct_writes()
 
 
 _guard_http_intake()

@@ -1,12 +1,7 @@
 from django.contrib import admin
-from django.urls import path
-
-from messages_api import views
+from django.urls import include, path
 
 urlpatterns = [
-    path("", views.root),
-    path("health", views.health),
-    path("ready", views.ready),
-    path("metrics", views.metrics),
+    path("", include("messages_api.urls")),
     path("admin/", admin.site.urls),
 ]

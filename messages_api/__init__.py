@@ -1,0 +1,51 @@
+"""The Anthropic front door: `POST /v1/messages` (streamed and not), `count_tokens` and
+`/v1/models` in Anthropic's exact protocol, converted to OpenAI chat for the cluster (`workers`)
+and reframed back; API keys and the audit row of every request.
+
+Other packages use only the names in `__all__` below and the Django places every app has
+(`messages_api.models`, `messages_api.urls`); `tests/unit/test_layers.py` enforces it.
+
+    validation.py, convert.py     an Anthropic request checked, then converted to OpenAI chat
+    reframe.py, framing.py        OpenAI chunks → Anthropic events → server-sent-event frames
+    consumers.py, routes.py       the API routes' Channels consumers, and the ASGI routing to them
+    errors.py                     Anthropic's error envelope, and the one mapping to it
+    audit.py, auth.py, metrics.py the audit row, API keys, Prometheus metrics
+    server/                       daphne plumbing: the intake guard, direct writes, drain, state dump
+
+The names load lazily: Django imports this package before its models are ready.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Public name → (module, attribute).
+_HOMES = {
+    "http_application": ("messages_api.routes", "http_application"),
+    "install_http_guard": ("messages_api.server.http_guard", "install"),
+    "install_direct_writes": ("messages_api.server.direct_write", "install"),
+    "install_drain": ("messages_api.server.drain", "install"),
+    "install_state_dump": ("messages_api.server.state_dump", "install"),
+}
+__all__ = [
+    "http_application",
+    "install_direct_writes",
+    "install_drain",
+    "install_http_guard",
+    "install_state_dump",
+]
+
+if TYPE_CHECKING:
+    from messages_api.routes import http_application
+    from messages_api.server.direct_write import install as install_direct_writes
+    from messages_api.server.drain import install as install_drain
+    from messages_api.server.http_guard import install as install_http_guard
+    from messages_api.server.state_dump import install as install_state_dump
+else:
+
+    def __getattr__(name: str) -> object:
+        if name not in _HOMES:
+            raise AttributeError(f"module 'messages_api' has no attribute {name!r}")
+        module, attribute = _HOMES[name]
+        return getattr(importlib.import_module(module), attribute)

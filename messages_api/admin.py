@@ -7,7 +7,7 @@ from django.template.response import TemplateResponse
 
 from messages_api.auth import KEY_PREFIX, generate_key, hash_key
 from messages_api.models import ApiKey, MessageRequest
-from workers.admin import ReadOnlyAdmin
+from workers import ReadOnlyAdmin
 
 
 @admin.register(MessageRequest)

@@ -8,6 +8,6 @@ class MessagesApiConfig(AppConfig):
 
     def ready(self) -> None:
         from messages_api.audit import close_abandoned_requests
-        from workers.cluster.recovery import process_abandoned
+        from workers import process_abandoned
 
         process_abandoned.connect(close_abandoned_requests, dispatch_uid="messages_api.close_abandoned_requests")

@@ -18,9 +18,7 @@ from django.conf import settings
 
 from messages_api import metrics
 from messages_api.models import MessageRequest, RequestStatus
-from workers.cluster.instance import GATEWAY_INSTANCE
-from workers.schedule.trace import RunTrace, Traced
-from workers.cluster.writer import get_writer
+from workers import GATEWAY_INSTANCE, RunTrace, Traced, get_writer
 
 access_log = logging.getLogger("messages_api.access")
 

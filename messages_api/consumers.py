@@ -53,10 +53,7 @@ from messages_api.validation import (
     validate_count_tokens_request,
     validate_messages_request,
 )
-from workers.exceptions import WorkerError
-from workers.schedule.pipeline import ChatRun
-from workers.schedule.prompt_tokens import count_prompt_tokens
-from workers.cluster.registry import PoolInfo, get_registry
+from workers import ChatRun, PoolInfo, WorkerError, count_prompt_tokens, get_registry
 
 if TYPE_CHECKING:
     from asgiref.typing import HTTPDisconnectEvent, HTTPRequestEvent

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, WorkerError
+from workers import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, WorkerError
 
 # Anthropic's table (docs: api/errors). A status not listed maps by class: 4xx → invalid request,
 # 5xx → api_error.

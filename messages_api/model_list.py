@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from messages_api.errors import invalid_request
-from workers.cluster.registry import PoolInfo
+from workers import PoolInfo
 
 
 def model_info(pool: PoolInfo) -> dict[str, Any]:

@@ -12,9 +12,7 @@ from django.views.decorators.http import require_safe
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from messages_api.server import drain
-from workers.protocols import AGGREGATED
-from workers.cluster.registry import PoolInfo, get_registry
-from workers.routing.router import candidates
+from workers import AGGREGATED, PoolInfo, candidates, get_registry
 
 
 @require_safe

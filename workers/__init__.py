@@ -1,0 +1,85 @@
+"""The serving cluster: worker pools and endpoints, routing and reservations, the schedule that
+drives a chat request through a context and a generation worker, and each engine's dialect.
+
+It knows nothing of Anthropic. The front door (`messages_api`) and the project's wiring
+(`disagg_project`) use only the names listed in `__all__` below, and the Django places every app
+has (`workers.models`); `tests/unit/test_layers.py` enforces it. Inside, the package is in rooms:
+
+    wire/        HTTP to workers: the client, transport and connection protocol, the chunked and
+                 SSE decoders, the checks of what a worker sends, and redaction of its text
+    protocols/   engine dialects (TensorRT-LLM, vLLM, SGLang, plain OpenAI), each with its errors
+    routing/     picking an endpoint: the router, the prefix index, reservations
+    schedule/    one chat request through the cluster: the pipeline and what it records
+    cluster/     the cluster's state in this process: registry, health, recovery, the row writer
+    sim/         a simulated worker for every dialect (`manage.py simworker`)
+
+The names load lazily: Django imports this package before its models are ready.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Public name → its module.
+_HOMES = {
+    "ChatRun": "workers.schedule.pipeline",
+    "RunTrace": "workers.schedule.trace",
+    "Traced": "workers.schedule.trace",
+    "count_prompt_tokens": "workers.schedule.prompt_tokens",
+    "WorkerError": "workers.exceptions",
+    "ContextLengthExceeded": "workers.exceptions",
+    "NoEndpointAvailable": "workers.exceptions",
+    "OutputLimitExceeded": "workers.exceptions",
+    "PoolInfo": "workers.cluster.registry",
+    "get_registry": "workers.cluster.registry",
+    "GATEWAY_INSTANCE": "workers.cluster.instance",
+    "get_writer": "workers.cluster.writer",
+    "process_abandoned": "workers.cluster.recovery",
+    "start_services": "workers.cluster.services",
+    "close_transport": "workers.wire.client",
+    "candidates": "workers.routing.router",
+    "AGGREGATED": "workers.protocols.base",
+    "ReadOnlyAdmin": "workers.admin",
+}
+__all__ = [
+    "AGGREGATED",
+    "ChatRun",
+    "ContextLengthExceeded",
+    "GATEWAY_INSTANCE",
+    "NoEndpointAvailable",
+    "OutputLimitExceeded",
+    "PoolInfo",
+    "ReadOnlyAdmin",
+    "RunTrace",
+    "Traced",
+    "WorkerError",
+    "candidates",
+    "close_transport",
+    "count_prompt_tokens",
+    "get_registry",
+    "get_writer",
+    "process_abandoned",
+    "start_services",
+]
+
+if TYPE_CHECKING:
+    from workers.admin import ReadOnlyAdmin
+    from workers.cluster.instance import GATEWAY_INSTANCE
+    from workers.cluster.recovery import process_abandoned
+    from workers.cluster.registry import PoolInfo, get_registry
+    from workers.cluster.services import start_services
+    from workers.cluster.writer import get_writer
+    from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, WorkerError
+    from workers.protocols.base import AGGREGATED
+    from workers.routing.router import candidates
+    from workers.schedule.pipeline import ChatRun
+    from workers.schedule.prompt_tokens import count_prompt_tokens
+    from workers.schedule.trace import RunTrace, Traced
+    from workers.wire.client import close_transport
+else:
+
+    def __getattr__(name: str) -> object:
+        if name not in _HOMES:
+            raise AttributeError(f"module 'workers' has no attribute {name!r}")
+        return getattr(importlib.import_module(_HOMES[name]), name)

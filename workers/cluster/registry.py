@@ -140,7 +140,7 @@ class Registry:
                     # needs the cluster starts them. Once per process, never per request.
                     from workers.cluster import services
 
-                    services.ensure_started()
+                    services.start_services()
         assert self._snapshot is not None
         return self._snapshot
 

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _started: dict[asyncio.AbstractEventLoop, list[asyncio.Task[None]]] = {}
 
 
-def ensure_started() -> None:
+def start_services() -> None:
     """Start the services on the running loop unless they run already."""
     loop = asyncio.get_running_loop()
     if loop in _started:

@@ -1,0 +1,13 @@
+"""The plain-Django routes of the front door: the probes Claude Code and load balancers send, and
+the metrics scrape (the API routes are Channels consumers: `messages_api.routes`)."""
+
+from django.urls import path
+
+from messages_api import views
+
+urlpatterns = [
+    path("", views.root),
+    path("health", views.health),
+    path("ready", views.ready),
+    path("metrics", views.metrics),
+]
