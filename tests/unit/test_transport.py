@@ -7,106 +7,23 @@ tests ran against a hand-written transport too)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import datetime
 import ipaddress
 import ssl
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.scripted import ScriptedServer, read_request
+from tests.support.worker_transport import Pushed, answer_every_request, fetch, ok, wait_for, worker_transport
 from workers.wire import client
 from workers.exceptions import WorkerError
-from workers.wire.transport import WorkerTransport, body_reader, push_body
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
-
-
-class ScriptedServer:
-    """A TCP server running `handler(reader, writer, connection_number)` per connection."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.closed_by_client = asyncio.Event()
-        self.writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        self.writers.append(writer)
-        try:
-            await self.handler(reader, writer, self.connections)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> ScriptedServer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in self.writers:
-            writer.close()
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        return "http://127.0.0.1:%d" % self._server.sockets[0].getsockname()[1]
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    """One request (head and a content-length body); b"" when the client closed first."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError:
-        return b""
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    return head + await reader.readexactly(length)
-
-
-def ok(body: bytes = b"hello") -> bytes:
-    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-
-
-async def answer_every_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-    while await read_request(reader):
-        writer.write(ok())
-        await writer.drain()
-
-
-@contextlib.asynccontextmanager
-async def worker_transport(**options: Any) -> AsyncIterator[WorkerTransport]:
-    transport = WorkerTransport(**options)
-    try:
-        yield transport
-    finally:
-        await transport.aclose()
-
-
-async def fetch(transport: WorkerTransport, url: str, *, timeout: float = 5.0, body: bytes = b"{}") -> httpx.Response:
-    request = httpx.Request("POST", url, content=body, extensions={"timeout": httpx.Timeout(timeout).as_dict()})
-    response = await transport.handle_async_request(request)
-    await response.aread()
-    return response
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
+from workers.wire.transport import body_reader, push_body
 
 
 async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -> None:
@@ -114,7 +31,7 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         while request := await read_request(reader):
-            seen.append(request)
+            seen.append(request.raw)
             writer.write(ok(b"answer %d" % len(seen)))
 
     async with ScriptedServer(handler) as server, worker_transport() as transport:
@@ -402,31 +319,17 @@ async def test_https_workers_are_verified_and_kept_alive(tmp_path: Path) -> None
     cert_path, key_path = self_signed_certificate(tmp_path)
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert_path, key_path)
-    connections = 0
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        try:
-            await answer_every_request(reader, writer, connections)
-        except (ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_tls)
-    url = "https://127.0.0.1:%d/v1/chat/completions" % server.sockets[0].getsockname()[1]
-    try:
+    async with ScriptedServer(answer_every_request, ssl=server_tls) as server:
+        url = server.url + "/v1/chat/completions"
+        assert url.startswith("https://")
         trusting = ssl.create_default_context(cafile=str(cert_path))
         async with worker_transport(ssl_context=trusting) as transport:
             assert (await fetch(transport, url)).content == b"hello"
             assert (await fetch(transport, url)).content == b"hello"
-        assert connections == 1
+        assert server.connections == 1
         async with worker_transport() as transport:  # the system's CAs do not know this certificate
             with pytest.raises(httpx.ConnectError):
                 await fetch(transport, url)
-    finally:
-        server.close()
 
 
 # --- bounded response heads ------------------------------------------------------------------------
@@ -503,7 +406,7 @@ async def test_a_head_within_the_limits_is_accepted_and_one_past_them_is_not() -
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         while request := await read_request(reader):
-            path = request.split(b" ")[1].decode()
+            path = request.path
             writer.write(b"HTTP/1.1 200 OK\r\n" + heads[path] + b"content-length: 2\r\n\r\nok")
 
     async with ScriptedServer(handler) as server, worker_transport(
@@ -527,30 +430,6 @@ async def test_the_client_maps_a_huge_head_to_a_worker_error() -> None:
 
 
 # --- pushed bodies (workers.wire.transport.push_body: aiohttp's reader internals, checked here) ------------
-
-
-class Pushed:
-    """What `push_body` delivered: the bytes, in order (only their count with `keep=False`), and
-    how it ended."""
-
-    def __init__(self, stop_after: int | None = None, *, keep: bool = True) -> None:
-        self.data: list[bytes] = []
-        self.received = 0
-        self.keep = keep
-        self.ended = asyncio.Event()
-        self.error: BaseException | None = None
-        self.stop_after = stop_after
-
-    def on_data(self, data: bytes) -> bool:
-        self.received += len(data)
-        if self.keep:
-            self.data.append(data)
-        return self.stop_after is None or len(self.data) < self.stop_after
-
-    def on_end(self, error: BaseException | None) -> None:
-        assert not self.ended.is_set(), "on_end called twice"
-        self.error = error
-        self.ended.set()
 
 
 async def test_a_pushed_body_arrives_in_the_receive_callback_as_it_is_sent() -> None:

@@ -2,7 +2,8 @@
 trickling worker cannot stretch, size limits, malformed answers, error frames and scrubbed
 error text, each ending as its WorkerError in time.
 
-The fake worker here is deliberately small and local: it answers one scripted way per test.
+The fake worker here is tests/support/scripted.py's server with one scripted answer per test, and
+an eye on when the gateway hangs up.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tests.support.scripted import ScriptedServer, read_request
 from workers.wire import client
 from workers.exceptions import (
     AnswerTooLarge,
@@ -46,30 +48,25 @@ class FakeWorker:
         self.hung_up = asyncio.Event()
         self.url = ""
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
-            await reader.readexactly(length)
-            script = asyncio.create_task(self.script(writer))
-            await reader.read()  # EOF: the gateway closed the connection
-            self.hung_up.set()
-            script.cancel()
+            if await read_request(reader) is not None:
+                script = asyncio.create_task(self.script(writer))
+                try:
+                    await reader.read()  # EOF: the gateway closed the connection
+                finally:
+                    script.cancel()
         except (ConnectionError, asyncio.IncompleteReadError):
-            self.hung_up.set()
-        finally:
-            writer.close()
+            pass
+        self.hung_up.set()
 
 
 @asynccontextmanager
 async def fake_worker(script: Script) -> AsyncIterator[FakeWorker]:
     worker = FakeWorker(script)
-    server = await asyncio.start_server(worker._serve, "127.0.0.1", 0)
-    worker.url = "http://127.0.0.1:%d" % server.sockets[0].getsockname()[1]
-    try:
+    async with ScriptedServer(worker.serve) as server:
+        worker.url = server.url
         yield worker
-    finally:
-        server.close()
 
 
 def reply(*parts: bytes, every: float = 0.0, then_wait: bool = True) -> Script:

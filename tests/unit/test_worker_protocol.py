@@ -12,7 +12,8 @@ import httpx
 import pytest
 from aiohttp.client_proto import ResponseHandler
 
-from tests.unit.test_transport import Pushed, ScriptedServer, fetch, ok, read_request, wait_for, worker_transport
+from tests.support.scripted import ScriptedServer, read_request
+from tests.support.worker_transport import Pushed, fetch, ok, wait_for, worker_transport
 from workers.wire.transport import push_body
 from workers.wire.connection import RelayedBodyParser, WorkerResponseHandler
 
