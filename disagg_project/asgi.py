@@ -26,7 +26,7 @@ def _start_services_with_daphne() -> None:
     reactor = sys.modules.get("twisted.internet.reactor")
     if reactor is None or type(reactor).__name__ != "AsyncioSelectorReactor":
         return
-    loop = reactor._asyncioEventloop  # the loop daphne runs
+    loop = reactor._asyncioEventloop  # the loop daphne runs (a Twisted internal: disagg_project/relied_on.py)
     loop.call_soon(lambda: loop.create_task(_start()))
     from messages_api import install_state_dump
 

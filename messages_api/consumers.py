@@ -110,7 +110,8 @@ class ApiConsumer(AsyncHttpConsumer):
         counts them); under load each turn is a pass over every ready stream, and the status line
         waits for all of them. With no channel layer there is one source of messages, so reading
         it in place is the same loop: dispatch each message in order until a handler stops the
-        consumer. The test pins Channels' version of this method, so a change there is seen."""
+        consumer. disagg_project/relied_on.py pins Channels' version of this method (checked by
+        tests/unit/test_relied_on.py), so a change there is seen."""
         self.scope = scope  # type: ignore[assignment]  # the stubs' websocket scope type, as above
         self.channel_layer = None  # type: ignore[assignment]  # the stubs say a layer; Channels sets None too
         self.base_send = send

@@ -14,10 +14,10 @@ frame (`Request.write` itself: it writes the head), the last one (`more_body=Fal
 finishes the request and logs it) and every other message still go through `send`.
 
 It reads what daphne's `Server.create_application` binds into the application's `send`
-(`functools.partial(server.handle_reply, request)`, as messages_api/server/arrival.py does) and the
-request and server attributes named in `RELIED_ON`; tests/unit/test_body_writer.py checks them against
-daphne's own classes and the bytes against daphne's path. Any other server: None, and the
-consumer sends as before.
+(`functools.partial(server.handle_reply, request)`, as messages_api/server/arrival.py does) and
+daphne's and Twisted's request and server attributes listed in disagg_project/relied_on.py
+(tests/unit/test_relied_on.py checks that they exist); tests/unit/test_body_writer.py checks the
+bytes against daphne's path. Any other server: None, and the consumer sends as before.
 """
 
 from __future__ import annotations
@@ -27,11 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.web import http
-
-# The daphne and Twisted names read here (tests/unit/test_body_writer.py checks them).
-RELIED_ON_SERVER = ("handle_reply", "connections")
-RELIED_ON_REQUEST = ("finished", "channel", "_response_started", "server")
-RELIED_ON_TWISTED = ("write", "startedWriting", "chunked", "sentLength", "_disconnected", "channel")
 
 BodyWriter = Callable[[bytes], None]
 

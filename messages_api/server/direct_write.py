@@ -10,24 +10,15 @@ take (a slow client) or when anything is already queued (so bytes never overtake
 
 Installed by `install()` (from `disagg_project.asgi`, under daphne) as the transport class of
 every accepted TCP connection (`tcp.Port.transport`). `GATEWAY_DIRECT_WRITES=0` turns it off. The
-Twisted names it relies on are in `RELIED_ON`; tests/unit/test_direct_write.py checks them.
+Twisted internals it relies on are listed in disagg_project/relied_on.py (tests/unit/test_relied_on.py
+checks them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from twisted.internet import abstract, tcp
-
-# The Twisted names this module overrides or reads (tests/unit/test_direct_write.py checks them).
-RELIED_ON: dict[type, tuple[str, ...]] = {
-    tcp.Port: ("transport",),
-    tcp.Server: ("write", "writeSequence", "socket", "SEND_LIMIT"),
-    abstract.FileDescriptor: (
-        "dataBuffer", "offset", "_tempDataLen", "connected", "disconnecting", "_writeDisconnected",
-        "_writeDisconnecting", "producer",
-    ),
-}
+from twisted.internet import tcp
 
 
 class DirectWriteServer(tcp.Server):

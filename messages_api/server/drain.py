@@ -13,7 +13,8 @@ behaviour. While draining, `/ready` answers 503 (`is_draining()`), so a load bal
 holds connections to this process stops choosing it.
 
 This reads daphne's server through the listening port's factory (`Port.factory.server
-.connections`); `relied_on()` names what it reads, and tests/e2e/test_serve.py checks that it exists.
+.connections`): internals listed in disagg_project/relied_on.py (tests/unit/test_relied_on.py checks
+that they exist).
 daphne is imported only when the drain is installed: importing `daphne.server` installs Twisted's
 reactor, which no other process (a management command, the views' import) should do.
 """
@@ -31,13 +32,6 @@ from django.conf import settings
 
 logger = logging.getLogger(__name__)
 
-
-def relied_on() -> dict[type, tuple[str, ...]]:
-    """The daphne names read here (tests/e2e/test_serve.py checks them)."""
-    from daphne.http_protocol import HTTPFactory
-    from daphne.server import Server
-
-    return {HTTPFactory: ("server",), Server: ("connections",)}
 
 POLL_INTERVAL_S = 0.05
 

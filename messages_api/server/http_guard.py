@@ -41,7 +41,8 @@ Installation: `install()` makes daphne's `Server.run()` build its HTTP factory f
 `GuardedHTTPFactory` (it instantiates the module global `daphne.server.HTTPFactory`);
 `disagg_project/asgi.py` calls it when loaded under daphne, whose command line imports the
 application before it runs the server. Every daphne and Twisted internal used here is listed in
-`RELIED_ON` and checked by tests/e2e/test_http_guard.py, so an upgrade that changes one fails there.
+disagg_project/relied_on.py (an override of a method that was renamed would silently do nothing);
+tests/unit/test_relied_on.py fails when an upgrade changes one.
 """
 
 from __future__ import annotations
@@ -72,20 +73,6 @@ logger = logging.getLogger(__name__)
 # upload in well under this; a client on a slow link that never reads while writing loses the
 # answer either way.
 LINGER_S = 2.0
-
-# The daphne and Twisted names this module overrides or reads; tests/e2e/test_http_guard.py checks
-# that each still exists (an override of a method that was renamed would silently do nothing).
-RELIED_ON: dict[object, tuple[str, ...]] = {
-    HTTPChannel: (
-        "dataReceived", "allHeadersReceived", "allContentReceived", "lineLengthExceeded",
-        "_respondToBadRequestAndDisconnect", "connectionLost", "setTimeout", "callLater", "length",
-        "persistent", "totalHeadersSize", "maxHeaders", "_receivedHeaderSize", "_receivedHeaderCount",
-        "_handlingRequest", "_buffer", "line_mode", "MAX_LENGTH",
-    ),
-    WebRequest: ("handleContentChunk", "basic_error", "handle_reply", "channel"),
-    HTTPFactory: ("buildProtocol", "protocol"),
-    _GenericHTTPChannelProtocol: ("_channel", "requestFactory"),
-}
 
 # Anthropic's type for a request over a byte limit, also for the header section's 431.
 TOO_LARGE = "request_too_large"

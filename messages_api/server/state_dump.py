@@ -50,7 +50,8 @@ def dump_tasks(loop: asyncio.AbstractEventLoop, out: TextIO | None = None) -> No
         print(f"{task.get_name()} {task.get_coro()!r}"[:300], file=out)
         for line in await_chain(task.get_coro()):
             print(f"    {line}", file=out)
-        # `_fut_waiter`: the future the task is suspended on (asyncio's Task, Python and C alike).
+        # `_fut_waiter`: the future the task is suspended on (asyncio's Task, Python and C alike;
+        # an internal, listed in disagg_project/relied_on.py).
         print(f"    waits on {getattr(task, '_fut_waiter', None)!r}"[:300], file=out)
     out.flush()
 

@@ -16,7 +16,6 @@ import pytest
 from daphne.http_protocol import HTTPFactory
 from daphne.server import Server
 
-from messages_api.server import drain
 from messages_api.models import MessageRequest
 from tests.support.cluster import Cluster, audit_row, register_cluster, reservations_closed, wait_until
 from tests.support.gateway import PROJECT_ROOT, gateway_env
@@ -155,11 +154,9 @@ def test_sigterm_drains_then_exits(
     assert MessageRequest.objects.filter(request_id=request_id).count() == 1
 
 
-def test_the_daphne_internals_the_drain_reads_still_exist() -> None:
-    for cls, names in drain.relied_on().items():
-        for name in names:
-            # Instance attributes, set in __init__ / run: read from the source that sets them.
-            assert f"self.{name} =" in inspect.getsource(cls), f"{cls.__name__} no longer sets {name}"
+def test_daphnes_http_factory_is_built_with_its_server() -> None:
+    # The drain finds the server as each listening port's `factory.server`; that the names exist is
+    # tests/unit/test_relied_on.py's check.
     assert HTTPFactory.__init__.__code__.co_varnames[1] == "server"
     assert "def run" in inspect.getsource(Server)
 

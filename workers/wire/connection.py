@@ -22,8 +22,9 @@ aiohttp's own parser would: `ClientPayloadError`.
 Relies on aiohttp's `ResponseHandler` calling `self._parser.feed_data`/`feed_eof`/`pause_reading`
 and setting `_parser` in `set_response_params`, on its `data_received` doing nothing but feed the
 parser when no read timeout (`_read_timeout`, `_read_timeout_handle`) is to be restarted, and on
-the connector building protocols with `_factory`; tests/unit/test_worker_protocol.py and
-tests/unit/test_transport.py fail if those change.
+the connector building protocols with `_factory`, all listed in disagg_project/relied_on.py;
+tests/unit/test_relied_on.py, tests/unit/test_worker_protocol.py and tests/unit/test_transport.py fail
+if those change.
 """
 
 from __future__ import annotations
