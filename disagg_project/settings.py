@@ -249,6 +249,32 @@ GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 25.0)
 # of on the next loop iteration (messages_api/server/direct_write.py); off only to compare.
 GATEWAY_DIRECT_WRITES = env_bool("GATEWAY_DIRECT_WRITES", True)
 
+# --- Tenancy: shared state, admission, per-key limits (docs/tenancy.md) -----------------------
+# Redis shared by every gateway process and host: per-key limits and budgets, per-key concurrency
+# and endpoint capacity hold across all of them. Unset (the embedded default), each process keeps
+# its own. A Redis that stops answering makes each process fall back to its own state (logged,
+# counted in gateway_shared_state_fallbacks_total) and is tried again REDIS_RETRY_S later.
+REDIS_URL = os.environ.get("REDIS_URL", "")
+REDIS_TIMEOUT_S = env_float("REDIS_TIMEOUT_S", 0.25)
+REDIS_RETRY_S = env_float("REDIS_RETRY_S", 5.0)
+# Every key the gateway writes starts with this (several deployments may share one Redis).
+REDIS_KEY_PREFIX = os.environ.get("REDIS_KEY_PREFIX", "gw:")
+# A capacity slot held through Redis expires unless its process renews it: a process that dies
+# frees its slots within this long. Renewed every third of it.
+CAPACITY_LEASE_S = env_float("CAPACITY_LEASE_S", 30.0)
+# The admission queue (workers/admission/queue.py): a request that finds every suitable endpoint
+# at capacity waits in the gateway, not in an engine's queue, for the first slot that frees; past
+# ADMISSION_QUEUE_TIMEOUT_S, or when the queue holds ADMISSION_QUEUE_MAX_REQUESTS requests or
+# ADMISSION_QUEUE_MAX_BYTES of them, the answer is 529 overloaded_error with a retry-after of
+# ADMISSION_RETRY_AFTER_S (at most 59: Claude Code gives up at once on a longer one).
+ADMISSION_QUEUE_TIMEOUT_S = env_float("ADMISSION_QUEUE_TIMEOUT_S", 30.0)
+ADMISSION_QUEUE_MAX_REQUESTS = env_int("ADMISSION_QUEUE_MAX_REQUESTS", 2000)
+ADMISSION_QUEUE_MAX_BYTES = env_int("ADMISSION_QUEUE_MAX_BYTES", 512 * 1024 * 1024)
+ADMISSION_RETRY_AFTER_S = min(59.0, env_float("ADMISSION_RETRY_AFTER_S", 5.0))
+# How often the head of a queue looks for a slot freed elsewhere (another process, a capacity
+# raised in the admin); slots freed in this process wake it at once.
+ADMISSION_POLL_INTERVAL_S = env_float("ADMISSION_POLL_INTERVAL_S", 0.05)
+
 # How often each process re-reads pools and endpoints from the database.
 REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
 

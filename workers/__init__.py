@@ -9,8 +9,10 @@ has (`workers.models`); `tests/unit/test_layers.py` enforces it. Inside, the pac
                  SSE decoders, the checks of what a worker sends, and redaction of its text
     protocols/   engine dialects (TensorRT-LLM, vLLM, SGLang, plain OpenAI), each with its errors
     routing/     picking an endpoint: the router, the prefix index, reservations
+    admission/   endpoint capacity and the fair admission queue of requests waiting for it
     schedule/    one chat request through the cluster: the pipeline and what it records
-    cluster/     the cluster's state in this process: registry, health, recovery, the row writer
+    cluster/     the cluster's state in this process: registry, health, recovery, the row writer,
+                 and what processes share through Redis (shared_state)
     sim/         a simulated worker for every dialect (`manage.py simworker`)
 
 The names load lazily: Django imports this package before its models are ready.
@@ -41,6 +43,12 @@ _HOMES = {
     "candidates": "workers.routing.router",
     "AGGREGATED": "workers.protocols.base",
     "ReadOnlyAdmin": "workers.admin",
+    "Priority": "workers.admission.queue",
+    "limit_argument": "workers.management.arguments",
+    "Script": "workers.cluster.shared_state",
+    "get_shared_state": "workers.cluster.shared_state",
+    "shared_leases": "workers.cluster.shared_state",
+    "lease_expiry": "workers.cluster.shared_state",
 }
 __all__ = [
     "AGGREGATED",
@@ -50,7 +58,9 @@ __all__ = [
     "NoEndpointAvailable",
     "OutputLimitExceeded",
     "PoolInfo",
+    "Priority",
     "ReadOnlyAdmin",
+    "Script",
     "RunTrace",
     "Traced",
     "WorkerError",
@@ -58,18 +68,26 @@ __all__ = [
     "close_transport",
     "count_prompt_tokens",
     "get_registry",
+    "get_shared_state",
+    "lease_expiry",
+    "limit_argument",
     "get_writer",
     "process_abandoned",
+    "shared_leases",
     "start_services",
 ]
 
 if TYPE_CHECKING:
     from workers.admin import ReadOnlyAdmin
+    from workers.admission.queue import Priority
+    from workers.cluster.shared_state import Script, get_shared_state, lease_expiry
+    from workers.cluster.shared_state import leases as shared_leases
     from workers.cluster.instance import GATEWAY_INSTANCE
     from workers.cluster.recovery import process_abandoned
     from workers.cluster.registry import PoolInfo, get_registry
     from workers.cluster.services import start_services
     from workers.cluster.writer import get_writer
+    from workers.management.arguments import limit_argument
     from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, WorkerError
     from workers.protocols.base import AGGREGATED
     from workers.routing.router import candidates
@@ -82,4 +100,5 @@ else:
     def __getattr__(name: str) -> object:
         if name not in _HOMES:
             raise AttributeError(f"module 'workers' has no attribute {name!r}")
-        return getattr(importlib.import_module(_HOMES[name]), name)
+        module = importlib.import_module(_HOMES[name])
+        return getattr(module, "leases" if name == "shared_leases" else name)

@@ -31,11 +31,12 @@ def open_reservations(endpoint: WorkerEndpoint) -> int:
 class WorkerEndpointInline(admin.TabularInline[WorkerEndpoint, WorkerPool]):
     model = WorkerEndpoint
     extra = 0
+    # One line per endpoint: its protocol options (a JSON box) are edited on the endpoint's own page.
     fields = (  # type: ignore[assignment]
-        "role", "url", "options", "enabled", "draining", "healthy", open_reservations,
-        "consecutive_failures", "last_checked_at", "last_error",
+        "role", "url", "enabled", "draining", "capacity", "capacity_tokens", "healthy", open_reservations,
+        "consecutive_failures", "last_checked_at",
     )
-    readonly_fields = ("healthy", open_reservations, "consecutive_failures", "last_checked_at", "last_error")  # type: ignore[assignment]
+    readonly_fields = ("healthy", open_reservations, "consecutive_failures", "last_checked_at")  # type: ignore[assignment]
 
 
 class WorkerPoolForm(forms.ModelForm[WorkerPool]):
@@ -117,7 +118,7 @@ class WorkerPoolAdmin(admin.ModelAdmin[WorkerPool]):
 @admin.register(WorkerEndpoint)
 class WorkerEndpointAdmin(admin.ModelAdmin[WorkerEndpoint]):
     list_display = (  # type: ignore[assignment]
-        "url", "pool", "role", "enabled", "draining", "healthy", open_reservations, "last_checked_at", "last_error",
+        "url", "pool", "role", "enabled", "draining", "capacity", "healthy", open_reservations, "last_checked_at", "last_error",
     )
     list_filter = ("pool", "role", "enabled", "draining", "healthy")
     search_fields = ("url", "pool__name")

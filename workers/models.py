@@ -112,6 +112,19 @@ class WorkerEndpoint(models.Model):
         blank=True,
         help_text='Protocol-specific options, e.g. {"bootstrap_port": 8998} for an SGLang prefill server.',
     )
+    # The router never sends an endpoint more than this; a request that finds every suitable
+    # endpoint full waits in the gateway's admission queue (workers/admission/).
+    capacity = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Most requests in flight at once on this endpoint, across every gateway process. Empty: unlimited.",
+    )
+    capacity_tokens = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="Most tokens in flight at once (each request's prompt + max_tokens). Empty: unlimited. "
+        "A request larger than this alone is admitted when the endpoint is idle.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

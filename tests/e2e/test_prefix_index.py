@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
@@ -321,7 +323,7 @@ def placed(transactional_db: Any) -> Iterator[list[Reservation]]:
 
 
 def place(taken: list[Reservation], chat: dict[str, Any], *, session: str | None = None, cluster: PoolInfo | None = None) -> router.Placement:
-    placement = router.place_generation(cluster or pool(), f"req-{len(taken)}", RenderedChat(chat), session=session)
+    placement = asyncio.run(router.place_generation(cluster or pool(), f"req-{len(taken)}", RenderedChat(chat), session=session))
     taken.append(placement.reservation)
     return placement
 
@@ -428,7 +430,7 @@ CTX = [EndpointInfo(id=9200 + i, pool_name="ca", role="context", url=f"http://c{
 def test_the_context_phase_goes_where_the_conversation_was_prefilled(placed: list[Reservation]) -> None:
     cluster = pool(*GEN, *CTX)
     first = place(placed, conversation(5, 1), cluster=cluster)
-    context = router.reserve(cluster, "context", "req-c", placement=first)
+    context = asyncio.run(router.reserve(cluster, "context", "req-c", placement=first))
     placed.append(context)
     home, other = context.endpoint, next(c for c in CTX if c != context.endpoint)
     assert first.key is not None
@@ -440,14 +442,14 @@ def test_the_context_phase_goes_where_the_conversation_was_prefilled(placed: lis
         assert later.prompt is not None
         matches = get_index().matches([home.id, other.id], later.prompt)
         assert matches == {home.id: prompt_of(conversation(5, turns - 1), 2048).size, other.id: 0}
-        again = router.reserve(cluster, "context", f"req-c{turns}", placement=later)
+        again = asyncio.run(router.reserve(cluster, "context", f"req-c{turns}", placement=later))
         placed.append(again)
         assert again.endpoint == home
     # Another conversation with the same head: its context phase goes where the head is too.
     fresh = place(placed, conversation(6, 1), cluster=cluster)
     assert fresh.prompt is not None
     assert get_index().match(home.id, fresh.prompt) == fresh.prompt_bytes - len(orjson.dumps(conversation(6, 1)["messages"][-1]))
-    head = router.reserve(cluster, "context", "req-c6", placement=fresh)
+    head = asyncio.run(router.reserve(cluster, "context", "req-c6", placement=fresh))
     placed.append(head)
     assert head.endpoint == home
 
@@ -456,13 +458,13 @@ def test_the_context_phase_goes_where_the_conversation_was_prefilled(placed: lis
 def test_an_overloaded_context_holder_is_skipped(placed: list[Reservation]) -> None:
     cluster = pool(*GEN, *CTX)
     first = place(placed, conversation(8, 1), cluster=cluster)
-    home = router.reserve(cluster, "context", "req-c", placement=first)
+    home = asyncio.run(router.reserve(cluster, "context", "req-c", placement=first))
     placed.append(home)
-    busy = router.reserve(cluster, "context", "req-busy", exclude=[c.url for c in CTX if c != home.endpoint])
+    busy = asyncio.run(router.reserve(cluster, "context", "req-busy", exclude=[c.url for c in CTX if c != home.endpoint]))
     placed.append(busy)
     assert busy.endpoint == home.endpoint  # two open on home, none on the other: over the guard
     later = place(placed, conversation(8, 2), cluster=cluster)
-    moved = router.reserve(cluster, "context", "req-c2", placement=later)
+    moved = asyncio.run(router.reserve(cluster, "context", "req-c2", placement=later))
     placed.append(moved)
     assert moved.endpoint != home.endpoint
 
@@ -470,9 +472,9 @@ def test_an_overloaded_context_holder_is_skipped(placed: list[Reservation]) -> N
 def test_without_a_placement_the_context_phase_goes_to_the_least_loaded(placed: list[Reservation]) -> None:
     cluster = pool(*GEN, *CTX)
     first = place(placed, conversation(9, 1), cluster=cluster)
-    home = router.reserve(cluster, "context", "req-c", placement=first)
+    home = asyncio.run(router.reserve(cluster, "context", "req-c", placement=first))
     placed.append(home)
-    plain = router.reserve(cluster, "context", "req-plain")  # load 1 against 0
+    plain = asyncio.run(router.reserve(cluster, "context", "req-plain"))  # load 1 against 0
     placed.append(plain)
     assert plain.endpoint != home.endpoint
 

@@ -36,6 +36,13 @@ class EndpointInfo:
     options: Mapping[str, Any] = field(default_factory=dict)
     # Open reservations other gateway processes held at the last refresh (for least_loaded).
     remote_open: int = 0
+    # Most requests / tokens in flight at once (None: unlimited); see workers.admission.
+    capacity: int | None = None
+    capacity_tokens: int | None = None
+
+    @property
+    def capped(self) -> bool:
+        return self.capacity is not None or self.capacity_tokens is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,8 @@ def load_snapshot() -> ClusterSnapshot:
                 healthy=e.healthy,
                 options=MappingProxyType(dict(e.options or {})),
                 remote_open=remote_open.get(e.id, 0),
+                capacity=e.capacity,
+                capacity_tokens=e.capacity_tokens,
             )
         )
     return ClusterSnapshot(

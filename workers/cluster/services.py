@@ -1,5 +1,5 @@
 """The background work of a gateway process: registry refresh, health probes, heartbeat and
-recovery of dead processes' rows.
+recovery of dead processes' rows, and (with Redis) the renewal of the leases it holds there.
 
 They are started in one place per server: daphne has no ASGI lifespan, so `disagg_project.asgi`
 starts them on daphne's event loop as soon as the application is loaded, before any request.
@@ -20,6 +20,7 @@ from workers.cluster import recovery
 from workers.cluster.db_thread import DatabaseThread
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
+from workers.cluster.shared_state import leases
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def start_services() -> None:
         loop.create_task(_every(settings.HEALTH_CHECK_INTERVAL_S, health.probe_all), name="health-probe"),
         loop.create_task(_every(settings.GATEWAY_HEARTBEAT_INTERVAL_S, _heartbeat_and_recover, first_delay=0), name="heartbeat"),
     ]
+    if settings.REDIS_URL:
+        _started[loop].append(loop.create_task(_every(settings.CAPACITY_LEASE_S / 3, leases.renew), name="lease-renewal"))
 
 
 # The heartbeat's and the sweep's own thread (see workers.cluster.db_thread).

@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from workers.admission import capacity
+from workers.admission.queue import notify_freed
 from workers.cluster.instance import GATEWAY_INSTANCE
 from workers.models import Outcome
 from workers.models import Reservation as ReservationRow
@@ -25,11 +27,16 @@ class ReservationLedger:
 
     def __init__(self) -> None:
         self.open_by_endpoint: Counter[int] = Counter()
+        # Tokens (prompt + max_tokens) of the open reservations, by endpoint: for capacity_tokens.
+        self.tokens_by_endpoint: Counter[int] = Counter()
         # Releases of an already released reservation (exported as a metric; should stay 0).
         self.duplicate_releases = 0
 
     def open_count(self, endpoint_id: int) -> int:
         return self.open_by_endpoint.get(endpoint_id, 0)
+
+    def tokens(self, endpoint_id: int) -> int:
+        return self.tokens_by_endpoint.get(endpoint_id, 0)
 
 
 ledger = ReservationLedger()
@@ -48,11 +55,19 @@ class Reservation:
     reserved_at: datetime = field(default_factory=_now)
     released_at: datetime | None = None
     outcome: str = ""
+    #: Tokens it holds of the endpoint's capacity_tokens (0 on an endpoint without one).
+    tokens: int = 0
 
     @classmethod
-    def take(cls, request_id: str, endpoint: EndpointInfo, stage: str) -> Reservation:
-        reservation = cls(request_id=request_id, endpoint=endpoint, stage=stage)
+    def take(cls, request_id: str, endpoint: EndpointInfo, stage: str, *, tokens: int = 0, reservation_id: str | None = None) -> Reservation:
+        """Hold the endpoint (for a capped one, `reservation_id` names the slot `workers.admission`
+        acquired for it)."""
+        reservation = cls(request_id=request_id, endpoint=endpoint, stage=stage, tokens=tokens)
+        if reservation_id is not None:
+            reservation.reservation_id = reservation_id
         ledger.open_by_endpoint[endpoint.id] += 1
+        if tokens:
+            ledger.tokens_by_endpoint[endpoint.id] += tokens
         reservation._persist()
         return reservation
 
@@ -64,9 +79,17 @@ class Reservation:
         assert outcome in Outcome.values, outcome
         self.released_at = _now()
         self.outcome = outcome
-        ledger.open_by_endpoint[self.endpoint.id] -= 1
-        if ledger.open_by_endpoint[self.endpoint.id] <= 0:
-            del ledger.open_by_endpoint[self.endpoint.id]
+        endpoint = self.endpoint
+        ledger.open_by_endpoint[endpoint.id] -= 1
+        if ledger.open_by_endpoint[endpoint.id] <= 0:
+            del ledger.open_by_endpoint[endpoint.id]
+        if self.tokens:
+            ledger.tokens_by_endpoint[endpoint.id] -= self.tokens
+            if ledger.tokens_by_endpoint[endpoint.id] <= 0:
+                del ledger.tokens_by_endpoint[endpoint.id]
+        if endpoint.capped:
+            capacity.release(endpoint, self.reservation_id)
+            notify_freed((endpoint.pool_name, self.stage))
         self._persist()
         return True
 

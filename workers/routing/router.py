@@ -13,12 +13,13 @@ from dataclasses import dataclass, replace
 
 from django.conf import settings
 
+from workers.admission import Ticket, admit
 from workers.exceptions import NoEndpointAvailable
 from workers.cluster.health import health
 from workers.models import Role, RoutingPolicy
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
 from workers.schedule.rendered_chat import RenderedChat
-from workers.cluster.registry import EndpointInfo, PoolInfo
+from workers.cluster.registry import EndpointInfo, PoolInfo, get_registry
 from workers.routing.reservations import Reservation, ledger
 
 Policy = Callable[[PoolInfo, str, list[EndpointInfo], str | None], EndpointInfo]
@@ -105,21 +106,34 @@ class Placement:
         return prompt_tokens * self.matched_bytes // self.prompt_bytes
 
 
-def place_generation(pool: PoolInfo, request_id: str, rendered: RenderedChat, *, session: str | None = None) -> Placement:
+async def place_generation(
+    pool: PoolInfo, request_id: str, rendered: RenderedChat, *, session: str | None = None, ticket: Ticket | None = None, tokens: int = 0
+) -> Placement:
     """Reserve the generation endpoint for a chat request; a `cache_aware` pool also says how
-    much of the prompt that endpoint is expected to hold (TensorRT-LLM's `match_length`)."""
+    much of the prompt that endpoint is expected to hold (TensorRT-LLM's `match_length`).
+    `tokens` (prompt + max_tokens) count against capped endpoints' `capacity_tokens`."""
     if pool.routing != RoutingPolicy.CACHE_AWARE:
-        return Placement(reserve(pool, Role.GENERATION, request_id, session=session))
-    usable = _usable(pool, Role.GENERATION, ())
+        return Placement(await reserve(pool, Role.GENERATION, request_id, session=session, ticket=ticket, tokens=tokens))
     index = get_index()
     index.retain(pool.name, [e.id for e in pool.endpoints if _keeps_cache(e)])
     prompt = Prompt(rendered, settings.PREFIX_INDEX_CHUNK_BYTES)
-    matches = index.matches([e.id for e in usable], prompt)
-    endpoint = _cache_aware(pool, usable, matches, prompt, session)
+    matches: dict[int, int] = {}
+
+    def usable(fresh: bool) -> list[EndpointInfo]:
+        endpoints = _usable(_current(pool) if fresh else pool, Role.GENERATION, ())
+        matches.update(index.matches([e.id for e in endpoints if e.id not in matches], prompt))
+        return endpoints
+
+    def pick(roomy: list[EndpointInfo]) -> EndpointInfo:
+        return _cache_aware(pool, roomy, {e.id: matches[e.id] for e in roomy}, prompt, session)
+
+    endpoint, lease = await admit(
+        (pool.name, Role.GENERATION), ticket or Ticket(), usable, pick, tokens=tokens, held_here=_held_here
+    )
     held = index.held(endpoint.id, prompt, sent=matches[endpoint.id])
     index.record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
-    reservation = Reservation.take(request_id, endpoint, Role.GENERATION)
+    reservation = Reservation.take(request_id, endpoint, Role.GENERATION, tokens=tokens if endpoint.capped else 0, reservation_id=lease)
     return Placement(reservation, held, prompt.size, prompt)
 
 
@@ -174,7 +188,7 @@ def candidates(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[E
     return [e for e in pool.endpoints if e.role == role and e.url not in excluded and health.usable(e)]
 
 
-def reserve(
+async def reserve(
     pool: PoolInfo,
     role: str,
     request_id: str,
@@ -182,28 +196,52 @@ def reserve(
     session: str | None = None,
     exclude: Iterable[str] = (),
     placement: Placement | None = None,
+    ticket: Ticket | None = None,
+    tokens: int = 0,
 ) -> Reservation:
-    """Reserve a routable endpoint of `role` in `pool`, or raise NoEndpointAvailable.
+    """Reserve a routable endpoint of `role` in `pool` with room for the request (waiting in the
+    admission queue while every one is at capacity), or raise NoEndpointAvailable.
 
     With the request's generation `placement` from a `cache_aware` pool, the context phase goes
     where the most of its prompt was sent (its KV may still be there), and the index records it."""
-    usable = _usable(pool, role, exclude)
     prompt = placement.prompt if placement is not None and role == Role.CONTEXT else None
-    if exclude:
-        # A retry: the least loaded of the others, leaving the policy's rotation untouched so
-        # that a failing endpoint does not shift every later request's turn.
-        endpoint = min(usable, key=_load)
-    elif prompt is not None:
-        endpoint = _by_cache(pool, role, usable, prompt)
-    else:
+    excluded = tuple(exclude)
+
+    def pick(usable: list[EndpointInfo]) -> EndpointInfo:
+        if excluded:
+            # A retry: the least loaded of the others, leaving the policy's rotation untouched so
+            # that a failing endpoint does not shift every later request's turn.
+            return min(usable, key=_load)
+        if prompt is not None:
+            return _by_cache(pool, role, usable, prompt)
         policy = POLICIES.get(pool.routing, _round_robin)
         # Affinity matters for generation (its prefix cache); the context phase is stateless.
-        endpoint = policy(pool, role, usable, session if role == "generation" else None)
+        return policy(pool, role, usable, session if role == "generation" else None)
+
+    endpoint, lease = await admit(
+        (pool.name, role), ticket or Ticket(), lambda fresh: _usable(_current(pool) if fresh else pool, role, excluded), pick,
+        tokens=tokens, held_here=_held_here,
+    )
     if prompt is not None:
         # Only generation endpoints' conversations are compared (the balance guard).
         get_index().record(endpoint.id, pool.name, prompt.key, conversation=False)
     health.on_routed(endpoint.id)
-    return Reservation.take(request_id, endpoint, role)
+    return Reservation.take(request_id, endpoint, role, tokens=tokens if endpoint.capped else 0, reservation_id=lease)
+
+
+def _held_here(endpoint_id: int) -> tuple[int, int]:
+    return ledger.open_count(endpoint_id), ledger.tokens(endpoint_id)
+
+
+def _current(pool: PoolInfo) -> PoolInfo:
+    """The pool as the registry holds it now: a request waiting for a slot sees capacities,
+    health and the other processes' load change."""
+    snapshot = get_registry().current()
+    if snapshot is not None:
+        for current in snapshot.pools:
+            if current.id == pool.id:
+                return current
+    return pool
 
 
 def _usable(pool: PoolInfo, role: str, exclude: Iterable[str]) -> list[EndpointInfo]:

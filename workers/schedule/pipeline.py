@@ -49,6 +49,8 @@ from workers.wire import client
 
 from workers import protocols
 
+from workers.admission import Priority, Ticket
+from workers.admission.queue import get_queue
 from workers.routing import router
 from workers.wire.client import ChunkStream
 from workers.schedule.completion import Completion
@@ -84,15 +86,21 @@ class ChatRun:
         request_id: str,
         session: str | None = None,
         tenant: str | None = None,
+        priority: Priority = Priority.STANDARD,
+        size: int = 0,
     ) -> None:
         """`session` keeps a conversation on one generation endpoint (session affinity);
         `tenant` names the API key, so a worker failure that may follow this client's request
-        content counts against the endpoint only with other keys' (see `workers.cluster.health`)."""
+        content counts against the endpoint only with other keys' (see `workers.cluster.health`).
+        `tenant`, `session` and `priority` also order the admission queue when the pool is at
+        capacity (`workers.admission`); `size` is the request's bytes, for the queue's bound."""
         self.chat = chat
         self.pool = pool
         self.request_id = request_id
         self.session = session
         self.tenant = tenant
+        self.priority = priority
+        self._size = size
         self._call = Call(request_id=request_id, conversation_id=session, signing_key=pool.signing_key)
         # Released once every worker request is sent: a Claude Code prompt is 80-190 KB of JSON,
         # and a stream may last minutes after that.
@@ -223,7 +231,11 @@ class ChatRun:
     async def _send_requests(self) -> None:
         pool = self.pool
         protocol = self._protocol = _protocol_for(pool)
-        placement = self._placement = router.place_generation(pool, self.request_id, self.rendered, session=self.session)
+        started = time.monotonic()
+        placement = self._placement = await router.place_generation(
+            pool, self.request_id, self.rendered, session=self.session, ticket=self.ticket, tokens=self.tokens_in_flight
+        )
+        self._queued(started)
         generation = placement.reservation
         self._reservations.append(generation)
         self._generation_url = generation.endpoint.url
@@ -263,7 +275,7 @@ class ChatRun:
         await self._open_generation(body)
 
     async def _generation_first(self, pair_id: int) -> None:
-        context = self._reserve(Role.CONTEXT)
+        context = await self._reserve(Role.CONTEXT)
         self._note(context_endpoint=context.endpoint.url)
         self._note(stage=Stage.CONTEXT)
         try:
@@ -309,7 +321,7 @@ class ChatRun:
         may_retry = reservation is None
         while True:
             if reservation is None:
-                reservation = self._reserve(Role.CONTEXT, exclude=tried)
+                reservation = await self._reserve(Role.CONTEXT, exclude=tried)
             url = reservation.endpoint.url
             self._note(context_endpoint=url)
             body = protocol.context_request(
@@ -474,12 +486,41 @@ class ChatRun:
     def _headers(self, body: dict[str, Any]) -> dict[str, str]:
         return dict(self._protocol.headers(body, self._call))
 
-    def _reserve(self, role: str, exclude: list[str] | tuple[str, ...] = ()) -> Reservation:
-        reservation = router.reserve(
-            self.pool, role, self.request_id, session=self.session, exclude=exclude, placement=self._placement
+    async def _reserve(self, role: str, exclude: list[str] | tuple[str, ...] = ()) -> Reservation:
+        started = time.monotonic()
+        reservation = await router.reserve(
+            self.pool, role, self.request_id, session=self.session, exclude=exclude, placement=self._placement,
+            ticket=self.ticket, tokens=self.tokens_in_flight,
         )
+        self._queued(started)
         self._reservations.append(reservation)
         return reservation
+
+    @functools.cached_property
+    def ticket(self) -> Ticket:
+        """Who this run is, for the admission queue's order (prompt tokens, charged when admitted)."""
+        return Ticket(
+            flow=self.tenant or "", session=self.session or "", priority=self.priority,
+            tokens=self.estimated_prompt_tokens, size=self._size,
+        )
+
+    @functools.cached_property
+    def tokens_in_flight(self) -> int:
+        """What the run holds of a capped endpoint's `capacity_tokens`: prompt + max_tokens."""
+        chat = self.chat
+        output = chat.get("max_completion_tokens") or chat.get("max_tokens") or 0
+        return self.estimated_prompt_tokens + (output if isinstance(output, int) else 0)
+
+    def charge_output(self, tokens: int) -> None:
+        """Count the answer's tokens toward this run's share of the admission queue (known only
+        once it ends)."""
+        if tokens > 0 and any(r.endpoint.capped for r in self._reservations):
+            get_queue().charge(self.ticket, tokens)
+
+    def _queued(self, started: float) -> None:
+        waited = time.monotonic() - started
+        if waited > 0.001:
+            self._note(queued_s=self._trace.queued_s + waited)
 
     def _release_stage(self, role: str, outcome: str) -> None:
         for reservation in self._reservations:

@@ -17,6 +17,8 @@ class RunTrace:
     context_done_at: float | None = None
     #: `time.monotonic()` when the first chunk of the answer was handed on.
     first_chunk_at: float | None = None
+    #: Seconds spent in the admission queue waiting for endpoint slots (every stage's waits).
+    queued_s: float = 0.0
 
 
 class Traced(Protocol):

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.validators import URLValidator
 
 from workers import protocols
+from workers.management.arguments import limit_argument
 from workers.models import (
     Role,
     RoutingPolicy,
@@ -55,6 +56,14 @@ class Command(BaseCommand):
         )
         key.add_argument("--clear-signing-key", action="store_true", help="Remove the pool's handoff signing key.")
         parser.add_argument(
+            "--capacity", type=limit_argument, metavar="N",
+            help="Most requests in flight at once on this endpoint, across every gateway process (0 or none: unlimited).",
+        )
+        parser.add_argument(
+            "--capacity-tokens", type=limit_argument, metavar="N",
+            help="Most tokens (prompt + max_tokens) in flight at once on this endpoint (0 or none: unlimited).",
+        )
+        parser.add_argument(
             "--option",
             action="append",
             default=[],
@@ -98,6 +107,13 @@ class Command(BaseCommand):
             pool.save()
         endpoint_options = self._endpoint_options(options["option"])
         endpoint, endpoint_created = WorkerEndpoint.objects.get_or_create(pool=pool, role=options["role"], url=url)
+        for field in ("capacity", "capacity_tokens"):
+            if options.get(field) is not None:
+                value = options[field] or None  # 0: unlimited
+                if getattr(endpoint, field) != value:
+                    setattr(endpoint, field, value)
+                    endpoint.save(update_fields=[field, "updated_at"])
+                    endpoint_created = True  # reported as a change
         if endpoint_options:
             merged = {**endpoint.options, **endpoint_options}
             merged = {k: v for k, v in merged.items() if v is not None}
@@ -106,7 +122,10 @@ class Command(BaseCommand):
                 endpoint.save(update_fields=["options", "updated_at"])
                 endpoint_created = True  # reported as a change
         verb = "registered" if endpoint_created else "already registered"
-        self.stdout.write(f"{verb}: pool {pool.name} ({pool.model}) {endpoint.role} {endpoint.url}")
+        capacity = "".join(
+            f", {label} {value}" for label, value in (("capacity", endpoint.capacity), ("capacity tokens", endpoint.capacity_tokens)) if value
+        )
+        self.stdout.write(f"{verb}: pool {pool.name} ({pool.model}) {endpoint.role} {endpoint.url}{capacity}")
 
     @staticmethod
     def _endpoint_options(pairs: list[str]) -> dict[str, Any]:
