@@ -28,11 +28,10 @@ Regenerate the fixture with `.venv/bin/python -m tests.e2e.test_claude_code`.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import tempfile
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,8 @@ from tests.support.cluster import (
 )
 from tests.support.claude_code import claude_command, run_claude
 from tests.support.gateway import PROJECT_ROOT, Gateway
+from tests.support.scripted import Request as ScriptedRequest
+from tests.support.scripted import ScriptedServer, answering, response
 from tests.support.simworkers import SimWorker, start_simworker
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "claude_code_request.json"
@@ -93,59 +94,38 @@ def _canned_stream(text: str) -> bytes:
     return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
 
 
-class _CaptureHandler(BaseHTTPRequestHandler):
-    """Records every request; answers like the API would (a canned text reply)."""
-
-    protocol_version = "HTTP/1.1"
-    captured: list[dict[str, Any]]
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _record(self, body: Any) -> None:
-        self.captured.append({"method": self.command, "path": self.path, "headers": dict(self.headers.items()), "body": body})
-
-    def _answer(self, content_type: str, data: bytes) -> None:
-        self.send_response(200)
-        self.send_header("content-type", content_type)
-        self.send_header("request-id", "req_capture")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_HEAD(self) -> None:
-        self._record(None)
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def do_GET(self) -> None:
-        self._record(None)
-        self._answer("application/json", json.dumps({"data": [], "has_more": False, "first_id": None, "last_id": None}).encode())
-
-    def do_POST(self) -> None:
-        raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+def _record_and_answer(captured: list[dict[str, Any]], request: ScriptedRequest) -> bytes:
+    """Records the request in `captured`; answers like the API would (a canned text reply)."""
+    if request.method not in ("HEAD", "GET", "POST"):
+        return response(501)  # unrecorded, as http.server answered a method it had no handler for
+    body: Any = None
+    if request.method == "POST":
         try:
-            body = json.loads(raw)
+            body = json.loads(request.body)
         except ValueError:
-            body = raw.decode(errors="replace")
-        self._record(body)
-        if self.path.startswith("/v1/messages/count_tokens"):
-            self._answer("application/json", json.dumps({"input_tokens": 10}).encode())
-        elif isinstance(body, dict) and body.get("stream"):
-            self._answer("text/event-stream", _canned_stream("captured"))
-        else:
-            reply = {
-                "id": "msg_capture",
-                "type": "message",
-                "role": "assistant",
-                "model": "sim-model",
-                "content": [{"type": "text", "text": "captured"}],
-                "stop_reason": "end_turn",
-                "stop_sequence": None,
-                "usage": {"input_tokens": 10, "output_tokens": 2},
-            }
-            self._answer("application/json", json.dumps(reply).encode())
+            body = request.body.decode(errors="replace")
+    captured.append({"method": request.method, "path": request.path, "headers": dict(request.fields), "body": body})
+    api_headers = {"request-id": "req_capture"}
+    if request.method == "HEAD":
+        return response(200)
+    if request.method == "GET":
+        payload: dict[str, Any] = {"data": [], "has_more": False, "first_id": None, "last_id": None}
+    elif request.path.startswith("/v1/messages/count_tokens"):
+        payload = {"input_tokens": 10}
+    elif isinstance(body, dict) and body.get("stream"):
+        return response(200, _canned_stream("captured"), content_type="text/event-stream", headers=api_headers)
+    else:
+        payload = {
+            "id": "msg_capture",
+            "type": "message",
+            "role": "assistant",
+            "model": "sim-model",
+            "content": [{"type": "text", "text": "captured"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 2},
+        }
+    return response(200, json.dumps(payload).encode(), content_type="application/json", headers=api_headers)
 
 
 def capture_claude_code_request(prompt: str = "Say hello") -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -155,17 +135,9 @@ def capture_claude_code_request(prompt: str = "Say hello") -> tuple[dict[str, An
     without credentials and connection-bound ones, and the JSON body.
     """
     captured: list[dict[str, Any]] = []
-    handler = type("Handler", (_CaptureHandler,), {"captured": captured})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with tempfile.TemporaryDirectory() as workdir:
-            url = f"http://127.0.0.1:{server.server_address[1]}"
-            result = run_claude(url, "sk-gw-capture-placeholder", prompt, Path(workdir))
-    finally:
-        server.shutdown()
-        server.server_close()
+    recorder = answering(functools.partial(_record_and_answer, captured))
+    with ScriptedServer(recorder) as server, tempfile.TemporaryDirectory() as workdir:
+        result = run_claude(server.url, "sk-gw-capture-placeholder", prompt, Path(workdir))
     assert result.returncode == 0, f"claude exited {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
     posts = [r for r in captured if r["method"] == "POST" and r["path"].split("?")[0] == "/v1/messages"]
     assert posts, f"Claude Code sent no POST /v1/messages: {[(r['method'], r['path']) for r in captured]}"

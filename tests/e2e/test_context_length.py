@@ -12,10 +12,8 @@ stream and as an SSE error frame after it), and through a real gateway to an Ant
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -26,6 +24,7 @@ from messages_api.errors import client_error
 from tests.support.cluster import Cluster, audit_row, wait_registered
 from tests.support.gateway import Gateway
 from tests.support.rawclient import RawStream
+from tests.support.scripted import Request, ScriptedServer, answering, response
 from tests.support.simworkers import SimWorker
 from workers.wire.client import open_stream, post_completion, worker_error
 from workers.exceptions import ContextLengthExceeded, OutputLimitExceeded, WorkerError
@@ -250,42 +249,23 @@ def test_absurd_counts_from_a_worker_are_no_crash() -> None:
 class ErrorWorker:
     """A worker that answers every chat request with one canned answer: `status` with a JSON body
     (`frame=False`), or a 200 event stream whose one frame is the error (`frame=True`: an engine
-    that reports a request error inside its stream, as SGLang and vLLM can). A real HTTP server."""
+    that reports a request error inside its stream, as SGLang and vLLM can). A real HTTP server
+    (tests/support/scripted.py's, in a thread of its own)."""
 
     def __init__(self) -> None:
         self.status = 400
         self.body: dict[str, Any] = {}
         self.frame = False
-        worker = self
+        self.server = ScriptedServer(answering(self._answer)).start_thread()
+        self.url = self.server.url
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self._answer(200, "application/json", b"{}")
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length") or 0))
-                if worker.frame:
-                    self._answer(200, "text/event-stream", b"data: " + orjson.dumps(worker.body) + b"\n\n")
-                else:
-                    self._answer(worker.status, "application/json", orjson.dumps(worker.body))
-
-            def _answer(self, status: int, content_type: str, data: bytes) -> None:
-                self.send_response(status)
-                self.send_header("content-type", content_type)
-                self.send_header("content-length", str(len(data)))
-                self.send_header("connection", "close")
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+    def _answer(self, request: Request) -> bytes:
+        closing = {"connection": "close"}
+        if request.method == "GET":
+            return response(200, b"{}", content_type="application/json", headers=closing)
+        if self.frame:
+            return response(200, b"data: " + orjson.dumps(self.body) + b"\n\n", content_type="text/event-stream", headers=closing)
+        return response(self.status, orjson.dumps(self.body), content_type="application/json", headers=closing)
 
     def answer(self, body: dict[str, Any], *, status: int = 400, frame: bool = False) -> None:
         # In a stream, vLLM and SGLang wrap their flat error object: {"error": {..., "code": 400}}.
@@ -293,8 +273,7 @@ class ErrorWorker:
         self.status, self.frame = status, frame
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop_thread()
 
 
 @pytest.fixture(scope="module")
@@ -319,8 +298,7 @@ async def worker_call_error(worker: ErrorWorker, body: dict[str, Any], how: str)
         else:
             stream = await open_stream(url, {**CHAT, "stream": True}, stage="generation")
             try:
-                async for _ in stream:
-                    pass
+                await stream.pump(lambda _: None)
             finally:
                 await stream.aclose()
     return caught.value

@@ -23,6 +23,7 @@ from tests.support.prometheus import metric_value
 from tests.support.gateway import Gateway
 from tests.support.ports import refused_url
 from tests.support.rawclient import RawStream
+from tests.support.scripted import ScriptedServer, answering, response
 from tests.support.simworkers import SimWorker
 from workers.models import WorkerEndpoint
 
@@ -295,23 +296,8 @@ def test_generation_first_with_a_dead_generation_worker_stops_the_prefill(gatewa
 def bare_503_url() -> Iterator[str]:
     """A server that answers every request 503 with no body, like a proxy in front of a worker
     that is down."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Bare503(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers.get("content-length", 0)))
-            self.send_response(503)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Bare503)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with ScriptedServer(answering(lambda _: response(503, headers={"connection": "close"}))) as server:
+        yield server.url
 
 
 def test_a_bare_503_from_the_context_side_is_retried_elsewhere(gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster], bare_503_url: str) -> None:

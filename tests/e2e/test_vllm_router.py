@@ -12,13 +12,13 @@ Without the binary the test skips, except under `REQUIRE_VLLM_ROUTER=1` (CI), wh
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from tests.support.cluster import register_cluster, wait_registered, wait_until
 from tests.support.gateway import Gateway
 from tests.support.ports import unused_port
 from tests.support.rawclient import RawStream
+from tests.support.scripted import ScriptedServer
 from tests.support.simworkers import SimWorker
 from workers.sim.process import stop_process
 
@@ -56,30 +57,18 @@ class OutboundTrap:
     """A listener every proxy variable points at: what connects to it tried to leave the host."""
 
     def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.seen: list[bytes] = []
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self.server = ScriptedServer(self._record).start_thread()
+        self.url = self.server.url
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(2)
-                try:
-                    self.seen.append(conn.recv(512))  # the request line names where it wanted to go
-                except OSError:
-                    self.seen.append(b"(connected, sent nothing)")
+    async def _record(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        index = len(self.seen)
+        self.seen.append(b"(connected, sent nothing)")  # recorded at once, even if the trap closes now
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            self.seen[index] = await asyncio.wait_for(reader.read(512), 2)  # the request line names where it wanted to go
 
     def close(self) -> None:
-        self.sock.close()
-        self._thread.join(timeout=2)
+        self.server.stop_thread()
 
 
 class Router:

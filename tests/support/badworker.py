@@ -13,6 +13,12 @@ requests. `python -m tests.support.badworker --port 0` prints `badworker listeni
 `GET /bad/stats` answers `{"active": open connections, "received": chat requests, "modes": {...}}`
 so a test can wait for the gateway to have closed every connection it opened (no leak), and
 `POST /bad/reset` zeroes the counters. `GET /health` answers 200.
+
+Why not tests/support/scripted.py's server, which the other scripted workers use: this one is a
+process of its own that bench/soak.py drives for many minutes, on a host and port it is given,
+with a backlog of 1,024 and heads of up to 1 MiB. The scripted server keeps every connection's
+writer for the test to look at; here that would grow for as long as the soak runs, so this server
+keeps no per-connection state. Requests are read with the scripted server's `read_request`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.support.scripted import read_request
+from workers.sim.process import stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _MARKER = re.compile(r"\[bad mode=([a-z_0-9]+)(?: tag=([A-Za-z0-9_-]+))?\]")
@@ -207,9 +216,9 @@ class BadWorker:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await _read_request(reader)
+            request = await read_request(reader)
             if request is not None:
-                await self._route(*request, reader, writer)
+                await self._route(request.method, request.path, request.body, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass  # the gateway hung up: that is what several modes wait for
         finally:
@@ -263,16 +272,6 @@ class BadWorker:
             for task in (behaving, hung_up):
                 task.cancel()
             await asyncio.gather(behaving, hung_up, return_exceptions=True)
-
-
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    method, path, _ = lines[0].split(" ", 2)
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-    length = int(headers.get("content-length", "0"))
-    body = await reader.readexactly(length) if length else b""
-    return method, path, body
 
 
 Behaviour = Callable[[dict[str, Any], asyncio.StreamWriter, str], Awaitable[None]]
@@ -508,13 +507,7 @@ class RunningBadWorker:
 
     def stop(self) -> None:
         _running.discard(self)
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, grace=5.0)
 
 
 def start_badworker(host: str = "127.0.0.1", port: int = 0) -> RunningBadWorker:

@@ -79,7 +79,11 @@ def response(
     headers: Mapping[str, str] | None = None,
 ) -> bytes:
     """A whole HTTP/1.1 answer framed by content-length (`headers` go after content-type)."""
-    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}"]
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Status"
+    lines = [f"HTTP/1.1 {status} {reason}"]
     if content_type is not None:
         lines.append(f"content-type: {content_type}")
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
@@ -180,7 +184,8 @@ class ScriptedServer:
 
     # -- in a thread of its own --
 
-    def __enter__(self) -> Self:
+    def start_thread(self) -> Self:
+        """Serve from a new thread with its own event loop (what `with` does)."""
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._thread = threading.Thread(target=loop.run_forever, name="scripted-server", daemon=True)
@@ -188,7 +193,7 @@ class ScriptedServer:
         asyncio.run_coroutine_threadsafe(self.start(), loop).result(10)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop_thread(self) -> None:
         loop, thread = self._loop, self._thread
         assert loop is not None and thread is not None
         try:
@@ -197,3 +202,9 @@ class ScriptedServer:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
             loop.close()
+
+    def __enter__(self) -> Self:
+        return self.start_thread()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_thread()
