@@ -6,12 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.chunked import chunked  # the encoder, independent of the decoder tested here
 from workers.wire.chunked import MAX_SIZE_LINE_BYTES, MAX_TRAILER_BYTES, ChunkedDecoder, ChunkedFramingError
-
-
-def encode(chunks: list[bytes], extension: bytes = b"", trailer: bytes = b"") -> bytes:
-    framed = b"".join(b"%x%b\r\n%b\r\n" % (len(c), extension, c) for c in chunks if c)
-    return framed + b"0" + extension + b"\r\n" + trailer + b"\r\n"
 
 
 def decode_in_pieces(wire: bytes, cuts: list[int]) -> tuple[bytes, ChunkedDecoder]:
@@ -35,7 +31,7 @@ def decode_in_pieces(wire: bytes, cuts: list[int]) -> tuple[bytes, ChunkedDecode
 def test_any_split_of_any_chunked_body_decodes_to_its_payload(
     chunks: list[bytes], extension: bytes, trailer: bytes, extra: bytes, cuts: list[int]
 ) -> None:
-    wire = encode(chunks, extension, trailer) + extra
+    wire = chunked(chunks, extension=extension, trailer=trailer) + extra
     out, decoder = decode_in_pieces(wire, [c % (len(wire) + 1) for c in cuts])
     assert out == b"".join(chunks)
     assert decoder.done

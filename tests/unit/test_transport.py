@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.chunked import LAST_CHUNK, chunk
 from tests.support.scripted import ScriptedServer, read_request
 from tests.support.worker_transport import Pushed, answer_every_request, fetch, ok, wait_for, worker_transport
 from workers.wire import client
@@ -254,7 +255,7 @@ async def test_an_unread_answer_stops_reading_from_the_socket(chunked: bool) -> 
         if chunked:
             pieces = [payload[i : i + 60_000] for i in range(0, len(payload), 60_000)]
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-            writer.write(b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n")
+            writer.write(b"".join(map(chunk, pieces)) + LAST_CHUNK)
         else:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(payload) + payload)
         await writer.drain()
@@ -556,17 +557,17 @@ async def test_a_pushed_body_keeps_nothing_it_delivered() -> None:
     """Every chunk is its own feed; none may be kept once delivered. (Reading inside the push used
     to re-enter aiohttp's C parser, which then never released the buffer it was parsing: a
     stream's every byte stayed in memory.)"""
-    chunk, chunks = b"x" * 2000, 5000  # 10 MB
+    part, parts = b"x" * 2000, 5000  # 10 MB
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        for i in range(chunks):
-            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        for i in range(parts):
+            writer.write(chunk(part))
             await writer.drain()
             if i % 10 == 0:
                 await asyncio.sleep(0)  # many separate reads on the gateway's side
-        writer.write(b"0\r\n\r\n")
+        writer.write(LAST_CHUNK)
         await answer_every_request(reader, writer, 0)
 
     async with ScriptedServer(handler) as server, worker_transport() as transport:
@@ -583,7 +584,7 @@ async def test_a_pushed_body_keeps_nothing_it_delivered() -> None:
             tracemalloc.stop()
         push.stop()
         await response.aclose()
-    assert pushed.received == len(chunk) * chunks and pushed.error is None
+    assert pushed.received == len(part) * parts and pushed.error is None
     assert held < 1_000_000, f"{held} bytes still held after relaying {pushed.received}"
 
 
@@ -591,14 +592,14 @@ async def test_a_push_begun_after_the_reader_filled_up_gets_the_whole_body() -> 
     """Bytes that arrived before the push filled aiohttp's reader past its high-water mark, so it
     stopped reading from the socket: the push must start it again (it used to stall there until
     the stream's deadline)."""
-    chunk, chunks = b"y" * 4000, 200  # 800 KB: past the reader's high-water mark (2 x READ_BUFSIZE)
+    part, parts = b"y" * 4000, 200  # 800 KB: past the reader's high-water mark (2 x READ_BUFSIZE)
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        for _ in range(chunks):
-            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        writer.write(b"0\r\n\r\n")
+        for _ in range(parts):
+            writer.write(chunk(part))
+        writer.write(LAST_CHUNK)
         await writer.drain()
         await answer_every_request(reader, writer, 0)
 
@@ -612,4 +613,4 @@ async def test_a_push_begun_after_the_reader_filled_up_gets_the_whole_body() -> 
         await asyncio.wait_for(pushed.ended.wait(), 5)
         push.stop()
         await response.aclose()
-    assert pushed.received == len(chunk) * chunks and pushed.error is None
+    assert pushed.received == len(part) * parts and pushed.error is None

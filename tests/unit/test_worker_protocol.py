@@ -12,6 +12,7 @@ import httpx
 import pytest
 from aiohttp.client_proto import ResponseHandler
 
+from tests.support.chunked import LAST_CHUNK, chunk, chunked
 from tests.support.scripted import ScriptedServer, read_request
 from tests.support.worker_transport import Pushed, fetch, ok, wait_for, worker_transport
 from workers.wire.transport import push_body
@@ -19,7 +20,7 @@ from workers.wire.connection import RelayedBodyParser, WorkerResponseHandler
 
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 BODY = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
-CHUNKED_BODY = b"".join(b"%x\r\n%b\r\n" % (len(part), part) for part in BODY) + b"0\r\n\r\n"
+CHUNKED_BODY = chunked(BODY)
 
 
 def serve_in_pieces(answer: bytes, cuts: list[int], then_answer_more: bool = True):  # type: ignore[no-untyped-def]
@@ -198,10 +199,9 @@ def paced_body(reads: int, gap_s: float):  # type: ignore[no-untyped-def]
         writer.write(CHUNKED_HEAD)
         for i in range(reads):
             await asyncio.sleep(gap_s)
-            part = b"data: %d\n\n" % i
-            writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+            writer.write(chunk(b"data: %d\n\n" % i))
             await writer.drain()
-        writer.write(b"0\r\n\r\n")
+        writer.write(LAST_CHUNK)
 
     return handler
 
