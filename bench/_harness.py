@@ -33,7 +33,8 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from tests.support.ports import unused_port  # noqa: E402  (needs the project on the path)
+from tests.support.chunked import ChunkedDecoder  # noqa: E402  (needs the project on the path)
+from tests.support.ports import unused_port  # noqa: E402
 from workers.sim.process import stop_process  # noqa: E402
 
 RESULTS_DIR = PROJECT_ROOT / "bench" / "results"
@@ -759,9 +760,9 @@ class HttpConnection(asyncio.Protocol):
         self._buf = b""
         self._resp: Response | None = None
         self._future: asyncio.Future[Response] | None = None
-        self._state = 0  # 0 head, 1 content-length body, 2 chunked size line, 3 chunk data, 4 trailer
+        self._state = 0  # 0 head, 1 content-length body, 2 chunked body
         self._remaining = 0
-        self._chunked = False
+        self._decoder = ChunkedDecoder()
         self._keep_body = False
         self._frames = False
         self._sse = b""
@@ -805,41 +806,13 @@ class HttpConnection(asyncio.Protocol):
         n = len(buf)
         while pos < n:
             state = self._state
-            if state == 3:  # chunk data
-                take = min(self._remaining, n - pos)
-                self._on_body(buf[pos : pos + take], now)
-                pos += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._state = 5  # CRLF after the chunk
-                continue
-            if state == 5:
-                if n - pos < 2:
-                    break
-                pos += 2
-                self._state = 2
-                continue
-            if state == 2:  # chunk size line
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                size = int(buf[pos:end].split(b";", 1)[0], 16)
-                pos = end + 2
-                if size == 0:
-                    self._state = 4
-                else:
-                    self._remaining = size
-                    self._state = 3
-                continue
-            if state == 4:  # trailers, ending with an empty line
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                line_empty = end == pos
-                pos = end + 2
-                if line_empty:
-                    self._finish(now)
-                    pos = n  # nothing may follow an unpipelined response
+            if state == 2:  # chunked body (the product's decoder: per read as cheap as a hand-written one)
+                payload = self._decoder.feed(buf[pos:] if pos else buf)
+                pos = n
+                if payload:
+                    self._on_body(payload, now)
+                if self._decoder.done:
+                    self._finish(now)  # nothing may follow an unpipelined response
                 continue
             if state == 1:  # content-length body
                 if self._remaining < 0:  # read until close
@@ -866,6 +839,7 @@ class HttpConnection(asyncio.Protocol):
             self.server_closes = b"\r\nconnection: close" in lower
             if b"\r\ntransfer-encoding: chunked" in lower:
                 self._state = 2
+                self._decoder = ChunkedDecoder()
             else:
                 i = lower.find(b"\r\ncontent-length:")
                 if i >= 0:

@@ -15,10 +15,11 @@ its first request; the two live and die together (no pool, no retries, no timeou
               unparsed: below any real proxy, which must at least find the end of a response.
     reframe   the least a gateway must do per token: takes an Anthropic Messages request, sends
               the worker an OpenAI chat request, then per worker read decodes the chunked
-              framing, splits SSE events, `orjson.loads` each data line and writes one
-              chunk-framed Anthropic `content_block_delta` frame per content chunk (the
-              gateway's own framing functions), with `message_start`/`content_block_start`
-              before and `content_block_stop`/`message_delta`/`message_stop` after.
+              framing (the gateway's own decoder), splits SSE events, `orjson.loads` each data
+              line and writes one chunk-framed Anthropic `content_block_delta` frame per content
+              chunk (the gateway's own framing functions), with `message_start`/
+              `content_block_start` before and `content_block_stop`/`message_delta`/
+              `message_stop` after.
 
 Prints `floor_proxy listening on http://HOST:PORT` once it serves (the harness waits for it).
 """
@@ -38,6 +39,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from messages_api.framing import encode_events, text_delta_frame  # noqa: E402  (the gateway's frames)
+from workers.wire.chunked import ChunkedDecoder, ChunkedFramingError  # noqa: E402  (and its decoder)
 
 _REFRAME_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
                  b"transfer-encoding: chunked\r\n\r\n")
@@ -186,7 +188,7 @@ class PipeUpstream(Upstream):
 
 
 # Parser states of ReframeUpstream.
-_HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _IDLE = range(6)
+_HEAD, _BODY, _IDLE = range(3)
 
 
 class ReframeUpstream(Upstream):
@@ -195,69 +197,48 @@ class ReframeUpstream(Upstream):
         self._state = _IDLE
         self._buf = b""
         self._sse = b""
-        self._remaining = 0
+        self._decoder = ChunkedDecoder()
         self._tokens = 0
         self._stop_reason = "end_turn"
 
     def start(self) -> None:
         self._state = _HEAD
         self._buf = self._sse = b""
+        self._decoder = ChunkedDecoder()
         self._tokens = 0
         self._stop_reason = "end_turn"
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else data
-        pos, n = 0, len(buf)
         out: list[bytes] = []  # the frames of this read, written as one chunk
-        while pos < n:
-            state = self._state
-            if state == _DATA:
-                take = min(self._remaining, n - pos)
-                self._sse += buf[pos : pos + take]
-                pos += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._state = _DATA_END
-                    self._events(out)
-            elif state == _DATA_END:
-                if n - pos < 2:
-                    break
-                pos += 2
-                self._state = _SIZE
-            elif state == _SIZE:
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                size = int(buf[pos:end].split(b";", 1)[0], 16)
-                pos = end + 2
-                self._remaining = size
-                self._state = _DATA if size else _TRAILER
-            elif state == _TRAILER:
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                empty = end == pos
-                pos = end + 2
-                if empty:
-                    self._finish(out)
-                    return
-            elif state == _HEAD:
-                end = buf.find(b"\r\n\r\n", pos)
-                if end < 0:
-                    break
-                head = buf[pos:end].lower()
-                pos = end + 4
-                if head[9:12] != b"200" or b"\r\ntransfer-encoding: chunked" not in head:
-                    self._fail()
-                    return
-                self.client.write(_REFRAME_HEAD)
-                out.append(self._start_frames())
-                self._state = _SIZE
-            else:  # _IDLE: bytes with no request outstanding
+        if self._state == _HEAD:
+            buf = self._buf + data if self._buf else data
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self._buf = buf
+                return
+            head = buf[:end].lower()
+            if head[9:12] != b"200" or b"\r\ntransfer-encoding: chunked" not in head:
                 self._fail()
                 return
-        self._buf = buf[pos:] if pos < n else b""
-        if out:
+            self.client.write(_REFRAME_HEAD)
+            out.append(self._start_frames())
+            self._state = _BODY
+            self._buf = b""
+            data = buf[end + 4 :]
+        elif self._state != _BODY:  # _IDLE: bytes with no request outstanding
+            self._fail()
+            return
+        try:
+            payload = self._decoder.feed(data)  # the gateway's own decoder, as the gateway relays
+        except ChunkedFramingError:
+            self._fail()
+            return
+        if payload:
+            self._sse += payload
+            self._events(out)
+        if self._decoder.done:
+            self._finish(out)
+        elif out:
             self.client.write(_chunk(b"".join(out)))
 
     def _events(self, out: list[bytes]) -> None:

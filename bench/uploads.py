@@ -34,7 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h
+import _harness as h  # noqa: E402
+from tests.support.chunked import LAST_CHUNK, chunk  # noqa: E402  (_harness puts the project on the path)
 
 RSS_GROWTH_TARGET_MIB = 64
 SEND_BLOCK = 1024 * 1024
@@ -91,7 +92,7 @@ def upload(port: int, size: int, mode: str, result: Upload) -> None:
             sock.sendall(head(size if mode == "declared" else None))
             block = b"x" * SEND_BLOCK
             if mode == "chunked":
-                block = b"%x\r\n%s\r\n" % (len(block), block)
+                block = chunk(block)
             sent = 0
             while sent < size:
                 part = block if mode == "chunked" or size - sent >= SEND_BLOCK else block[: size - sent]
@@ -99,7 +100,7 @@ def upload(port: int, size: int, mode: str, result: Upload) -> None:
                 sent += min(SEND_BLOCK, size - sent)
                 result.sent_total = sent
             if mode == "chunked":
-                sock.sendall(b"0\r\n\r\n")
+                sock.sendall(LAST_CHUNK)
         except OSError as exc:
             result.send_error = type(exc).__name__
 

@@ -149,6 +149,8 @@ class ScriptedServer:
             await self.handler(reader, writer, self.connections)
         except (ConnectionError, asyncio.IncompleteReadError, ssl_module.SSLError):
             pass
+        except asyncio.CancelledError:
+            pass  # stopped by `stop`: this connection's task ends like any other (nothing awaits it)
         finally:
             self._handlers.discard(task)
             writer.close()
