@@ -29,17 +29,28 @@ class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
         (None, {"fields": ("request_id", "received_at", "model", "stream", "api_key_name", "gateway_instance")}),
         ("Outcome", {"fields": ("status", "stage", "http_status", "error_type", "error_message")}),
         ("Route", {"fields": ("pool_name", "context_endpoint", "generation_endpoint")}),
-        ("Timings (ms after receipt)", {"fields": ("headers_sent_ms", "context_done_ms", "first_token_ms", "finished_ms", "pings_sent")}),
+        ("Timings (ms after receipt)", {"fields": ("headers_sent_ms", "queued_ms", "context_done_ms", "first_token_ms", "finished_ms", "pings_sent")}),
         ("Usage", {"fields": ("input_tokens", "output_tokens")}),
     )
 
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
-    list_display = ("name", "prefix", "active", "created_at", "last_used_at")
-    list_filter = ("active",)
+    list_display = ("name", "prefix", "active", "priority", "max_concurrency", "requests_per_minute", "tokens_per_day", "last_used_at")
+    list_filter = ("active", "priority")
     search_fields = ("name", "prefix")
-    fields = ("name", "active", "prefix", "created_at", "last_used_at")
+    fieldsets = (
+        (None, {"fields": ("name", "active", "prefix", "created_at", "last_used_at")}),
+        (
+            "Limits (empty: none)",
+            {
+                "fields": (
+                    "priority", "max_concurrency", ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute"),
+                    ("tokens_per_day", "tokens_per_month"), "allowed_models",
+                )
+            },
+        ),
+    )
     readonly_fields = ("prefix", "created_at", "last_used_at")
 
     def save_model(self, request: HttpRequest, obj: ApiKey, form: ModelForm[ApiKey], change: bool) -> None:

@@ -47,6 +47,7 @@ class AuditRecord:
     context_done_ms: float | None = None
     first_token_ms: float | None = None
     finished_ms: float | None = None
+    queued_ms: float | None = None
     pings_sent: int = 0
     input_tokens: int | None = None
     output_tokens: int | None = None
@@ -126,6 +127,8 @@ class AuditRecord:
             self.context_done_ms = self.since_received_ms(trace.context_done_at)
         if trace.first_chunk_at is not None:
             self.first_token_ms = self.since_received_ms(trace.first_chunk_at)
+        if trace.queued_s:
+            self.queued_ms = trace.queued_s * 1000.0
 
     def row(self) -> dict[str, Any]:
         return {
@@ -146,6 +149,7 @@ class AuditRecord:
             "context_done_ms": self.context_done_ms,
             "first_token_ms": self.first_token_ms,
             "finished_ms": self.finished_ms,
+            "queued_ms": self.queued_ms,
             "pings_sent": self.pings_sent,
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,

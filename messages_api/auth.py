@@ -15,10 +15,12 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from fnmatch import fnmatchcase
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
+from messages_api.limits.policy import NO_LIMITS, KeyLimits
 from messages_api.models import ApiKey
 
 logger = logging.getLogger(__name__)
@@ -36,8 +38,18 @@ LAST_USED_RESOLUTION_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class Principal:
+    """An authenticated key: who it is, and what it may do."""
+
     key_hash: str
     name: str
+    key_id: int = 0
+    limits: KeyLimits = NO_LIMITS
+    priority: str = "standard"
+    #: Model names or fnmatch patterns the key may use; empty: any.
+    allowed_models: tuple[str, ...] = ()
+
+    def may_use(self, model: str) -> bool:
+        return not self.allowed_models or any(fnmatchcase(model, pattern) for pattern in self.allowed_models)
 
 
 def generate_key() -> str:
@@ -138,12 +150,34 @@ def _touch_last_used(digest: str) -> None:
         close_old_connections()
 
 
+_PRINCIPAL_FIELDS = (
+    "id", "name", "priority", "allowed_models", "max_concurrency", "requests_per_minute", "input_tokens_per_minute",
+    "output_tokens_per_minute", "tokens_per_day", "tokens_per_month",
+)
+
+
 def _lookup(digest: str) -> Principal | None:
     try:
-        row = ApiKey.objects.filter(key_hash=digest, active=True).values_list("name", flat=True).first()
+        row = ApiKey.objects.filter(key_hash=digest, active=True).values(*_PRINCIPAL_FIELDS).first()
     finally:
         close_old_connections()
-    return Principal(key_hash=digest, name=row) if row is not None else None
+    if row is None:
+        return None
+    return Principal(
+        key_hash=digest,
+        name=row["name"],
+        key_id=row["id"],
+        limits=KeyLimits(
+            concurrency=row["max_concurrency"],
+            requests_per_minute=row["requests_per_minute"],
+            input_tokens_per_minute=row["input_tokens_per_minute"],
+            output_tokens_per_minute=row["output_tokens_per_minute"],
+            tokens_per_day=row["tokens_per_day"],
+            tokens_per_month=row["tokens_per_month"],
+        ),
+        priority=row["priority"],
+        allowed_models=tuple(m for m in row["allowed_models"] or () if isinstance(m, str)),
+    )
 
 
 key_cache = KeyCache()

@@ -53,7 +53,8 @@ from messages_api.validation import (
     validate_count_tokens_request,
     validate_messages_request,
 )
-from workers import ChatRun, PoolInfo, WorkerError, count_prompt_tokens, get_registry
+from messages_api.limits import Usage, check_limits
+from workers import ChatRun, PoolInfo, Priority, WorkerError, count_prompt_tokens, get_registry
 
 if TYPE_CHECKING:
     from asgiref.typing import HTTPDisconnectEvent, HTTPRequestEvent
@@ -69,6 +70,8 @@ class ApiConsumer(AsyncHttpConsumer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.record = AuditRecord()
+        # Sent with every answer (the key's anthropic-ratelimit-* headers, once checked).
+        self.extra_headers: list[tuple[bytes, bytes]] = []
         self.request_headers: dict[bytes, bytes] = {}
         self._body_size = 0
         self._task: asyncio.Task[None] | None = None
@@ -305,7 +308,7 @@ class ApiConsumer(AsyncHttpConsumer):
             raise invalid_request(f"The request body is not valid JSON: {exc}") from None
 
     def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
-        return [(b"content-type", content_type), (b"request-id", self.record.request_id.encode())]
+        return [(b"content-type", content_type), (b"request-id", self.record.request_id.encode()), *self.extra_headers]
 
     async def send_json(self, status: int, data: Any, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
         self.response_started = True
@@ -341,34 +344,45 @@ class MessagesConsumer(ApiConsumer):
 
     async def handle_message(self, body: bytes) -> None:
         record = self.record
-        await self.authenticate()
+        principal = await self.authenticate()
         request = validate_messages_request(self.parse_json(body))
         record.model = request["model"]
         record.stream = bool(request.get("stream"))
         chat = to_chat_request(request)
-        pool = await pool_for_model(request["model"])
+        pool = await pool_for_model(request["model"], principal)
 
         record.pool_name = pool.name
-        record.begin()
-        run = ChatRun(chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request), tenant=record.api_key_name)
-        self.reframer = StreamReframer(
-            message_id=new_message_id(),
-            model=request["model"],
-            stop_sequences=request.get("stop_sequences"),
-            # message_start's count when the worker reports usage only at the end (a plain
-            # OpenAI-compatible server has no per-chunk usage); the worker's count replaces it.
-            input_tokens=run.estimated_prompt_tokens,
+        run = ChatRun(
+            chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request),
+            tenant=record.api_key_name, priority=Priority[principal.priority.upper()], size=len(body),
         )
-        record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
+        # Over a limit: 429 before the request is accepted (its row is `rejected`).
+        lease = await check_limits(principal.key_hash, principal.limits, Usage(run.estimated_prompt_tokens, request["max_tokens"]))
         try:
-            async with run:
-                if record.stream:
-                    await self.respond_streamed(run)
-                else:
-                    await self.respond_json(run)
+            self.extra_headers = lease.headers
+            record.begin()
+            self.reframer = StreamReframer(
+                message_id=new_message_id(),
+                model=request["model"],
+                stop_sequences=request.get("stop_sequences"),
+                # message_start's count when the worker reports usage only at the end (a plain
+                # OpenAI-compatible server has no per-chunk usage); the worker's count replaces it.
+                input_tokens=run.estimated_prompt_tokens,
+            )
+            record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
+            try:
+                async with run:
+                    if record.stream:
+                        await self.respond_streamed(run)
+                    else:
+                        await self.respond_json(run)
+            finally:
+                # Whichever way the run ended (the error boundary writes the failed or cancelled row).
+                self.note_reply()
         finally:
-            # Whichever way the run ended (the error boundary writes the failed or cancelled row).
-            self.note_reply()
+            used = Usage(record.input_tokens or 0, record.output_tokens or 0)
+            lease.settle(used)
+            run.charge_output(used.output_tokens)
         record.end(RequestStatus.COMPLETED, http_status=200)
 
     # --- the two kinds of answer -----------------------------------------------------------------
@@ -539,9 +553,10 @@ def session_key(headers: dict[bytes, bytes], request: dict[str, Any]) -> str | N
     return match.group(1) if match else user_id
 
 
-async def pool_for_model(model: str) -> PoolInfo:
+async def pool_for_model(model: str, principal: Principal) -> PoolInfo:
+    """The pool serving `model`; a model the key may not use is as unknown to it as a missing one."""
     snapshot = await get_registry().snapshot()
-    pool = snapshot.pool_for_model(model)
+    pool = snapshot.pool_for_model(model) if principal.may_use(model) else None
     if pool is None:
         raise AnthropicError(404, f"model: {model}", "not_found_error")
     return pool
@@ -551,10 +566,10 @@ class CountTokensConsumer(ApiConsumer):
     """`POST /v1/messages/count_tokens` → `{"input_tokens": N}`."""
 
     async def handle_request(self, body: bytes) -> None:
-        await self.authenticate()
+        principal = await self.authenticate()
         request = validate_count_tokens_request(self.parse_json(body))
         chat = to_chat_request({**request, "max_tokens": 1})
-        pool = await pool_for_model(request["model"])
+        pool = await pool_for_model(request["model"], principal)
         count = await count_prompt_tokens(pool, chat)
         await self.send_json(200, {"input_tokens": count})
 
@@ -565,9 +580,9 @@ class ModelsConsumer(ApiConsumer):
     allowed_methods = ("GET",)
 
     async def handle_request(self, body: bytes) -> None:
-        await self.authenticate()
+        principal = await self.authenticate()
         snapshot = await get_registry().snapshot()
-        models = [model_info(pool) for pool in sorted(snapshot.pools, key=lambda p: p.model)]
+        models = [model_info(pool) for pool in sorted(snapshot.pools, key=lambda p: p.model) if principal.may_use(pool.model)]
         # URLRouter sets `url_route` on HTTP scopes too; the stubs' HTTPScope does not declare it.
         model_id = self.scope["url_route"]["kwargs"].get("model_id")  # type: ignore[typeddict-item]
         if model_id is not None:

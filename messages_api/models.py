@@ -5,6 +5,14 @@ from __future__ import annotations
 from django.db import models
 
 
+class KeyPriority(models.TextChoices):
+    """A key's class in the admission queue (workers.Priority's names)."""
+
+    INTERACTIVE = "interactive", "interactive"
+    STANDARD = "standard", "standard"
+    BATCH = "batch", "batch"
+
+
 class ApiKey(models.Model):
     """A client credential. Only a SHA-256 hash of the key is stored; the key is shown once."""
 
@@ -14,6 +22,24 @@ class ApiKey(models.Model):
     active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+
+    # --- limits (messages_api/limits/): empty means no such limit -----------------------------
+    priority = models.CharField(
+        max_length=20, choices=KeyPriority.choices, default=KeyPriority.STANDARD,
+        help_text="The key's class when the cluster is full: interactive requests go before standard, standard before batch.",
+    )
+    max_concurrency = models.PositiveIntegerField(null=True, blank=True, help_text="Requests in flight at once.")
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    input_tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    output_tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_day = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Input + output tokens per UTC day; at the budget the key is refused until the day turns."
+    )
+    tokens_per_month = models.PositiveBigIntegerField(null=True, blank=True, help_text="Input + output tokens per UTC month.")
+    allowed_models = models.JSONField(
+        default=list, blank=True,
+        help_text='Model names the key may use: exact, or patterns such as "claude-sonnet-*". Empty: every model.',
+    )
 
     class Meta:
         verbose_name = "API key"
@@ -64,6 +90,7 @@ class MessageRequest(models.Model):
     input_tokens = models.PositiveIntegerField(null=True, blank=True)
     output_tokens = models.PositiveIntegerField(null=True, blank=True)
     api_key_name = models.CharField(max_length=100, blank=True, default="")
+    queued_ms = models.FloatField(null=True, blank=True, help_text="Time spent in the admission queue waiting for worker capacity.")
     gateway_instance = models.CharField(max_length=64, blank=True, default="", db_index=True)
 
     class Meta:

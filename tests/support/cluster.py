@@ -53,6 +53,7 @@ def register_cluster(
     protocol: str = "trtllm",
     signing_key: str = SIGNING_KEY,
     context_options: dict[str, Any] | None = None,
+    generation_capacity: int | None = None,
 ) -> Cluster:
     from messages_api.auth import create_api_key
     from workers.models import WorkerEndpoint, WorkerPool
@@ -66,7 +67,7 @@ def register_cluster(
         handoff_signing_key=signing_key,
     )
     WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url, options=context_options or {})
-    WorkerEndpoint.objects.create(pool=pool, role="generation", url=generation.url)
+    WorkerEndpoint.objects.create(pool=pool, role="generation", url=generation.url, capacity=generation_capacity)
     _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
     context.reset()
     generation.reset()

@@ -7,6 +7,7 @@ process starts and no other process can take it in between.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +35,8 @@ DEFAULT_ENV = {
     # Every gateway probes every endpoint in the (shared) test database: probing is off unless a
     # test starts a gateway of its own for it.
     "HEALTH_CHECK_INTERVAL_S": "3600",
+    # This run's own keys in a shared Redis (only gateways started with REDIS_URL use it).
+    "REDIS_KEY_PREFIX": f"test-{os.getpid()}-{secrets.token_hex(4)}:",
 }
 
 
