@@ -35,6 +35,7 @@ from messages_api.server.arrival import seconds_since_received
 from messages_api.audit import AuditRecord, sample_unauthenticated
 from messages_api.auth import Principal, key_cache, key_from_headers
 from messages_api.server.body_writer import BodyWriter, body_writer
+from messages_api.server.send_queue import SendQueue
 from messages_api.convert import to_chat_request
 from messages_api.errors import (
     AnthropicError,
@@ -80,7 +81,7 @@ class ApiConsumer(AsyncHttpConsumer):
         self.response_finished = False
         self.sent_status: int | None = None  # the status line sent, once it was
         self._body_writer: BodyWriter | None = None  # see send_body
-        self._body_writer_looked_for = False
+        self._send_queue: SendQueue | None = None  # the body writer off daphne
 
     # Channels' stubs type every consumer's scope as a websocket scope (`_ChannelScope`); this
     # HTTP consumer reads HTTP keys from it and passes it on unchanged.
@@ -164,24 +165,32 @@ class ApiConsumer(AsyncHttpConsumer):
             await asyncio.wait({task})
         raise StopConsumer()
 
-    def _writer(self) -> BodyWriter | None:
-        """daphne's direct writer for middle frames (see `send_body`), None on another server."""
-        if not self._body_writer_looked_for:
-            self._body_writer_looked_for = True
-            self._body_writer = body_writer(self.base_send)
-        return self._body_writer
+    def _writer(self) -> BodyWriter:
+        """Where middle frames go (see `send_body`): daphne's direct writer, or on another server
+        a queue to `send`."""
+        writer = self._body_writer
+        if writer is None:
+            writer = body_writer(self.base_send)
+            if writer is None:
+                writer = self._send_queue = SendQueue(self._send_middle)
+            self._body_writer = writer
+        return writer
+
+    async def _send_middle(self, body: bytes) -> None:
+        await super().send_body(body, more_body=True)
 
     async def send_body(self, body: bytes, *, more_body: bool = False) -> None:
-        if not more_body:
-            self.response_finished = True
-        else:
-            # A middle frame (an SSE event, a ping): straight to daphne's request when this is
-            # daphne (messages_api/server/body_writer.py); the last one goes through `send`, which ends it.
-            writer = self._writer()
-            if writer is not None:
-                writer(body)
-                return
-        await super().send_body(body, more_body=more_body)
+        if more_body:
+            # A middle frame (an SSE event, a ping), written without waiting: straight to daphne's
+            # request under daphne (messages_api/server/body_writer.py), else queued for `send`
+            # (messages_api/server/send_queue.py).
+            self._writer()(body)
+            return
+        # The last frame goes through `send`, which ends the response, after every middle one.
+        if self._send_queue is not None:
+            await self._send_queue.flush()
+        self.response_finished = True
+        await super().send_body(body, more_body=False)
 
     def _refuse_too_large(self) -> None:
         # Answer at once; the rest of the body is never read into memory.
@@ -217,6 +226,8 @@ class ApiConsumer(AsyncHttpConsumer):
                     raise  # someone else's timeout: a bug, answered as one
                 raise DeadlineExceeded(deadline_s) from exc
         except asyncio.CancelledError:
+            if self._send_queue is not None:
+                self._send_queue.close()  # the client is gone: nothing more is sent to it
             if self.record.begun:
                 self.record.end(RequestStatus.CANCELLED, http_status=self.sent_status or 499)
             raise
@@ -414,13 +425,10 @@ class MessagesConsumer(ApiConsumer):
             if not self.sse_started:
                 await self.start_sse(first_frame=False)
             writer = self._writer()
-            if writer is not None:
-                await run.relay(self._frame_writer(reframer, writer))
-            else:  # not daphne: every frame is a `send_body` to await
-                async for chunk in run.chunks():
-                    frames = self._frames(reframer, chunk)
-                    if frames is not None:
-                        await self.send_frames(frames)
+            if self._send_queue is not None:
+                # Off daphne: a client slower than its worker holds the worker's stream back.
+                self._send_queue.throttle(run.pause_relay, run.resume_relay)
+            await run.relay(self._frame_writer(reframer, writer))
             closing = encode_events(reframer.finish())
             await self.stop_heartbeat()
             await self.send_body(closing, more_body=False)
@@ -468,21 +476,14 @@ class MessagesConsumer(ApiConsumer):
     async def _send_ping(self) -> None:
         await self.send_body(PING_FRAME, more_body=True)
 
-    @staticmethod
-    def _frames(reframer: StreamReframer, chunk: dict[str, Any]) -> bytes | None:
-        """The SSE frames for one worker chunk, if it makes any."""
-        # A text token on the open block (nearly every chunk) is framed without the event dict;
-        # anything else goes through the reframer's general path.
-        frames = reframer.text_frame(chunk)
-        return frames if frames is not None else _event_frames(reframer, chunk)
-
     def _frame_writer(self, reframer: StreamReframer, writer: BodyWriter) -> Callable[[dict[str, Any]], None]:
-        """The sink of a pushed stream (`ChatRun.relay`): each chunk's frames written to the
-        connection as the worker's bytes arrive, in the worker connection's receive callback."""
+        """The sink of the stream (`ChatRun.relay`): each chunk's frames written as the worker's
+        bytes arrive, in the worker connection's receive callback."""
         text_frame, heartbeat = reframer.text_frame, self.heartbeat
 
         def write_chunk(chunk: dict[str, Any]) -> None:
-            # `_frames`, inlined: this runs per token.
+            # A text token on the open block (nearly every chunk) is framed without the event
+            # dict; anything else goes through the reframer's general path.
             frames = text_frame(chunk)
             if frames is None:
                 frames = _event_frames(reframer, chunk)
@@ -492,15 +493,6 @@ class MessagesConsumer(ApiConsumer):
                     heartbeat.sent()
 
         return write_chunk
-
-    async def send_frames(self, frames: bytes) -> None:
-        writer = self._body_writer
-        if writer is not None:
-            writer(frames)  # what send_body would do, without a coroutine per token
-        else:
-            await self.send_body(frames, more_body=True)  # the first frame finds the writer
-        if self.heartbeat is not None:
-            self.heartbeat.sent()
 
     async def stop_heartbeat(self) -> None:
         """Idempotent: every way out of a stream calls it before the last frame."""

@@ -81,7 +81,8 @@ async def test_a_registered_protocol_is_driven_through_chat_run(cluster: Cluster
     assert pool.protocol == "test-aggregated"
     async with ChatRun(dict(CHAT), pool=pool, request_id="req_protocol_test", tenant="k") as run:
         await run.stream_ready()
-        chunks = [chunk async for chunk in run.chunks()]
+        chunks: list[dict[str, Any]] = []
+        await run.relay(chunks.append)
     assert aggregated_only.calls == ["aggregated_request", "headers"]
     usage = [c["usage"] for c in chunks if c.get("usage")][-1]
     assert usage["completion_tokens"] == 3  # the body this protocol built reached the worker
@@ -104,7 +105,9 @@ async def test_trtllm_runs_both_phases_and_traces_them(cluster: Cluster) -> None
         # Both requests are sent: the serialized prompt is not held for the rest of the stream.
         with pytest.raises(RuntimeError):
             run.rendered
-        assert [c async for c in run.chunks()]
+        chunks: list[dict[str, Any]] = []
+        await run.relay(chunks.append)
+        assert chunks
     trace = run.trace
     assert (trace.stage, trace.context_endpoint, trace.generation_endpoint) == ("done", cluster.context.url, cluster.generation.url)
     assert trace.context_done_at is not None and trace.first_chunk_at is not None

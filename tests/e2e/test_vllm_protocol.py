@@ -318,7 +318,8 @@ async def test_the_decode_leg_relays_the_prefill_answers_params_verbatim(vllm_cl
     chat = {"model": cluster.model, "max_tokens": 8, "messages": [{"role": "user", "content": "verbatim [sim tokens=3]"}]}
     async with ChatRun(chat, pool=pool, request_id="req_vllm_verbatim") as run:
         await run.stream_ready()
-        chunks = [chunk async for chunk in run.chunks()]
+        chunks: list[dict[str, Any]] = []
+        await run.relay(chunks.append)
     assert chunks[-1]["usage"]["completion_tokens"] == 3
     [answer] = answers
     _, decode = await asyncio.to_thread(assert_legs, cluster, "req_vllm_verbatim")

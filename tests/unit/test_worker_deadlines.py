@@ -101,11 +101,10 @@ def json_answer(body: bytes, status: str = "200 OK") -> bytes:
 ReadAll = Callable[..., Awaitable[list[dict[str, Any]]]]
 
 
-@pytest.fixture(params=["iterated", "pushed"])
-def read_all(request: pytest.FixtureRequest) -> ReadAll:
-    """Reads a stream to its end, then closes it, both ways a stream is read: iterated
-    (`async for`) and pushed (`ChunkStream.pump`, as the gateway relays under daphne). Each chunk
-    is collected and also handed to `on_chunk`, if given."""
+@pytest.fixture
+def read_all() -> ReadAll:
+    """Reads a stream to its end (`ChunkStream.pump`, as the gateway relays), then closes it.
+    Each chunk is collected and also handed to `on_chunk`, if given."""
 
     async def read(stream: client.ChunkStream, on_chunk: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
@@ -116,11 +115,7 @@ def read_all(request: pytest.FixtureRequest) -> ReadAll:
                 on_chunk(chunk)
 
         try:
-            if request.param == "pushed":
-                await stream.pump(collect)
-            else:
-                async for chunk in stream:
-                    collect(chunk)
+            await stream.pump(collect)
             return chunks
         finally:
             await stream.aclose()
@@ -219,6 +214,39 @@ async def test_a_stream_sending_events_for_ever_ends_at_the_request_deadline(dea
         started = time.monotonic()
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         error, _ = await elapsed(read_all(stream))
+    assert type(error) is StreamTimedOut
+    assert 1.4 < time.monotonic() - started < 3.5
+
+
+async def test_a_paused_stream_reads_nothing_and_its_idle_gap_waits(deadlines: Any, read_all: ReadAll) -> None:
+    # Backpressure (a client slower than its worker) pauses the stream for longer than the idle
+    # gap: the worker is not at fault, so it is no timeout; nothing is read meanwhile.
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK), sse(CHUNK, b"[DONE]"), every=0.05)) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        seen_at: list[float] = []
+        resumed_at = 0.0
+
+        def resume() -> None:
+            nonlocal resumed_at
+            resumed_at = time.monotonic()
+            stream.resume()
+
+        def first_pauses(chunk: dict[str, Any]) -> None:
+            seen_at.append(time.monotonic())
+            if len(seen_at) == 1:
+                stream.pause()
+                asyncio.get_running_loop().call_later(1.0, resume)  # past the idle gap (0.6 s)
+
+        assert await read_all(stream, first_pauses) == [CHUNK, CHUNK]
+    assert seen_at[1] >= resumed_at > seen_at[0] + 0.9
+
+
+async def test_a_paused_stream_still_ends_at_the_request_deadline(deadlines: Any, read_all: ReadAll) -> None:
+    deadlines.WORKER_REQUEST_TIMEOUT_S = 1.5
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK), sse(CHUNK, b"[DONE]"), every=0.05)) as worker:
+        started = time.monotonic()
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        error, _ = await elapsed(read_all(stream, lambda _: stream.pause()))
     assert type(error) is StreamTimedOut
     assert 1.4 < time.monotonic() - started < 3.5
 
@@ -367,17 +395,12 @@ async def test_a_stream_ending_without_done_is_broken(read_all: ReadAll) -> None
 
 
 async def test_a_client_leaving_during_a_watched_read_is_a_cancellation_not_a_timeout(deadlines: Any) -> None:
-    # The stream's one deadline timer cancels the reading task when it passes; a cancellation
-    # from elsewhere (the client left) must stay a cancellation and close the worker connection.
+    # The stream's one deadline timer fails the pump when it passes; a cancellation from
+    # elsewhere (the client left) must stay a cancellation and close the worker connection.
     async with fake_worker(reply(SSE_HEAD + sse(CHUNK))) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         got_one = asyncio.Event()
-
-        async def consume() -> None:
-            async for _ in stream:
-                got_one.set()
-
-        task = asyncio.create_task(consume())
+        task = asyncio.create_task(stream.pump(lambda _: got_one.set()))
         await asyncio.wait_for(got_one.wait(), 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

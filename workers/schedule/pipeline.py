@@ -4,7 +4,7 @@
         run.start()                          # the pipeline runs as a child task
         if await run.wait_settled(1.0): ...  # the stream is ready, or the pipeline failed
         await run.stream_ready()             # raises the pipeline's WorkerError
-        async for chunk in run.chunks(): ...
+        await run.relay(sink)                # each chunk to sink, as the worker's bytes arrive
     run.trace                                # stage, endpoints, timings (for the audit)
 
 `ChatRun` owns every task, worker request and reservation it creates, and its exit releases them
@@ -38,7 +38,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -396,31 +396,16 @@ class ChatRun:
 
     # --- the stream ------------------------------------------------------------------------------
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        """The generation stream's chunks, after `stream_ready()`."""
-        if self._complete_response is not None:
+    async def relay(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        """The generation stream's chunks, after `stream_ready()`: `sink` gets each as the
+        worker's bytes arrive, in the connection's receive callback (`ChunkStream.pump`), so it
+        must not wait (`pause_relay` holds the worker back). What `sink` raises ends the stream
+        and is raised here."""
+        if self._complete_response is not None:  # answered by the context phase: no stream
             self._note(first_chunk_at=time.monotonic())
             for chunk in completion_as_chunks(self._complete_response):
-                yield chunk
-            self._note(stage=Stage.DONE)
-            return
-        assert self._stream is not None, "chunks() before stream_ready()"
-        try:
-            async for chunk in self._stream:
-                self._seen(chunk)
-                yield chunk
-        except WorkerError as exc:
-            self._generation_ended(exc)
-            raise
-        self._generation_ended(None)
-
-    async def relay(self, sink: Callable[[dict[str, Any]], None]) -> None:
-        """What iterating `chunks()` does, pushed: `sink` gets each chunk as the worker's bytes
-        arrive, in the connection's receive callback (`ChunkStream.pump`), so it must not wait.
-        What `sink` raises ends the stream and is raised here."""
-        if self._complete_response is not None:  # answered by the context phase: no stream
-            async for chunk in self.chunks():
                 sink(chunk)
+            self._note(stage=Stage.DONE)
             return
         assert self._stream is not None, "relay() before stream_ready()"
         seen = self._seen
@@ -435,6 +420,16 @@ class ChatRun:
             self._generation_ended(exc)
             raise
         self._generation_ended(None)
+
+    def pause_relay(self) -> None:
+        """Read no more of the generation stream until `resume_relay`: backpressure from a client
+        slower than its worker (its idle deadline does not run meanwhile)."""
+        if self._stream is not None:
+            self._stream.pause()
+
+    def resume_relay(self) -> None:
+        if self._stream is not None:
+            self._stream.resume()
 
     def _generation_ended(self, error: WorkerError | None) -> None:
         self._report(self._generation_endpoint_id, error)

@@ -3,7 +3,7 @@
 
     completion = await post_completion(url, body, stage="context")   # validated chat.completion
     stream = await open_stream(url, body, stage="generation")        # headers in
-    async for chunk in stream: ...                                    # validated chunks to [DONE]
+    await stream.pump(sink)                                           # validated chunks to [DONE]
     await stream.aclose()
 
 Every failure leaves this module as a `WorkerError` (workers.exceptions), and from one place,
@@ -26,7 +26,7 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -48,7 +48,7 @@ from workers.exceptions import (
 )
 from workers.wire.shapes import ShapeError, check_chunk, check_completion
 from workers.wire.sse_decoder import Event, SSEDecoder, SSELineTooLong
-from workers.wire.transport import MalformedResponse, WorkerTransport, body_reader, push_body
+from workers.wire.transport import MalformedResponse, PushedBody, WorkerTransport, body_reader, push_body
 
 logger = logging.getLogger(__name__)
 
@@ -431,27 +431,22 @@ async def get_json(url: str, *, timeout: float, stage: str = "health") -> Any:
 
 
 class _StreamDeadline:
-    """`asyncio.timeout_at` for the reads of one stream, with one timer for the whole stream.
+    """The deadline of one stream's reads, with one timer for the whole stream: when it passes,
+    the outcome the stream's `pump` awaits fails with TimeoutError.
 
     A stream's deadline moves with every event (the idle gap counts from the last one); entering
     `asyncio.timeout_at` around each read cost about as much as decoding the event (measured,
     ~8 µs on the test machine). Here moving the deadline is an assignment; the timer, when it
     fires early, re-arms itself for the deadline's new value. So a deadline moved later may be
     assigned to `when` directly (per relayed token); `move` is needed only for an earlier one.
-
-    The reader sets `waiting` (the task to cancel when the deadline passes while it waits) and
-    `fired` (False) before each read, and `waiting` back to None after it: plain fields, not
-    methods, because that happens once per relayed token. A pushed stream (`pump`) sets `waiting`
-    once, to an `_Expiry` that fails the outcome its task awaits.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, outcome: asyncio.Future[bool]) -> None:
         self.loop = loop
         self.when = float("inf")
+        self._outcome = outcome
         self._handle: asyncio.TimerHandle | None = None
         self._armed_for = float("inf")  # the timer's time (inf: none armed)
-        self.waiting: asyncio.Task[Any] | _Expiry | None = None
-        self.fired = False
 
     def move(self, when: float) -> None:
         self.when = when
@@ -460,11 +455,6 @@ class _StreamDeadline:
                 self._handle.cancel()
             self._handle = self.loop.call_at(when, self._fire)
             self._armed_for = when
-
-    def timed_out(self, task: asyncio.Task[Any]) -> bool:
-        """After a CancelledError in the watched wait: was it this deadline's, alone? (A
-        cancellation from elsewhere, the client leaving, is not ours to swallow.)"""
-        return self.fired and task.uncancel() == 0
 
     def close(self) -> None:
         if self._handle is not None:
@@ -478,14 +468,8 @@ class _StreamDeadline:
         if self.loop.time() < self.when:
             self._handle = self.loop.call_at(self.when, self._fire)  # moved later meanwhile
             self._armed_for = self.when
-        elif self.waiting is not None and not self.fired:
-            self.fired = True
-            self.waiting.cancel()
-
-
-# A stream gives the event loop a turn after this many chunks even when its worker's bytes are
-# all buffered already (see ChunkStream.__aiter__).
-YIELD_EVERY_CHUNKS = 64
+        elif not self._outcome.done():
+            self._outcome.set_exception(TimeoutError())
 
 
 class _SinkFailed(Exception):
@@ -496,24 +480,10 @@ class _SinkFailed(Exception):
         self.error = error
 
 
-class _Expiry:
-    """What a pushed stream's deadline cancels: the outcome the stream's task awaits, failed
-    with TimeoutError (an iterated stream's deadline cancels the reading task instead)."""
-
-    __slots__ = ("outcome",)
-
-    def __init__(self, outcome: asyncio.Future[bool]) -> None:
-        self.outcome = outcome
-
-    def cancel(self) -> None:
-        if not self.outcome.done():
-            self.outcome.set_exception(TimeoutError())
-
-
 class ChunkStream:
-    """An open OpenAI chat stream: iterate validated chunks until `[DONE]`; close it when done.
+    """An open OpenAI chat stream: `pump` its validated chunks until `[DONE]`; close it when done.
 
-    The response headers (status 200) have arrived when this exists. Iteration raises
+    The response headers (status 200) have arrived when this exists. `pump` raises
     `StreamBroken` (or its subclasses `StreamTimedOut`, `MalformedChunk`) when the stream ends
     without `[DONE]`, goes silent past its deadlines or sends a malformed chunk, and the worker's
     `WorkerError` for an error frame (`event: error`, or a data frame `{"error": ...}`).
@@ -526,53 +496,24 @@ class ChunkStream:
         self._ends_by = ends_by  # loop time: the whole call's deadline
         self._deadline: _StreamDeadline | None = None
         self._idle_s: float = settings.WORKER_IDLE_TIMEOUT_S  # read once: this runs per token
-
-    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
-        read = body_reader(self._response)
-        deadline = self._deadline = _StreamDeadline(asyncio.get_running_loop())
-        task = asyncio.current_task()  # the one iterating: the deadline cancels its reads
-        assert task is not None
-        # One boundary around the whole loop: only GeneratorExit can reach a suspended `yield`,
-        # and it passes through.
-        relayed = 0
-        with boundary(self._stage, streaming=True):
-            try:
-                while True:
-                    events, ended = await self._next_events(decoder, read, deadline, task)
-                    for event in events:
-                        chunk = self._chunk(event)
-                        if chunk is None:
-                            deadline.close()
-                            await self._drain(read)
-                            return
-                        yield chunk
-                        relayed += 1
-                        if relayed % YIELD_EVERY_CHUNKS == 0:
-                            # Reading what is already buffered never suspends: a worker that sent
-                            # thousands of chunks at once would hold the loop until they are all
-                            # relayed, starving other streams and hiding this client's hang-up.
-                            await asyncio.sleep(0)
-                    if ended:
-                        raise self._broken()
-            finally:
-                deadline.close()
+        self._pumping = False
+        self._push: PushedBody | None = None  # while `pump` runs
+        self._paused = False
 
     async def pump(self, sink: Callable[[dict[str, Any]], None]) -> None:
-        """What iterating does, pushed: each validated chunk goes to `sink` as it arrives, until
-        `[DONE]`; raises what iterating raises. `sink` runs in the worker connection's receive
-        callback, so it must not wait; what it raises ends the stream and is raised here as it
-        is, never as the worker's failure.
+        """Each validated chunk to `sink` as it arrives, until `[DONE]`. `sink` runs in the worker
+        connection's receive callback, so it must not wait (`pause` holds the worker back); what
+        it raises ends the stream and is raised here as it is, never as the worker's failure.
 
         Why pushed: a stream relays one token per read, and a read the task awaits costs a
         future, a loop callback and a task step that resumes the reader through every `await`
         up to the consumer's loop; here the bytes reach the decoder, the chunk checks and `sink`
-        in the call that received them. A response of another transport is iterated instead."""
+        in the call that received them."""
         loop = asyncio.get_running_loop()
         # True once [DONE] came; the stream's failure otherwise.
         outcome: asyncio.Future[bool] = loop.create_future()
         decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
-        deadline = self._deadline = _StreamDeadline(loop)
+        deadline = self._deadline = _StreamDeadline(loop, outcome)
         idle_s, ends_by = self._idle_s, self._ends_by
         # The loop's clock, read per token: asyncio's is time.monotonic behind a Python method.
         clock = time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
@@ -622,61 +563,59 @@ class ChunkStream:
                 outcome.set_exception(exc)
 
         deadline.move(min(self._first_byte_by or loop.time() + idle_s, ends_by))
-        deadline.waiting = _Expiry(outcome)
-        push = push_body(self._response, on_data, on_end)
-        if push is None:
-            deadline.close()
-            async for chunk in self:
-                sink(chunk)
-            return
+        self._pumping = True
         failed: BaseException | None = None
         try:
+            # What has arrived already is pushed from here, before it returns.
+            push = self._push = push_body(self._response, on_data, on_end)
+            if push is None:  # open_stream's responses are always the worker transport's
+                raise TypeError("a stream's response must come from the worker transport")
+            if self._paused:  # by the sink, meanwhile
+                push.pause_reading()
             with boundary(self._stage, streaming=True):
                 try:
                     await outcome
                 except _SinkFailed as exc:
                     failed = exc.error
         finally:
-            push.stop()
+            self._pumping = False
+            push, self._push = self._push, None
+            if push is not None:
+                push.stop()
+                if self._paused:  # what remains of the body is read (drained, or closed) from here
+                    push.resume_reading()
+            self._paused = False
             deadline.close()
         if failed is not None:
             raise failed
         await self._drain(body_reader(self._response))
 
+    def pause(self) -> None:
+        """Read nothing more from the worker until `resume` (backpressure: a client slower than
+        its worker). The idle gap does not count meanwhile, as it did not while a reader was
+        busy elsewhere; the whole call's deadline does. Outside a `pump`, nothing to pause."""
+        deadline = self._deadline
+        if not self._pumping or deadline is None or self._paused:
+            return
+        self._paused = True
+        deadline.when = self._ends_by  # later than the idle gap's: an assignment (see _StreamDeadline)
+        if self._push is not None:
+            self._push.pause_reading()
+
+    def resume(self) -> None:
+        """Read the worker again, its idle gap counted from now."""
+        deadline = self._deadline
+        if not self._paused or deadline is None:
+            return
+        self._paused = False
+        deadline.move(min(deadline.loop.time() + self._idle_s, self._ends_by))
+        if self._push is not None:
+            self._push.resume_reading()
+
     def _broken(self) -> StreamBroken:
         return StreamBroken(
             502, f"the {self._stage} worker closed the stream before it was complete", stage=self._stage, code="stream_broken"
         )
-
-    async def _next_events(
-        self, decoder: SSEDecoder, read: Callable[[], Awaitable[bytes]], deadline: _StreamDeadline, task: asyncio.Task[Any]
-    ) -> tuple[list[Event], bool]:
-        """Read until at least one whole event (or the end), within the deadlines: the first
-        byte's, then the idle gap counted from now; bytes that complete no event do not reset it."""
-        # Runs once per token: the watch is set by assignment and the task is passed in, not looked up.
-        now = deadline.loop.time()
-        deadline.move(min(self._first_byte_by or now + self._idle_s, self._ends_by))
-        while True:
-            if now >= deadline.when:
-                raise TimeoutError
-            deadline.waiting, deadline.fired = task, False
-            try:
-                data = await read()
-            except asyncio.CancelledError:
-                if deadline.timed_out(task):
-                    raise TimeoutError from None
-                raise
-            finally:
-                deadline.waiting = None
-            if not data:
-                return decoder.end(), True
-            now = deadline.loop.time()
-            if self._first_byte_by is not None:
-                self._first_byte_by = None
-                deadline.move(min(now + self._idle_s, self._ends_by))
-            events = decoder.feed(data)
-            if events:
-                return events, False
 
     def _chunk(self, event: Event) -> dict[str, Any] | None:
         """The checked chunk an event carries; None for `[DONE]`."""

@@ -259,6 +259,17 @@ class PushedBody:
         if self._take_what_arrived():
             self._parser.sink = self
 
+    def pause_reading(self) -> None:
+        """Backpressure: the connection reads nothing more until `resume_reading` (the bytes of
+        the read being pushed still go on; a read is at most PUSH_READ_BYTES)."""
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        """The connection reads again (from the next loop turn: nothing is pushed from here)."""
+        if self._transport is not None:
+            self._transport.resume_reading()
+
     def stop(self) -> None:
         """No more pushes (idempotent); the body's rest, if any, is left to a plain read."""
         if self._finished:
