@@ -10,12 +10,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import anthropic
 import httpx
 import orjson
 import pytest
 
+from tests.support.sdk import sdk_client, sdk_message
 from tests.support.simworkers import SimWorker
 from workers.sim.process import stop_process
 
@@ -65,13 +66,13 @@ def test_floor_relays_the_stream(floor: tuple[str, str], generation_worker: SimW
             for _ in range(2):
                 assert chat_contents(client, url) == direct
             return
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=10.0) as sdk:
+    with sdk_client(url, "unused", timeout=10.0) as sdk:
         for _ in range(2):
-            with sdk.messages.stream(model="sim-model", max_tokens=1000,
-                                     messages=[{"role": "user", "content": PROMPT}]) as stream:
-                deltas = [event.delta.text for event in stream
-                          if event.type == "content_block_delta" and event.delta.type == "text_delta"]
-                message = stream.get_final_message()
+            events: list[Any] = []
+            message = sdk_message(sdk, True, events=events, model="sim-model", max_tokens=1000,
+                                  messages=[{"role": "user", "content": PROMPT}])
+            deltas = [event.delta.text for event in events
+                      if event.type == "content_block_delta" and event.delta.type == "text_delta"]
             assert deltas == direct
             assert message.stop_reason == "end_turn"
             assert message.usage.output_tokens == 12

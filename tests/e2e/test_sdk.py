@@ -26,6 +26,7 @@ from tests.support.cluster import (
     wait_until,
 )
 from tests.support.gateway import DEFAULT_ENV, Gateway
+from tests.support.sdk import sdk_client, sdk_message
 
 START_WAIT = float(DEFAULT_ENV["MESSAGES_STREAM_START_WAIT_S"])
 LATE = 1.0  # a context phase this long outlasts the stream-start wait of the test gateways
@@ -50,13 +51,9 @@ WEATHER_TOOL: dict[str, Any] = {
 BAD_TOOL_ARGUMENTS = "The worker returned tool call arguments that are not a JSON object"
 
 
-def sdk_client(gateway: Gateway, key: str, **options: Any) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=gateway.url, api_key=key, max_retries=0, timeout=30.0, **options)
-
-
 @pytest.fixture
 def client(gateway: Gateway, cluster: Cluster) -> Iterator[anthropic.Anthropic]:
-    with sdk_client(gateway, cluster.key) as c:
+    with sdk_client(gateway.url, cluster.key) as c:
         yield c
 
 
@@ -183,13 +180,11 @@ def test_tool_use_and_tool_result_round_trip(client: anthropic.Anthropic, cluste
         "tools": [WEATHER_TOOL],
         "messages": ask("What is the weather in Paris? [sim tool_call=get_weather]"),
     }
+    events: list[Any] = []
+    first = sdk_message(client, streamed, events=events, **request)
     if streamed:
-        with client.messages.stream(**request) as stream:
-            json_deltas = [e for e in stream if e.type == "input_json"]
-            first = stream.get_final_message()
+        json_deltas = [e for e in events if e.type == "input_json"]
         assert json_deltas, "the tool input was not streamed"
-    else:
-        first = client.messages.create(**request)
     assert first.stop_reason == "tool_use"
     tool_uses = [block for block in first.content if block.type == "tool_use"]
     assert len(tool_uses) == 1
@@ -310,11 +305,7 @@ def test_thinking_text_and_parallel_tool_calls(client: anthropic.Anthropic, clus
         "tools": [WEATHER_TOOL],
         "messages": ask("Two cities [sim reasoning=3 tokens=2 tool_call=get_weather tool_calls=2]"),
     }
-    if streamed:
-        with client.messages.stream(**request) as stream:
-            message = stream.get_final_message()
-    else:
-        message = client.messages.create(**request)
+    message = sdk_message(client, streamed, **request)
     assert [block.type for block in message.content] == ["thinking", "text", "tool_use", "tool_use"]
     calls = message.content[2:]
     assert all(call.name == "get_weather" and call.input == {"city": "Paris"} for call in calls)
@@ -333,11 +324,7 @@ def test_tool_call_cut_by_max_tokens_is_max_tokens(client: anthropic.Anthropic, 
         "tools": [WEATHER_TOOL],
         "messages": ask("weather? [sim tool_call=get_weather]"),
     }
-    if streamed:
-        with client.messages.stream(**request) as stream:
-            message = stream.get_final_message()
-    else:
-        message = client.messages.create(**request)
+    message = sdk_message(client, streamed, **request)
     assert message.stop_reason == "max_tokens"
     assert message.usage.output_tokens == 3
     assert [block.type for block in message.content] == ["tool_use"]
@@ -363,9 +350,9 @@ def test_thinking_block_then_text(client: anthropic.Anthropic, cluster: Cluster)
     assert sent["chat_template_kwargs"] == {"enable_thinking": True}
     assert sent["thinking_token_budget"] == 1024
 
-    with client.messages.stream(**request) as stream:
-        thinking = "".join(e.thinking for e in stream if e.type == "thinking")
-        final = stream.get_final_message()
+    events: list[Any] = []
+    final = sdk_message(client, True, events=events, **request)
+    thinking = "".join(e.thinking for e in events if e.type == "thinking")
     assert [block.type for block in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == thinking == message.content[0].thinking
     assert final.content[1].text == message.content[1].text
@@ -394,11 +381,7 @@ def test_stop_sequence(client: anthropic.Anthropic, cluster: Cluster, streamed: 
         "stop_sequences": ["STOP"],
         "messages": ask("Say it [sim say=alpha_beta_STOP_gamma]"),
     }
-    if streamed:
-        with client.messages.stream(**request) as stream:
-            message = stream.get_final_message()
-    else:
-        message = client.messages.create(**request)
+    message = sdk_message(client, streamed, **request)
     assert message.stop_reason == "stop_sequence"
     assert message.stop_sequence == "STOP"
     assert texts(message) == "alpha beta "
@@ -408,11 +391,7 @@ def test_stop_sequence(client: anthropic.Anthropic, cluster: Cluster, streamed: 
 @pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
 def test_max_tokens_cut(client: anthropic.Anthropic, cluster: Cluster, streamed: bool) -> None:
     request: dict[str, Any] = {"model": cluster.model, "max_tokens": 5, "messages": ask("Go on [sim tokens=50]")}
-    if streamed:
-        with client.messages.stream(**request) as stream:
-            message = stream.get_final_message()
-    else:
-        message = client.messages.create(**request)
+    message = sdk_message(client, streamed, **request)
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
     assert message.usage.output_tokens == 5
     assert len(texts(message).split()) == 5
@@ -462,7 +441,7 @@ def test_worker_error_status_is_the_typed_exception(
 
 @ONE_ORDER
 def test_bad_key_is_authentication_error(gateway: Gateway, cluster: Cluster) -> None:
-    with sdk_client(gateway, "sk-gw-not-a-real-key") as bad, pytest.raises(anthropic.AuthenticationError) as caught:
+    with sdk_client(gateway.url, "sk-gw-not-a-real-key") as bad, pytest.raises(anthropic.AuthenticationError) as caught:
         bad.messages.create(model=cluster.model, max_tokens=16, messages=ask("hi"))
     error = caught.value
     assert error.status_code == 401 and error.type == "authentication_error"
@@ -506,7 +485,7 @@ def test_prompt_too_long_keeps_the_wording_claude_code_matches(client: anthropic
 def test_body_over_the_limit_is_413(gateways: Any, cluster: Cluster) -> None:
     small = gateways(MESSAGES_MAX_BODY_BYTES="100000")
     wait_registered(small, cluster)
-    with sdk_client(small, cluster.key) as limited:
+    with sdk_client(small.url, cluster.key) as limited:
         # Under the limit it serves as usual.
         ok = limited.messages.create(model=cluster.model, max_tokens=16, messages=ask("short [sim tokens=2]"))
         assert ok.usage.output_tokens == 2
@@ -523,7 +502,7 @@ def test_late_failure_raises_with_the_fast_failures_message(
     client: anthropic.Anthropic, patient_gateway: Gateway, cluster: Cluster, status: int
 ) -> None:
     wait_registered(patient_gateway, cluster)
-    with sdk_client(patient_gateway, cluster.key) as patient, pytest.raises(anthropic.APIStatusError) as fast_caught:
+    with sdk_client(patient_gateway.url, cluster.key) as patient, pytest.raises(anthropic.APIStatusError) as fast_caught:
         patient.messages.create(model=cluster.model, max_tokens=32, stream=True, messages=ask(f"hi [sim context_status={status}]"))
     fast = fast_caught.value
     assert fast.status_code == status

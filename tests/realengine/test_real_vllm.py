@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx
 import pytest
 
@@ -35,6 +34,7 @@ from tests.support.claude_code import run_claude
 from tests.support.realvllm.fixtures import engine  # noqa: F401 (a fixture)
 from tests.support.realvllm.paths import MAX_MODEL_LEN
 from tests.support.realvllm.server import RealVllm
+from tests.support.sdk import sdk_client, sdk_message
 
 
 PROTOCOLS = ("openai", "vllm")
@@ -183,11 +183,10 @@ def test_non_streamed_answer_with_usage_from_the_engine(gateway: Gateway, cluste
 
 def test_the_sdk_through_the_gateway(gateway: Gateway, cluster: EngineCluster) -> None:
     sdk_body = {name: value for name, value in body(max_tokens=6).items() if name != "temperature"}  # not in SDK 2.x
-    with anthropic.Anthropic(base_url=gateway.url, api_key=cluster.key, max_retries=0, timeout=60) as client:
-        created = client.messages.create(**sdk_body)
+    with sdk_client(gateway.url, cluster.key, timeout=60) as client:
+        created = sdk_message(client, False, **sdk_body)
         assert created.stop_reason == "max_tokens" and created.usage.output_tokens == 6
-        with client.messages.stream(**sdk_body) as sdk_stream:
-            final = sdk_stream.get_final_message()
+        final = sdk_message(client, True, **sdk_body)
         assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
         assert final.usage.input_tokens == created.usage.input_tokens == engine_count(cluster.engine, OPENAI_MESSAGES)
         counted = client.messages.count_tokens(model="tiny-llama", system=SYSTEM, messages=[{"role": "user", "content": QUESTION}])

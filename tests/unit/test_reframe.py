@@ -21,6 +21,7 @@ from messages_api.accumulate import accumulate_message
 from messages_api.errors import AnthropicError
 from messages_api.reframe import StreamReframer
 from messages_api.framing import PING_FRAME, encode_event
+from tests.support.sdk import sdk_client, sdk_message
 from workers.schedule.pipeline import completion_as_chunks
 
 Event = dict[str, Any]
@@ -844,7 +845,7 @@ def test_sdk_sse_decoder_reads_our_frames_split_anywhere() -> None:
 
 
 def mock_client(handler: Any) -> anthropic.Anthropic:
-    return anthropic.Anthropic(api_key="k", base_url="http://gateway.test", max_retries=0, http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+    return sdk_client("http://gateway.test", "k", http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
 
 
 REQUEST = {"model": "claude-sonnet-4-6", "max_tokens": 256, "messages": [{"role": "user", "content": "hi"}]}
@@ -860,9 +861,8 @@ def test_sdk_stream_and_create_agree_with_accumulate_message() -> None:
         return httpx2.Response(200, headers={"content-type": "application/json"}, content=orjson.dumps(body))
 
     client = mock_client(handler)
-    with client.messages.stream(**REQUEST) as stream:  # type: ignore[arg-type]
-        streamed = stream.get_final_message()
-    created = client.messages.create(**REQUEST)  # type: ignore[arg-type]
+    streamed = sdk_message(client, True, **REQUEST)
+    created = sdk_message(client, False, **REQUEST)
     assert streamed.model_dump() == created.model_dump()
     assert created.content[2].type == "tool_use" and created.content[2].input == {"city": "K\u00f8benhavn"}  # type: ignore[union-attr]
     assert created.stop_reason == "tool_use"
@@ -876,8 +876,7 @@ def test_sdk_raises_on_a_mid_stream_error_event() -> None:
         return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=sse_bytes(events))
 
     with pytest.raises(anthropic.APIStatusError) as info:
-        with mock_client(handler).messages.stream(**REQUEST) as stream:  # type: ignore[arg-type]
-            stream.get_final_message()
+        sdk_message(mock_client(handler), True, **REQUEST)
     assert "overloaded_error" in str(info.value)
 
 
