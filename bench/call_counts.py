@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h  # noqa: E402
+import harness as h  # noqa: E402
 
 SHORT, LONG = 4, 400
 PROFILE_SITE = Path(__file__).resolve().parent / "call_profile"

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h  # noqa: E402
+import harness as h  # noqa: E402
 
 RELAY = Path(__file__).resolve().parent / "relay.py"
 TARGETS = {"gateway": "gateway", "floor reframe": "floor"}

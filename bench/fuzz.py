@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h  # noqa: E402  (puts the project on the path)
+import harness as h  # noqa: E402  (puts the project on the path)
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
 from tests.support import hostile  # noqa: E402

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h
+import harness as h
 
 SCALING_TARGET = 1.8
 

@@ -35,8 +35,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import _harness as h  # noqa: E402
-from bench._harness import write_result  # noqa: E402
+from bench import harness as h  # noqa: E402
+from bench.harness import write_result  # noqa: E402
 from tests.support.realvllm.pd import KV_CONFIG, LATE_READ, NO_KV_TRANSFER, prompt, start_pair  # noqa: E402
 from tests.support.realvllm.server import RealVllm, missing  # noqa: E402
 

@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h  # noqa: E402  (puts the project on the path)
+import harness as h  # noqa: E402  (puts the project on the path)
 
 # The reframer reads no setting, but its package imports Django models: the test settings need
 # no SECRET_KEY or database to be configured.

@@ -54,7 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h
+import harness as h
 
 ADDED_P50_TARGET_MS = 2.0
 ADDED_P99_TARGET_MS = 5.0

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h
+import harness as h
 
 FIXTURE = h.PROJECT_ROOT / "tests" / "fixtures" / "claude_code_request.json"
 MODES = ("nonstream", "stream")

@@ -60,7 +60,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h  # noqa: E402
+import harness as h  # noqa: E402
 
 import httpx  # noqa: E402
 

@@ -48,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h  # noqa: E402  (puts the project on the path)
+import harness as h  # noqa: E402  (puts the project on the path)
 import h11  # noqa: E402
 
 from tests.support.badworker import start_badworker  # noqa: E402

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _harness as h
+import harness as h
 
 RSS_AT_REST_TARGET_MB = 150.0
 PER_STREAM_TARGET_KIB = 50.0

@@ -29,7 +29,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._harness import write_result  # noqa: E402
+from bench.harness import write_result  # noqa: E402
 from tests.support.realvllm.pd import start_pair  # noqa: E402
 from tests.support.realvllm.server import RealVllm, missing  # noqa: E402
 
