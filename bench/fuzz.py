@@ -44,9 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0: reproducible)")
     parser.add_argument("--examples", type=int, default=5, help="findings printed per category")
     parser.add_argument("--database-url", help="default: a new SQLite file in a temporary directory")
-    h.add_common_arguments(parser)
-    args = parser.parse_args()
-    h.resolve(args, quick={"requests": 300}, full={"requests": 10_000})
+    args = h.parse_args(parser, quick={"requests": 300}, full={"requests": 10_000})
     return args
 
 

@@ -53,10 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--database-url", help="default: a new SQLite file in a temporary directory")
     parser.add_argument("--processes", choices=("1", "2", "both"), default="1", help="daphne processes (default 1)")
     parser.add_argument("--no-direct", action="store_true", help="skip the direct baseline load phase")
-    h.add_common_arguments(parser)
-    args = parser.parse_args()
-    h.resolve(
-        args,
+    args = h.parse_args(
+        parser,
         quick={"concurrency": 8, "requests": 200, "sequential": 30, "warmup": 20},
         full={"concurrency": 32, "requests": 3000, "sequential": 300, "warmup": 100},
     )

@@ -96,10 +96,8 @@ def parse_args() -> argparse.Namespace:
                         "pipe,reframe,pipe-uvloop,reframe-uvloop) in front of the same paced worker, after the routers")
     parser.add_argument("--repeat", type=int, default=1,
                         help="paced: run every level this many times (A and B alternate which goes first; default 1)")
-    h.add_common_arguments(parser)
-    args = parser.parse_args()
-    h.resolve(
-        args,
+    args = h.parse_args(
+        parser,
         quick={"samples": 40, "warmup": 5, "streams": 8, "tokens": 500, "rounds": 1,
                "paced_loads": "2500", "paced_tokens": 64, "paced_seconds": 5.0},
         full={"samples": 500, "warmup": 30, "streams": 32, "tokens": 4000, "rounds": 3,

@@ -55,9 +55,7 @@ def parse_args() -> argparse.Namespace:
                         "of the same workers and database, measured right after gateway A in every round")
     parser.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE",
                         help="A/B: a setting of gateway B (repeatable); with no --b-root, B runs from this checkout")
-    h.add_common_arguments(parser)
-    args = parser.parse_args()
-    h.resolve(args, quick={"requests": 20, "warmup": 5, "rounds": 1}, full={"requests": 200, "warmup": 20, "rounds": 5})
+    args = h.parse_args(parser, quick={"requests": 20, "warmup": 5, "rounds": 1}, full={"requests": 200, "warmup": 20, "rounds": 5})
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes: a comma-separated subset of {','.join(MODES)}")

@@ -104,10 +104,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of: " + ", ".join(POLICIES))
     parser.add_argument("--seed", type=int, default=13)
-    h.add_common_arguments(parser)
-    args = parser.parse_args()
-    h.resolve(
-        args,
+    args = h.parse_args(
+        parser,
         quick={"sessions": 4, "turns_min": 3, "turns_max": 5, "think_min": 0.2, "think_max": 0.6, "ramp": 2.0},
         full={"sessions": 8, "turns_min": 5, "turns_max": 12, "think_min": 0.5, "think_max": 2.0, "ramp": 8.0},
     )

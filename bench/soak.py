@@ -367,9 +367,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--tokens-per-second", type=float, default=100.0, help="sim decode speed (default 100)")
     parser.add_argument("--database-url", help="default: a new SQLite file in a temporary directory")
-    h.add_common_arguments(parser)
-    args = parser.parse_args()
-    h.resolve(args, quick={"streams": 20, "minutes": 0.5, "warmup": 10.0}, full={"streams": 200, "minutes": 10.0, "warmup": 120.0})
+    args = h.parse_args(parser, quick={"streams": 20, "minutes": 0.5, "warmup": 10.0}, full={"streams": 200, "minutes": 10.0, "warmup": 120.0})
     return args
 
 

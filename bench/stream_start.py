@@ -52,10 +52,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ramp", type=float, default=0.0,
                         help="spread the requests' writes evenly over this many seconds (default 0: all in one instant)")
     parser.add_argument("--sample-interval", type=float, default=0.25, help="RSS sampling period, s")
-    h.add_common_arguments(parser)
-    args = parser.parse_args()
-    h.resolve(
-        args,
+    args = h.parse_args(
+        parser,
         quick={"streams": 50, "context_delay": 3.0, "ping_interval": 1.0, "start_wait": 0.5},
         full={"streams": 200, "context_delay": 30.0, "ping_interval": 10.0, "start_wait": 1.0},
     )

@@ -59,9 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--size", type=int, help="bytes per upload (default 400 MB; --quick 40 MB)")
     parser.add_argument("--read-timeout", type=float, help="MESSAGES_BODY_READ_TIMEOUT_S (default 30; --quick 3)")
     parser.add_argument("--under-limit", action="store_true", help="also send bodies just under the 32 MiB limit")
-    h.add_common_arguments(parser)
-    args = parser.parse_args()
-    h.resolve(args, quick={"size": 40_000_000, "read_timeout": 3.0}, full={"size": 400_000_000, "read_timeout": 30.0})
+    args = h.parse_args(parser, quick={"size": 40_000_000, "read_timeout": 3.0}, full={"size": 400_000_000, "read_timeout": 30.0})
     return args
 
 

@@ -25,7 +25,7 @@ from .paths import PROJECT_ROOT, PYTHON, RESULTS_DIR  # first: puts the project 
 from .bodies import ANTHROPIC_VERSION, MODEL, build_request, gateway_request, messages_body, port_of, worker_request
 from .client import HttpConnection, KeepAlive, Response, connect
 from .limits import raise_nofile
-from .options import add_common_arguments, resolve, result_name
+from .options import add_common_arguments, parse_args, resolve, result_name
 from .proc import (
     CpuMeter,
     hwm_mib,
@@ -87,6 +87,7 @@ __all__ = [
     "machine_busy_seconds",
     "machine_info",
     "messages_body",
+    "parse_args",
     "percentile",
     "port_of",
     "print_distributions",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 
@@ -43,3 +44,12 @@ def resolve(args: Any, quick: dict[str, Any], full: dict[str, Any]) -> None:
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+
+
+def parse_args(parser: argparse.ArgumentParser, *, quick: dict[str, Any], full: dict[str, Any]) -> argparse.Namespace:
+    """The script's options with the common ones added, those left unset at their --quick or full
+    defaults (`resolve`)."""
+    add_common_arguments(parser)
+    args = parser.parse_args()
+    resolve(args, quick, full)
+    return args
