@@ -28,9 +28,11 @@ def _start_services_with_daphne() -> None:
         return
     loop = reactor._asyncioEventloop  # the loop daphne runs (a Twisted internal: disagg_project/relied_on.py)
     loop.call_soon(lambda: loop.create_task(_start()))
-    from messages_api import install_state_dump
+    from messages_api import install_loop_monitor, install_memory_return, install_state_dump
 
     install_state_dump(loop)  # kill -USR1: thread and task stacks to the log
+    install_loop_monitor(loop)  # new API requests are shed while the loop lags
+    install_memory_return()  # large requests' memory goes back to the system
     loop.call_soon(_no_delay_on_listening_sockets, reactor)
     # Close the worker connection pools while the loop still runs (after daphne has stopped the
     # applications), instead of leaving them to be collected.

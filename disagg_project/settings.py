@@ -188,6 +188,11 @@ LOGGING = {
     },
 }
 
+# systemd socket activation (sd_listen_fds(3)): how many sockets systemd passed this process. Read
+# here, before the apps load: importing Twisted's endpoints (daphne does) removes LISTEN_PID and
+# LISTEN_FDS from the environment of the process they name.
+SYSTEMD_LISTEN_FDS = int(os.environ.get("LISTEN_FDS", "0") or 0) if os.environ.get("LISTEN_PID") == str(os.getpid()) else 0
+
 # --- The gateway ----------------------------------------------------------------------------
 # How long a streamed request waits for its pipeline before it starts the response anyway.
 MESSAGES_STREAM_START_WAIT_S = env_float("MESSAGES_STREAM_START_WAIT_S", 1.0)
@@ -207,6 +212,17 @@ MESSAGES_BODY_READ_TIMEOUT_S = env_float("MESSAGES_BODY_READ_TIMEOUT_S", 30.0)
 # Deepest JSON nesting accepted in a request body (400 beyond): orjson parses 1,024 levels but
 # cannot re-encode past 254, which the worker request needs (tool schemas, tool_use inputs).
 MESSAGES_MAX_JSON_DEPTH = env_int("MESSAGES_MAX_JSON_DEPTH", 64)
+# Bounded work per request (messages_api/intake.py): at most this many messages, content blocks
+# (system, message and tool-result blocks together) and JSON objects in a body (413 beyond), and
+# a body of at least MESSAGES_OFFLOAD_BYTES is parsed, validated and converted on a thread of its
+# own, one at a time, instead of on the event loop.
+MESSAGES_MAX_MESSAGES = env_int("MESSAGES_MAX_MESSAGES", 10_000)
+MESSAGES_MAX_CONTENT_BLOCKS = env_int("MESSAGES_MAX_CONTENT_BLOCKS", 20_000)
+MESSAGES_MAX_JSON_OBJECTS = env_int("MESSAGES_MAX_JSON_OBJECTS", 100_000)
+MESSAGES_OFFLOAD_BYTES = env_int("MESSAGES_OFFLOAD_BYTES", 512 * 1024)
+# New API requests are answered 529 while the event loop runs this late (seconds; 0: never):
+# the requests already running recover instead of everyone slowing down together.
+GATEWAY_SHED_LOOP_LAG_S = env_float("GATEWAY_SHED_LOOP_LAG_S", 0.5)
 
 # Worker HTTP client. Every *_TIMEOUT_S below but the connect one is a deadline for a whole phase,
 # not a per-read timeout: a worker trickling a byte at a time cannot hold a request past it. A
@@ -287,6 +303,12 @@ AUDIT_FLUSH_INTERVAL_S = env_float("AUDIT_FLUSH_INTERVAL_S", 0.25)
 # Requests refused without a valid API key are all counted (gateway_unauthenticated_rejections_total)
 # but only this many per second per process get an audit row, so a flood cannot fill the database.
 AUDIT_UNAUTHENTICATED_SAMPLE_PER_S = env_float("AUDIT_UNAUTHENTICATED_SAMPLE_PER_S", 1.0)
+# Usage per API key and UTC hour (messages_api/usage.py): each process adds up its requests in
+# memory and adds them to the database this often (and at exit); the admin's usage page lags by
+# at most this much. `prune_audit` deletes hours older than USAGE_HOURS_RETENTION_DAYS (at least
+# 31: the admin charts the last 30 days, and days are sums of hours).
+USAGE_FLUSH_INTERVAL_S = env_float("USAGE_FLUSH_INTERVAL_S", 5.0)
+USAGE_HOURS_RETENTION_DAYS = env_int("USAGE_HOURS_RETENTION_DAYS", 90)
 
 # Health: each process probes every endpoint's /health; an endpoint is unhealthy after
 # HEALTH_UNHEALTHY_AFTER consecutive failed checks and healthy again after HEALTH_HEALTHY_AFTER.
@@ -318,6 +340,9 @@ GATEWAY_HUNG_AFTER_S = env_float("GATEWAY_HUNG_AFTER_S", 300.0)
 
 # /metrics is served to loopback clients, or to any client presenting this bearer token.
 METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")
+# Per-key counters (gateway_key_requests_total{key,status}, gateway_key_tokens_total{key,kind}):
+# one time series per API key and label value, so off unless the operator wants that cardinality.
+METRICS_PER_KEY_LABELS = env_bool("METRICS_PER_KEY_LABELS", False)
 
 # Prefix-cache-aware routing (`cache_aware`, workers/routing/prefix_index.py). The gateway's index of what
 # each endpoint holds: prompts digested part by part (tools, then each message), with a mark kept

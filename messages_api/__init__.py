@@ -10,7 +10,9 @@ Other packages use only the names in `__all__` below and the Django places every
     consumers.py, routes.py       the API routes' Channels consumers, and the ASGI routing to them
     errors.py                     Anthropic's error envelope, and the one mapping to it
     audit.py, auth.py, metrics.py the audit row, API keys, Prometheus metrics
-    server/                       daphne plumbing: the intake guard, direct writes, drain, state dump
+    intake.py, limits/            bounded parsing of a body; per-key limits and their headers
+    server/                       daphne plumbing: the intake guard, direct writes, drain, state dump,
+                                  the event loop's lag (shedding), memory given back
 
 The names load lazily: Django imports this package before its models are ready.
 """
@@ -27,12 +29,16 @@ _HOMES = {
     "install_direct_writes": ("messages_api.server.direct_write", "install"),
     "install_drain": ("messages_api.server.drain", "install"),
     "install_state_dump": ("messages_api.server.state_dump", "install"),
+    "install_loop_monitor": ("messages_api.server.loop_lag", "install"),
+    "install_memory_return": ("messages_api.server.memory", "install"),
 }
 __all__ = [
     "http_application",
     "install_direct_writes",
     "install_drain",
     "install_http_guard",
+    "install_loop_monitor",
+    "install_memory_return",
     "install_state_dump",
 ]
 
@@ -41,6 +47,8 @@ if TYPE_CHECKING:
     from messages_api.server.direct_write import install as install_direct_writes
     from messages_api.server.drain import install as install_drain
     from messages_api.server.http_guard import install as install_http_guard
+    from messages_api.server.loop_lag import install as install_loop_monitor
+    from messages_api.server.memory import install as install_memory_return
     from messages_api.server.state_dump import install as install_state_dump
 else:
 

@@ -29,19 +29,18 @@ from channels.generic.http import AsyncHttpConsumer
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from messages_api import metrics
+from messages_api import intake, metrics
+from messages_api.server import loop_lag
 from messages_api.accumulate import accumulate_message
 from messages_api.server.arrival import seconds_since_received
 from messages_api.audit import AuditRecord, sample_unauthenticated
 from messages_api.auth import Principal, key_cache, key_from_headers
 from messages_api.server.body_writer import BodyWriter, body_writer
 from messages_api.server.send_queue import SendQueue
-from messages_api.convert import to_chat_request
 from messages_api.errors import (
     AnthropicError,
     DeadlineExceeded,
     client_error,
-    invalid_request,
     operator_detail,
 )
 from messages_api.heartbeat import Heartbeat
@@ -50,10 +49,6 @@ from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.framing import PING_FRAME, encode_events
-from messages_api.validation import (
-    validate_count_tokens_request,
-    validate_messages_request,
-)
 from messages_api.limits import Usage, check_limits
 from workers import ChatRun, PoolInfo, Priority, WorkerError, count_prompt_tokens, get_registry
 
@@ -220,6 +215,9 @@ class ApiConsumer(AsyncHttpConsumer):
                             "invalid_request_error",
                             headers=((b"allow", ", ".join(self.allowed_methods).encode()),),
                         )
+                    if loop_lag.monitor.overloaded():
+                        loop_lag.shed.inc()
+                        raise AnthropicError(529, "Overloaded", "overloaded_error", retry_after=1.0)
                     await self.handle_request(body)
             except TimeoutError as exc:
                 if not deadline.expired():
@@ -312,12 +310,6 @@ class ApiConsumer(AsyncHttpConsumer):
         if principal is not None:
             self.record.api_key_name = principal.name
 
-    def parse_json(self, body: bytes) -> Any:
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise invalid_request(f"The request body is not valid JSON: {exc}") from None
-
     def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         return [(b"content-type", content_type), (b"request-id", self.record.request_id.encode()), *self.extra_headers]
 
@@ -352,14 +344,14 @@ class MessagesConsumer(ApiConsumer):
         finally:
             if self.sse_started:
                 metrics.open_streams.dec()
+            intake.release(len(body))
 
     async def handle_message(self, body: bytes) -> None:
         record = self.record
         principal = await self.authenticate()
-        request = validate_messages_request(self.parse_json(body))
+        request, chat = await intake.messages_request(body)
         record.model = request["model"]
         record.stream = bool(request.get("stream"))
-        chat = to_chat_request(request)
         pool = await pool_for_model(request["model"], principal)
 
         record.pool_name = pool.name
@@ -559,8 +551,7 @@ class CountTokensConsumer(ApiConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         principal = await self.authenticate()
-        request = validate_count_tokens_request(self.parse_json(body))
-        chat = to_chat_request({**request, "max_tokens": 1})
+        request, chat = await intake.count_tokens_request(body)
         pool = await pool_for_model(request["model"], principal)
         count = await count_prompt_tokens(pool, chat)
         await self.send_json(200, {"input_tokens": count})

@@ -108,7 +108,33 @@ def _object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise AnthropicError(400, "The request body must be a JSON object", "invalid_request_error")
     _check_depth(body, settings.MESSAGES_MAX_JSON_DEPTH)
+    _check_counts(body)
     return body
+
+
+def _check_counts(body: dict[str, Any]) -> None:
+    """Refuse more messages or content blocks (tool results' own blocks and system blocks
+    included) than the settings allow: the work every later step does grows with them."""
+    messages = body.get("messages")
+    if type(messages) is not list:
+        return
+    if len(messages) > settings.MESSAGES_MAX_MESSAGES:
+        _too_large(f"The request has {len(messages):,} messages; the limit is {settings.MESSAGES_MAX_MESSAGES:,}")
+    system = body.get("system")
+    blocks = len(system) if type(system) is list else 0
+    for message in messages:
+        content = message.get("content") if type(message) is dict else None
+        if type(content) is list:
+            blocks += len(content)
+            for block in content:
+                if type(block) is dict and type(block.get("content")) is list:
+                    blocks += len(block["content"])
+    if blocks > settings.MESSAGES_MAX_CONTENT_BLOCKS:
+        _too_large(f"The request has {blocks:,} content blocks; the limit is {settings.MESSAGES_MAX_CONTENT_BLOCKS:,}")
+
+
+def _too_large(message: str) -> NoReturn:
+    raise AnthropicError(413, message, "request_too_large")
 
 
 def _check_depth(body: dict[str, Any], limit: int) -> None:

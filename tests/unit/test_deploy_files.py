@@ -170,20 +170,13 @@ def test_systemd_accepts_the_units(tmp_path: Path) -> None:
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
 
 
-SERVE_IGNORES_THE_PASSED_SOCKET = (
-    "`manage.py serve` looks for LISTEN_PID/LISTEN_FDS after django.setup(), and by then they are gone: "
-    "the `daphne` app imports daphne.server, whose twisted.internet.endpoints import runs "
-    "ListenFDs.fromEnvironment(), which deletes both from os.environ when LISTEN_PID is this process. "
-    "serve then binds --host/--port itself (127.0.0.1:8000 by default, the port systemd holds)."
-)
-
-
-@pytest.mark.xfail(strict=True, reason=SERVE_IGNORES_THE_PASSED_SOCKET)
 def test_the_service_command_serves_on_the_socket_systemd_passes(tmp_path: Path) -> None:
     """The service's own command line (one daphne process instead of its N) under
     `systemd-socket-activate`, which passes a listening socket the way the .socket unit does: the
     gateway must announce and answer on that socket. `--port 0` is appended, so a gateway that
-    binds one of its own shows up as a different port instead of colliding with another."""
+    binds one of its own shows up as a different port instead of colliding with another. (It
+    did: importing Twisted's endpoints removed LISTEN_PID/LISTEN_FDS before `serve` read them;
+    settings now reads them first.)"""
     activate = shutil.which("systemd-socket-activate")
     if activate is None:
         pytest.skip("systemd-socket-activate is not installed")

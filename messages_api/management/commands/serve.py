@@ -69,7 +69,7 @@ class Command(BaseCommand):
             raise CommandError(f"stopped: {supervisor.reason}", returncode=status)
 
     def _listening_socket(self, options: dict[str, Any]) -> socket.socket:
-        if os.environ.get("LISTEN_PID") == str(os.getpid()) and int(os.environ.get("LISTEN_FDS", "0")) >= 1:
+        if settings.SYSTEMD_LISTEN_FDS >= 1:
             return socket.socket(fileno=SD_LISTEN_FDS_START)
         host = options["host"]
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -1,0 +1,75 @@
+"""Bounded work per request, in-process: a large body is parsed on the large bodies' thread and a
+small one in place; objects are counted before parsing; the loop-lag monitor sheds only past its
+threshold."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import orjson
+import pytest
+from django.test import override_settings
+
+from messages_api import intake
+from messages_api.errors import AnthropicError
+from messages_api.server.loop_lag import LagMonitor
+
+
+def body(blocks: int, text: str = "x") -> bytes:
+    content = [{"type": "text", "text": text} for _ in range(blocks)]
+    return orjson.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": content}]})
+
+
+async def thread_of(raw: bytes, monkeypatch: pytest.MonkeyPatch) -> str:
+    seen: list[str] = []
+    validate = intake.validate_messages_request
+
+    def recording(parsed: object) -> dict[str, object]:
+        seen.append(threading.current_thread().name)
+        return validate(parsed)
+
+    monkeypatch.setattr(intake, "validate_messages_request", recording)
+    request, chat = await intake.messages_request(raw)
+    assert request["model"] == "m" and chat["messages"]
+    return seen[0]
+
+
+@override_settings(MESSAGES_OFFLOAD_BYTES=10_000)
+async def test_a_large_body_is_handled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (await thread_of(body(2), monkeypatch)) == threading.current_thread().name
+    assert (await thread_of(body(20, "y" * 1000), monkeypatch)).startswith("large-bodies")
+
+
+@override_settings(MESSAGES_MAX_JSON_OBJECTS=10)
+async def test_objects_are_counted_before_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(intake.orjson, "loads", lambda raw: pytest.fail("parsed"))
+    with pytest.raises(AnthropicError) as refused:
+        await intake.messages_request(body(10))
+    assert refused.value.status == 413 and "12 JSON objects" in refused.value.message
+
+
+async def test_invalid_json_is_a_400() -> None:
+    with pytest.raises(AnthropicError) as refused:
+        await intake.messages_request(b'{"model": ')
+    assert refused.value.status == 400 and refused.value.message.startswith("The request body is not valid JSON")
+
+
+async def test_the_lag_monitor_measures_a_blocked_loop_and_sheds_past_its_threshold() -> None:
+    monitor = LagMonitor()
+    monitor.start(asyncio.get_running_loop())
+    try:
+        with override_settings(GATEWAY_SHED_LOOP_LAG_S=0.05):
+            await asyncio.sleep(0.06)
+            assert not monitor.overloaded()
+            threading.Event().wait(0.2)  # the loop is held: the next probe runs ~0.2 s late
+            for _ in range(3):
+                await asyncio.sleep(0)  # the overdue probe runs
+            assert monitor.lag > 0.1 and monitor.overloaded()
+            await asyncio.sleep(0.12)
+            assert not monitor.overloaded()  # on time again
+        with override_settings(GATEWAY_SHED_LOOP_LAG_S=0):
+            monitor.lag = 10.0
+            assert not monitor.overloaded()  # 0 turns shedding off
+    finally:
+        monitor.stop()
