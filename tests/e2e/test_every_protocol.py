@@ -30,15 +30,13 @@ import httpx
 import pytest
 
 from tests.support.cluster import Cluster, audit_row, register_cluster, reservations_closed, wait_registered
-from tests.support.gateway import DEFAULT_ENV, Gateway
+from tests.support.gateway import PING_INTERVAL, Gateway
 from tests.support.rawclient import Frame, RawStream
 from tests.support.simworkers import SimWorker
 from workers.protocols import AGGREGATED, PROTOCOLS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-START_WAIT = float(DEFAULT_ENV["MESSAGES_STREAM_START_WAIT_S"])
-PING_INTERVAL = float(DEFAULT_ENV["MESSAGES_PING_INTERVAL_S"])
 SLOW_PHASE_S = 3.0
 
 SimPair = Callable[..., tuple[SimWorker, SimWorker]]

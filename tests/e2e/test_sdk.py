@@ -25,10 +25,9 @@ from tests.support.cluster import (
     wait_registered,
     wait_until,
 )
-from tests.support.gateway import DEFAULT_ENV, Gateway
+from tests.support.gateway import START_WAIT, Gateway
 from tests.support.sdk import sdk_client, sdk_message
 
-START_WAIT = float(DEFAULT_ENV["MESSAGES_STREAM_START_WAIT_S"])
 LATE = 1.0  # a context phase this long outlasts the stream-start wait of the test gateways
 assert LATE > START_WAIT + 0.5
 

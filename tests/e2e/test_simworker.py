@@ -6,14 +6,16 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 
 from tests.support.simworkers import SimWorker, start_simworker
+
+T = TypeVar("T")
 
 MAX_CONTEXT = 2000
 _ids = itertools.count(1000)
@@ -163,6 +165,20 @@ def transceiver(ctx: SimWorker) -> str:
 def gen_first_params(ctx: SimWorker, request_id: int) -> dict[str, Any]:
     return {"ctx_request_id": request_id, "disagg_request_id": request_id,
             "ctx_info_endpoint": transceiver(ctx), "schedule_style": "generation_first"}
+
+
+def post_generation_first(
+    client: httpx.AsyncClient, ctx: SimWorker, gen: SimWorker, request_id: int, text: str
+) -> Coroutine[Any, Any, httpx.Response]:
+    """The generation-first request for `request_id`, to `gen`, its KV to come from `ctx`."""
+    return client.post(gen.url + "/v1/chat/completions", json=generation_request(text, gen_first_params(ctx, request_id)))
+
+
+async def waiting_on_context(ctx: SimWorker, request: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """`request` (a generation-first one) started, once `ctx` has it waiting for its KV."""
+    task = asyncio.create_task(request)
+    await await_stats(ctx, lambda s: s["kv_waiting"] == 1)
+    return task
 
 
 # -- basics -----------------------------------------------------------------------------------
@@ -337,9 +353,8 @@ async def test_generation_first_rendezvous(
 ) -> None:
     request_id = next(_ids)
     text = "rendezvous please [sim context_delay=0.2 tokens=4]"
-    gen_task = asyncio.create_task(
-        post_stream(client, gen.url, generation_request(text, gen_first_params(ctx, request_id))))
-    await await_stats(ctx, lambda s: s["kv_waiting"] == 1)
+    body = generation_request(text, gen_first_params(ctx, request_id))
+    gen_task = await waiting_on_context(ctx, post_stream(client, gen.url, body))
     assert not gen_task.done()
     started = time.monotonic()
     ctx_response = await context_only(client, ctx, request_id, text)
@@ -357,10 +372,7 @@ async def test_generation_first_fails_fast_when_context_fails(
 ) -> None:
     request_id = next(_ids)
     text = "doomed [sim context_delay=0.1 context_status=503]"
-    gen_task = asyncio.create_task(
-        client.post(gen.url + "/v1/chat/completions",
-                    json=generation_request(text, gen_first_params(ctx, request_id))))
-    await await_stats(ctx, lambda s: s["kv_waiting"] == 1)
+    gen_task = await waiting_on_context(ctx, post_generation_first(client, ctx, gen, request_id, text))
     started = time.monotonic()
     ctx_response = await context_only(client, ctx, request_id, text)
     assert ctx_response.status_code == 503
@@ -370,8 +382,7 @@ async def test_generation_first_fails_fast_when_context_fails(
     assert gen_response.status_code == 500
     assert f"context phase for request {request_id} failed" in gen_response.json()["error"]["message"]
     # A take arriving after the failure fails at once too.
-    late = await client.post(gen.url + "/v1/chat/completions",
-                             json=generation_request(text, gen_first_params(ctx, request_id)))
+    late = await post_generation_first(client, ctx, gen, request_id, text)
     assert late.status_code == 500
     assert gen.stats()["failed"] == 2 and ctx.stats()["failed"] == 1
 
@@ -380,10 +391,7 @@ async def test_generation_first_waiter_stops_when_its_client_leaves(
     client: httpx.AsyncClient, ctx: SimWorker, gen: SimWorker
 ) -> None:
     request_id = next(_ids)
-    gen_task = asyncio.create_task(
-        client.post(gen.url + "/v1/chat/completions",
-                    json=generation_request("hi", gen_first_params(ctx, request_id))))
-    await await_stats(ctx, lambda s: s["kv_waiting"] == 1)
+    gen_task = await waiting_on_context(ctx, post_generation_first(client, ctx, gen, request_id, "hi"))
     gen_task.cancel()
     await await_stats(gen, lambda s: s["aborted"] == 1 and s["active"] == 0)
     await await_stats(ctx, lambda s: s["kv_waiting"] == 0)
@@ -397,10 +405,7 @@ async def test_context_client_disconnect_during_prefill(
 ) -> None:
     request_id = next(_ids)
     text = "slow prefill [sim context_delay=30]"
-    waiter = asyncio.create_task(
-        client.post(gen.url + "/v1/chat/completions",
-                    json=generation_request(text, gen_first_params(ctx, request_id))))
-    await await_stats(ctx, lambda s: s["kv_waiting"] == 1)
+    waiter = await waiting_on_context(ctx, post_generation_first(client, ctx, gen, request_id, text))
     ctx_task = asyncio.create_task(context_only(client, ctx, request_id, text))
     await await_stats(ctx, lambda s: s["active"] == 1)
     ctx_task.cancel()

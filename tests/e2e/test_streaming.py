@@ -20,11 +20,8 @@ from tests.support.cluster import (
     wait_registered,
     wait_until,
 )
-from tests.support.gateway import DEFAULT_ENV, Gateway
+from tests.support.gateway import PING_INTERVAL, START_WAIT, Gateway
 from tests.support.rawclient import RawStream
-
-START_WAIT = float(DEFAULT_ENV["MESSAGES_STREAM_START_WAIT_S"])
-PING_INTERVAL = float(DEFAULT_ENV["MESSAGES_PING_INTERVAL_S"])
 
 
 def stream(gateway: Gateway, cluster: Cluster, text: str, **body: Any) -> RawStream:

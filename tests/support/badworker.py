@@ -33,7 +33,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from typing import Any
 import httpx
 
 from tests.support.scripted import read_request
+from tests.support.waiting import poll
 from workers.sim.process import stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -496,14 +496,7 @@ class RunningBadWorker:
         httpx.post(self.url + "/bad/reset", timeout=5.0, trust_env=False).raise_for_status()
 
     def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if predicate(stats):
-                return stats
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"bad worker: condition not met within {timeout}s; last stats: {stats}")
-            time.sleep(0.02)
+        return poll(self.stats, predicate, timeout=timeout, what="the bad worker's stats")
 
     def stop(self) -> None:
         _running.discard(self)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any, Literal
 
 from tests.support.scripted import ScriptedServer, read_request, until_hang_up
+from tests.support.waiting import poll
 
 HEALTH_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nconnection: close\r\n\r\n"
@@ -61,11 +61,8 @@ class ScriptedWorker:
         self.stop()
 
     def wait_for_hang_up(self, count: int = 1, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.hung_up < count:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the gateway did not close the worker connection ({self.hung_up} of {count})")
-            time.sleep(0.02)
+        what = f"the worker connections the gateway closed (of {count} awaited)"
+        poll(lambda: self.hung_up, lambda closed: closed >= count, timeout=timeout, what=what)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         request = await read_request(reader)

@@ -38,6 +38,9 @@ DEFAULT_ENV = {
     # This run's own keys in a shared Redis (only gateways started with REDIS_URL use it).
     "REDIS_KEY_PREFIX": f"test-{os.getpid()}-{secrets.token_hex(4)}:",
 }
+# What the tests time the test gateways' streams against, in seconds.
+START_WAIT = float(DEFAULT_ENV["MESSAGES_STREAM_START_WAIT_S"])
+PING_INTERVAL = float(DEFAULT_ENV["MESSAGES_PING_INTERVAL_S"])
 
 
 def test_database_url() -> str:

@@ -69,14 +69,20 @@ def run_virtual(monkeypatch: pytest.MonkeyPatch, test: Callable[[VirtualClockLoo
     return time.monotonic() - started
 
 
+def recording(loop: VirtualClockLoop, pings: list[float]) -> Heartbeat:
+    """A heartbeat whose every ping appends its (virtual) time to `pings`."""
+
+    async def send_ping() -> None:
+        pings.append(loop.time())
+
+    return Heartbeat(INTERVAL, send_ping)
+
+
 def test_a_silent_stream_is_pinged_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     pings: list[float] = []
 
     async def scenario(loop: VirtualClockLoop) -> None:
-        async def send_ping() -> None:
-            pings.append(loop.time())
-
-        heartbeat = Heartbeat(INTERVAL, send_ping)
+        heartbeat = recording(loop, pings)
         started = loop.time()
         heartbeat.start()
         await asyncio.sleep(3.5 * INTERVAL)
@@ -93,10 +99,7 @@ def test_frames_postpone_the_ping_and_due_at_brings_it_forward(monkeypatch: pyte
     pings: list[float] = []
 
     async def scenario(loop: VirtualClockLoop) -> None:
-        async def send_ping() -> None:
-            pings.append(loop.time())
-
-        heartbeat = Heartbeat(INTERVAL, send_ping)
+        heartbeat = recording(loop, pings)
         heartbeat.start()
         for _ in range(25):  # a frame every tenth of an interval, for 2.5 intervals
             await asyncio.sleep(INTERVAL / 10)
@@ -120,10 +123,7 @@ def test_a_frame_after_the_timer_was_armed_moves_the_ping(monkeypatch: pytest.Mo
     pings: list[float] = []
 
     async def scenario(loop: VirtualClockLoop) -> None:
-        async def send_ping() -> None:
-            pings.append(loop.time())
-
-        heartbeat = Heartbeat(INTERVAL, send_ping)
+        heartbeat = recording(loop, pings)
         started = loop.time()
         heartbeat.start()
         await asyncio.sleep(INTERVAL * 0.7)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import datetime
-import ipaddress
 import ssl
 import time
 import tracemalloc
@@ -21,6 +19,7 @@ import pytest
 
 from tests.support.chunked import LAST_CHUNK, chunk
 from tests.support.scripted import ScriptedServer, read_request
+from tests.support.tls import self_signed_certificate
 from tests.support.worker_transport import Pushed, answer_every_request, fetch, ok, wait_for, worker_transport
 from workers.wire import client
 from workers.exceptions import WorkerError
@@ -219,20 +218,22 @@ async def test_a_connection_lost_mid_body_is_an_error() -> None:
             await fetch(transport, server.url)
 
 
+async def last_word_then_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+    """A chunked answer whose one chunk comes a moment after its head; then the connection dies
+    mid-body (the handler returns)."""
+    await read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.write(b"9\r\nlast word\r\n")
+    await writer.drain()
+
+
 async def test_bytes_that_arrived_before_the_connection_was_lost_come_before_the_error() -> None:
     """A worker's last tokens before it died are part of the answer. aiohttp raises a lost
     connection as soon as it has seen it, even while bytes that arrived before it are still
     buffered; the transport hands those over first."""
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.write(b"9\r\nlast word\r\n")  # a chunk, then the connection dies mid-body
-        await writer.drain()
-
-    async with ScriptedServer(handler) as server, worker_transport() as transport:
+    async with ScriptedServer(last_word_then_gone) as server, worker_transport() as transport:
         response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
         content = response.stream._response.content  # type: ignore[attr-defined]
         # Nobody is reading while the chunk and the end of the connection arrive together.
@@ -286,38 +287,8 @@ async def test_malformed_answers_and_interim_answers() -> None:
             await fetch(transport, server.url)
 
 
-def self_signed_certificate(tmp_path: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, made with `cryptography` (a Twisted dependency)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "worker.pem", tmp_path / "worker.key"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_path, key_path
-
-
 async def test_https_workers_are_verified_and_kept_alive(tmp_path: Path) -> None:
-    cert_path, key_path = self_signed_certificate(tmp_path)
+    cert_path, key_path = self_signed_certificate(tmp_path, stem="worker")
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert_path, key_path)
     async with ScriptedServer(answer_every_request, ssl=server_tls) as server:
@@ -523,15 +494,7 @@ async def test_a_push_stopped_by_its_receiver_leaves_the_rest_to_a_read() -> Non
 
 
 async def test_bytes_pushed_before_the_connection_was_lost_come_before_the_error() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.write(b"9\r\nlast word\r\n")  # a chunk, then the connection dies mid-body
-        await writer.drain()
-
-    async with ScriptedServer(handler) as server, worker_transport() as transport:
+    async with ScriptedServer(last_word_then_gone) as server, worker_transport() as transport:
         for hooked_late in (False, True):
             response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
             pushed = Pushed()

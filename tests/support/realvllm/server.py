@@ -34,6 +34,7 @@ from tests.support.realvllm.paths import (
     SERVED_MODEL,
     VENV_PYTHON,
 )
+from tests.support.waiting import poll
 
 REQUIRE_ENV = "REQUIRE_REAL_VLLM"
 #: vllm/v1/engine/async_llm.py logs this (with --enable-log-requests) when a client goes away.
@@ -288,14 +289,7 @@ class RealVllm:
         return "\n".join(lines) or "(none)"
 
     def wait_metrics(self, predicate: Callable[[dict[str, float]], bool], timeout: float = 30.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while True:
-            values = self.metrics()
-            if predicate(values):
-                return values
-            if time.monotonic() > deadline:
-                raise AssertionError(f"vLLM's metrics never met the condition: {values}")
-            time.sleep(0.2)
+        return poll(self.metrics, predicate, timeout=timeout, interval=0.2, what="vLLM's metrics")
 
 
 _shared: RealVllm | None = None
