@@ -102,9 +102,9 @@ WORKER_500 = WorkerError(500, "Internal Server Error (simulated)", stage="genera
         (WorkerUnreachable(502, "answered 502 without a body", stage="generation", code="no_answer"), FailureScope.ENDPOINT),
         (StreamBroken(502, "closed the stream before it was complete", stage="generation"), FailureScope.ENDPOINT),
         (WorkerError(504, "timed out", stage="context", code="timeout"), FailureScope.ENDPOINT),
-        (WorkerError(429, "slow down", stage="generation"), FailureScope.ENDPOINT),
-        (WorkerError(503, "overloaded", stage="generation"), FailureScope.ENDPOINT),
-        (WorkerError(529, "overloaded", stage="generation"), FailureScope.ENDPOINT),
+        (WorkerError(429, "slow down", stage="generation"), FailureScope.REQUEST),
+        (WorkerError(503, "overloaded", stage="generation"), FailureScope.REQUEST),
+        (WorkerError(529, "overloaded", stage="generation"), FailureScope.REQUEST),
         (WORKER_500, FailureScope.REQUEST),
         (WorkerError(502, "the generation worker returned a malformed answer", stage="generation"), FailureScope.REQUEST),
         (WorkerError(400, "bad request", stage="context"), None),
@@ -150,13 +150,23 @@ def test_requests_without_a_key_count_as_one_key(clock: Clock) -> None:
     assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED
 
 
-def test_connection_failures_and_overload_count_whoever_sent_them(clock: Clock) -> None:
+def test_connection_failures_count_whoever_sent_them(clock: Clock) -> None:
+    health = EndpointHealth()
+    unreachable = WorkerUnreachable(503, "could not be reached", stage="generation", code="unreachable")
+    for _ in range(3):
+        health.report(ENDPOINT.id, unreachable, tenant="alice")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.OPEN
+
+
+def test_one_keys_overload_answers_do_not_open_the_breaker_for_everyone(clock: Clock) -> None:
+    """An engine answering 503 to one key's flood says that key filled it, not that it is broken."""
     health = EndpointHealth()
     overload = WorkerError(503, "overloaded", stage="generation")
-    unreachable = WorkerUnreachable(503, "could not be reached", stage="generation", code="unreachable")
-    health.report(ENDPOINT.id, overload, tenant="alice")
-    health.report(ENDPOINT.id, unreachable, tenant="alice")
-    health.report(ENDPOINT.id, overload, tenant="alice")
+    for _ in range(10):
+        health.report(ENDPOINT.id, overload, tenant="noisy")
+    assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED
+    for _ in range(3):
+        health.report(ENDPOINT.id, overload, tenant="quiet")  # now two keys see it: it counts
     assert health.breaker_state(ENDPOINT.id) == BreakerState.OPEN
 
 

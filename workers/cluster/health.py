@@ -55,7 +55,9 @@ class FailureScope(Enum):
     REQUEST = "request"  # the worker failed this request; it may follow the request's content
 
 
-# Statuses that mean "too busy now", whatever the request: they count against the endpoint.
+# Statuses that mean "too busy now". They may follow one key's own flood (the engine's queue is
+# full of that key's requests), so, like other worker errors, they count against the endpoint
+# only once several keys see them: one key's traffic cannot open the breaker for everyone.
 OVERLOAD_STATUSES = frozenset({429, 503, 529})
 
 
@@ -65,9 +67,9 @@ def failure_scope(error: WorkerError) -> FailureScope | None:
     if isinstance(error, (WorkerUnreachable, StreamBroken)):
         # Refused, reset or cut connections, and bare 502/503 answers (WorkerUnreachable).
         return FailureScope.ENDPOINT
-    if error.code == "timeout" or error.status == 504 or error.status in OVERLOAD_STATUSES:
+    if error.code == "timeout" or error.status == 504:
         return FailureScope.ENDPOINT
-    if error.status >= 500:
+    if error.status >= 500 or error.status in OVERLOAD_STATUSES:
         return FailureScope.REQUEST
     return None
 
