@@ -48,9 +48,11 @@ def test_a_refused_url_refuses() -> None:
         httpx.get(ports.refused_url(), timeout=5)
 
 
-class ScriptedServer(RealVllm):
+class ScriptedEngine(RealVllm):
     """A RealVllm whose process is a short script: it says its port is taken (the way vLLM's NIXL
-    handshake listener dies, leaving the server up and unhealthy) or serves /health."""
+    handshake listener dies, leaving the server up and unhealthy) or serves /health. Its server
+    is a `python -c` script of its own, not tests/support/scripted.py's: what is tested is how a
+    RealVllm starts and stops its process."""
 
     def __init__(self, port_taken: bool, log_dir: Path) -> None:
         super().__init__(name="scripted")
@@ -74,11 +76,11 @@ class ScriptedServer(RealVllm):
 
 
 def test_a_start_that_finds_a_port_taken_stops_at_once_and_starts_again_on_fresh_ports(tmp_path: Path) -> None:
-    built: list[ScriptedServer] = []
+    built: list[ScriptedEngine] = []
 
     def build() -> list[RealVllm]:
         # The first start's second server finds its port taken; the second start succeeds.
-        pair = [ScriptedServer(False, tmp_path), ScriptedServer(not built, tmp_path)]
+        pair = [ScriptedEngine(False, tmp_path), ScriptedEngine(not built, tmp_path)]
         built.extend(pair)
         return list(pair)
 
@@ -96,10 +98,10 @@ def test_a_start_that_finds_a_port_taken_stops_at_once_and_starts_again_on_fresh
 
 
 def test_a_port_taken_on_every_attempt_is_reported(tmp_path: Path) -> None:
-    built: list[ScriptedServer] = []
+    built: list[ScriptedEngine] = []
 
     def build() -> list[RealVllm]:
-        built.append(ScriptedServer(True, tmp_path))
+        built.append(ScriptedEngine(True, tmp_path))
         return [built[-1]]
 
     try:
@@ -141,7 +143,7 @@ def test_the_engine_gets_the_upper_half_of_the_cpus_unless_told(monkeypatch: pyt
 
 
 def test_a_launched_engine_runs_on_its_cpus(tmp_path: Path) -> None:
-    server = ScriptedServer(False, tmp_path)
+    server = ScriptedEngine(False, tmp_path)
     server.launch()
     try:
         assert server.process is not None
