@@ -31,7 +31,9 @@ import copy
 import functools
 import json
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -452,3 +454,50 @@ if __name__ == "__main__":
     FIXTURE.parent.mkdir(exist_ok=True)
     FIXTURE.write_text(json.dumps(request, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {FIXTURE.relative_to(PROJECT_ROOT)}: {request['path']}, {len(request['body']['tools'])} tools")
+
+
+# --- many tenants ------------------------------------------------------------------------------------
+
+
+def test_claude_code_finishes_a_tool_task_while_another_key_floods(
+    gateways: Callable[..., Gateway], large_context_workers: tuple[SimWorker, SimWorker], transactional_db: Any, tmp_path: Path
+) -> None:
+    """A noisy key keeps the pool's only generation slots full (and the queue long) with slow
+    requests; Claude Code, on an interactive key, still completes a tool-using task: its requests
+    wait only for the next slot, ahead of the flood (docs/tenancy.md)."""
+    from django.core.management import call_command
+
+    from messages_api.auth import create_api_key
+    from messages_api.models import ApiKey
+
+    gateway = gateways(ADMISSION_QUEUE_TIMEOUT_S="20")
+    cluster = register_cluster(*large_context_workers, schedule_style="generation_first", generation_capacity=2)
+    wait_registered(gateway, cluster)
+    call_command("key_limits", ApiKey.objects.get(prefix=cluster.key[:12]).name, priority="interactive")
+    _, noisy = create_api_key(f"noisy-{time.monotonic_ns()}")
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def flood() -> None:
+        body = {"model": cluster.model, "max_tokens": 64, "messages": [{"role": "user", "content": "flood [sim gen_delay=0.4 tokens=4]"}]}
+        with httpx.Client(base_url=gateway.url, timeout=60, trust_env=False) as http:
+            while not stop.is_set():
+                statuses.append(http.post("/v1/messages", json=body, headers=cluster.headers(**{"x-api-key": noisy})).status_code)
+
+    flooders = [threading.Thread(target=flood, daemon=True) for _ in range(12)]
+    for thread in flooders:
+        thread.start()
+    try:
+        wait_until(lambda: len(statuses) >= 6, timeout=20, message="the flood never got going")
+        (tmp_path / "project").mkdir()
+        (tmp_path / "project" / "Paris").write_text("flooded but served\n")
+        result = run_claude(gateway.url, cluster.key, "Read the file [sim tool_call=Read]", tmp_path, "--max-turns", "4")
+    finally:
+        stop.set()
+        for thread in flooders:
+            thread.join(timeout=60)
+    diagnostics = f"exit {result.returncode}\nstdout: {result.stdout[-3000:]}\nstderr: {result.stderr[-3000:]}"
+    assert result.returncode == 0, diagnostics
+    output = json.loads(result.stdout)
+    assert output["subtype"] == "success" and output["num_turns"] == 2, diagnostics
+    assert set(statuses) <= {200, 529}, sorted(set(statuses))  # the flood is served or told to come back, never a 5xx else
