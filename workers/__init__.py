@@ -5,8 +5,9 @@ It knows nothing of Anthropic. The front door (`messages_api`) and the project's
 (`disagg_project`) use only the names listed in `__all__` below, and the Django places every app
 has (`workers.models`); `tests/unit/test_layers.py` enforces it. Inside, the package is in rooms:
 
-    wire/        HTTP to workers: the client, transport and connection protocol, the chunked and
-                 SSE decoders, the checks of what a worker sends, and redaction of its text
+    wire/        HTTP to workers: the client, the chat stream, transport and connection protocol,
+                 the chunked and SSE decoders, the checks of what a worker sends, the error
+                 boundary, the reading of its error answers, and redaction of its text
     protocols/   engine dialects (TensorRT-LLM, vLLM, SGLang, plain OpenAI), each with its errors
     routing/     picking an endpoint: the router, the prefix index, reservations
     admission/   endpoint capacity and the fair admission queue of requests waiting for it

@@ -17,8 +17,9 @@ fuller text an operator reads in the audit row (secrets masked).
     ├── ContextLengthExceeded    400  the prompt (or prompt + output) does not fit the context window
     └── OutputLimitExceeded      400  the requested output alone is larger than the context window
 
-`workers.wire.client` raises all but `NoEndpointAvailable` (the router's), from one place
-(`client.boundary`).
+The worker client (`workers.wire.client`, `workers.wire.chat_stream`) raises all but
+`NoEndpointAvailable` (the router's), from one place (`workers.wire.boundary`); a worker's error
+answer is read in `workers.wire.error_reading`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ on), or, when the prompt fits and only the output requested on top of it does no
 and `max_tokens` exceed context limit: P + T > M, …" (what Claude Code retries with a smaller
 max_tokens on). A max_tokens larger than the whole window is a plain bad request about max_tokens.
 
-Each wording is the engine's own text, quoted from its source or its real server's answer; each
-goes through the real worker client (a real HTTP answer, non-streamed and streamed, before the
+Each wording is the engine's own text, quoted from its source or its real server's answer, and
+read with its engine's protocol's `error_wordings`; each goes through the real worker client (a real HTTP answer, non-streamed and streamed, before the
 stream and as an SSE error frame after it), and through a real gateway to an Anthropic client.
 """
 
@@ -26,8 +26,12 @@ from tests.support.gateway import Gateway
 from tests.support.rawclient import RawStream
 from tests.support.scripted import Request, ScriptedServer, answering, response
 from tests.support.simworkers import SimWorker
-from workers.wire.client import open_stream, post_completion, worker_error
+from workers.protocols import PROTOCOLS, error_wordings
+from workers.wire.client import open_stream, post_completion
+from workers.wire.error_reading import worker_error
 from workers.exceptions import ContextLengthExceeded, OutputLimitExceeded, WorkerError
+
+EVERY = error_wordings()  # as the pipeline reads a worker's error answer
 
 
 def too_long(prompt: int, maximum: int) -> str:
@@ -208,14 +212,25 @@ MAX_TOKENS_MESSAGE = "max_tokens: 5000 > 4096, which is the maximum allowed numb
 @pytest.mark.parametrize("name", list(WORDINGS))
 def test_every_over_length_wording(name: str) -> None:
     body, expected = WORDINGS[name]
-    error = worker_error(400, orjson.dumps(body), "generation")
+    error = worker_error(400, orjson.dumps(body), "generation", wordings=EVERY)
     assert isinstance(error, ContextLengthExceeded)
     told = client_error(error)
     assert (told.status, told.error_type, told.message) == (400, "invalid_request_error", expected)
 
 
+@pytest.mark.parametrize("name", list(WORDINGS))
+def test_each_wording_is_its_engines(name: str) -> None:
+    # Named after its engine (the protocol module that holds it); the rest need no engine's.
+    engine = PROTOCOLS.get(name.split("_")[0])
+    body, expected = WORDINGS[name]
+    error = worker_error(400, orjson.dumps(body), "generation", wordings=engine.error_wordings if engine else ())
+    assert client_error(error).message == expected
+
+
 def test_max_tokens_larger_than_the_window_is_about_max_tokens() -> None:
-    error = worker_error(400, orjson.dumps(MAX_TOKENS_TOO_BIG), "generation")
+    vllms = worker_error(400, orjson.dumps(MAX_TOKENS_TOO_BIG), "generation", wordings=PROTOCOLS["vllm"].error_wordings)
+    assert isinstance(vllms, OutputLimitExceeded)  # vLLM's sentence
+    error = worker_error(400, orjson.dumps(MAX_TOKENS_TOO_BIG), "generation", wordings=EVERY)
     assert isinstance(error, OutputLimitExceeded)
     told = client_error(error)
     assert (told.status, told.error_type, told.message) == (400, "invalid_request_error", MAX_TOKENS_MESSAGE)
@@ -231,14 +246,16 @@ def test_max_tokens_larger_than_the_window_is_about_max_tokens() -> None:
     ],
 )
 def test_other_errors_stay_plain(status: int, message: str) -> None:
-    error = worker_error(status, orjson.dumps({"error": {"message": message}}), "generation")
+    error = worker_error(status, orjson.dumps({"error": {"message": message}}), "generation", wordings=EVERY)
     assert type(error) is WorkerError and error.status == status
 
 
 def test_absurd_counts_from_a_worker_are_no_crash() -> None:
     huge = "9" * 5000  # int() refuses strings over 4,300 digits
     message = f"This model's maximum context length is {huge} tokens. However, your messages resulted in {huge} tokens."
-    error = worker_error(400, orjson.dumps({"error": {"message": message, "code": "context_length_exceeded"}}), "generation")
+    error = worker_error(
+        400, orjson.dumps({"error": {"message": message, "code": "context_length_exceeded"}}), "generation", wordings=EVERY
+    )
     assert isinstance(error, ContextLengthExceeded) and error.prompt_tokens is None and error.max_context_tokens is None
     assert client_error(error).message == "prompt is too long: it does not fit the model's context window"
 
@@ -294,9 +311,9 @@ async def worker_call_error(worker: ErrorWorker, body: dict[str, Any], how: str)
     url = worker.url + "/v1/chat/completions"
     with pytest.raises(WorkerError) as caught:
         if how == "answer":
-            await post_completion(url, CHAT, stage="generation")
+            await post_completion(url, CHAT, stage="generation", wordings=EVERY)
         else:
-            stream = await open_stream(url, {**CHAT, "stream": True}, stage="generation")
+            stream = await open_stream(url, {**CHAT, "stream": True}, stage="generation", wordings=EVERY)
             try:
                 await stream.pump(lambda _: None)
             finally:

@@ -20,6 +20,8 @@ import pytest
 
 from tests.support.scripted import ScriptedServer, read_request
 from workers.wire import client
+from workers.protocols import error_wordings
+from workers.wire.chat_stream import ChunkStream
 from workers.exceptions import (
     AnswerTooLarge,
     ContextLengthExceeded,
@@ -106,7 +108,7 @@ def read_all() -> ReadAll:
     """Reads a stream to its end (`ChunkStream.pump`, as the gateway relays), then closes it.
     Each chunk is collected and also handed to `on_chunk`, if given."""
 
-    async def read(stream: client.ChunkStream, on_chunk: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    async def read(stream: ChunkStream, on_chunk: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
 
         def collect(chunk: dict[str, Any]) -> None:
@@ -348,7 +350,7 @@ PROBE = (
 
 async def test_a_worker_error_answer_reaches_the_client_scrubbed_and_the_audit_redacted(caplog: pytest.LogCaptureFixture) -> None:
     body = orjson.dumps({"error": {"message": PROBE, "type": "InternalServerError", "code": 500}})
-    with caplog.at_level(logging.WARNING, logger="workers.wire.client"):
+    with caplog.at_level(logging.WARNING, logger="workers.wire.error_reading"):
         async with fake_worker(reply(json_answer(body, "500 Internal Server Error"))) as worker:
             error, _ = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
     assert error.status == 500
@@ -381,7 +383,7 @@ async def test_context_length_is_read_from_the_raw_message_before_scrubbing() ->
     )
     body = orjson.dumps({"error": {"message": message, "code": 400}})
     async with fake_worker(reply(json_answer(body, "400 Bad Request"))) as worker:
-        error, _ = await elapsed(client.post_completion(worker.url, CHAT, stage="context"))
+        error, _ = await elapsed(client.post_completion(worker.url, CHAT, stage="context", wordings=error_wordings()))
     assert isinstance(error, ContextLengthExceeded)
     assert (error.prompt_tokens, error.max_context_tokens) == (4000, 4096)
     assert "10.0.0.5" not in error.message and "10.0.0.5:8000" in error.detail

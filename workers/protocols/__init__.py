@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from workers.protocols import openai, sglang, trtllm, vllm
 from workers.protocols.base import AGGREGATED, Call, ContextPeer, Handoff, WorkerProtocol
+from workers.wire.error_reading import Wordings
 
 DEFAULT = trtllm.PROTOCOL.name
 
 PROTOCOLS: dict[str, WorkerProtocol] = {}
+_error_wordings: Wordings = ()
 
 
 def register(protocol: WorkerProtocol) -> WorkerProtocol:
@@ -23,6 +25,8 @@ def register(protocol: WorkerProtocol) -> WorkerProtocol:
     if existing is not None and existing is not protocol:
         raise ValueError(f"a worker protocol named {protocol.name!r} is already registered: {existing!r}")
     PROTOCOLS[protocol.name] = protocol
+    global _error_wordings
+    _error_wordings = tuple(w for p in PROTOCOLS.values() for w in p.error_wordings)
     return protocol
 
 
@@ -30,6 +34,15 @@ register(trtllm.PROTOCOL)
 register(vllm.PROTOCOL)
 register(sglang.PROTOCOL)
 register(openai.PROTOCOL)
+
+
+def error_wordings() -> Wordings:
+    """Every registered engine's wordings of a request that does not fit: a worker's error answer
+    is read with all of them, not only its pool's protocol's. A pool's servers may be another
+    engine's than its protocol names (a plain OpenAI pool fronts vLLM or SGLang; the simulated
+    worker words its refusal as vLLM does, whatever its dialect), and no engine's sentence is
+    another's."""
+    return _error_wordings
 
 
 def lookup(name: str) -> WorkerProtocol | None:
@@ -59,4 +72,7 @@ def misconfiguration(protocol: str, schedule_style: str, max_local_prefill_token
     return None
 
 
-__all__ = ["AGGREGATED", "DEFAULT", "PROTOCOLS", "Call", "ContextPeer", "Handoff", "WorkerProtocol", "choices", "lookup", "misconfiguration", "register"]
+__all__ = [
+    "AGGREGATED", "DEFAULT", "PROTOCOLS", "Call", "ContextPeer", "Handoff", "WorkerProtocol", "choices", "error_wordings", "lookup",
+    "misconfiguration", "register",
+]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from workers.exceptions import WorkerError
+from workers.wire.error_reading import Wordings
 
 AGGREGATED = "aggregated"
 CONTEXT_FIRST = "context_first"
@@ -115,6 +116,10 @@ class WorkerProtocol(ABC):
     #: `aggregated_request`), as conditional disaggregation sends short prompts. False where the
     #: engine's decode servers refuse a request without a handoff (SGLang's decode mode).
     generation_serves_whole_requests: ClassVar[bool] = True
+    #: How the engine words a request that does not fit its context window, or asks for more
+    #: output than the window holds (`workers.wire.error_reading.Wording`): its workers' error
+    #: answers are read with them, to tell the client which (Claude Code compacts on one).
+    error_wordings: ClassVar[Wordings] = ()
 
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         """Extra HTTP headers a worker request with `body` needs (signatures, request ids)."""

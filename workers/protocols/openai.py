@@ -16,14 +16,28 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from workers.protocols.base import AGGREGATED, Call, WorkerProtocol, streamed_request
+from workers.wire.error_reading import Wordings, wording
 
 STREAM_OPTIONS = {"include_usage": True}
+
+# OpenAI's sentence for a request that does not fit (`WorkerProtocol.error_wordings`), which
+# servers copying its API answer with too (older vLLM). A plain pool's servers are read with every
+# engine's wordings (`workers.protocols.error_wordings`), whichever engine they are.
+WORDINGS: Wordings = (
+    # "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens
+    # (4000 in the messages, 1000 in the completion). ..."
+    wording(
+        r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, you requested \d+ tokens "
+        r"\((?P<prompt>\d{1,12}) in the messages, (?P<output>\d{1,12}) in the completion\)"
+    ),
+)
 
 
 class OpenAIProtocol(WorkerProtocol):
     name: ClassVar[str] = "openai"
     label: ClassVar[str] = "Plain OpenAI-compatible (no disaggregation)"
     schedules: ClassVar[frozenset[str]] = frozenset({AGGREGATED})
+    error_wordings: ClassVar[Wordings] = WORDINGS
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
         return streamed_request(chat, STREAM_OPTIONS)

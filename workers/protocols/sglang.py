@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from workers.exceptions import WorkerError
+from workers.wire.error_reading import Wordings, wording
 from workers.protocols.base import (
     AGGREGATED,
     GENERATION_FIRST,
@@ -58,6 +59,21 @@ STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # The router draws rooms in 0..2^63-1 (`generate_room_id`); workers read them as signed 64-bit.
 MAX_ROOM = 2**63 - 1
+
+# SGLang's sentences for a request that does not fit (`WorkerProtocol.error_wordings`), from
+# managers/tokenizer_manager.py `_validate_one_request`.
+WORDINGS: Wordings = (
+    # "The input (4097 tokens) is longer than the model's context length (4096 tokens)."
+    wording(r"The input \((?P<prompt>\d{1,12}) tokens\) is longer than the model's context length \((?P<maximum>\d{1,12}) tokens\)"),
+    # "Requested token count exceeds the model's maximum context length of 4096 tokens. You
+    # requested a total of 4200 tokens: 200 tokens from the input messages and 4000 tokens for the
+    # completion. ..."
+    wording(
+        r"Requested token count exceeds the model's maximum context length of (?P<maximum>\d{1,12}) tokens\. "
+        r"You requested a total of \d+ tokens: (?P<prompt>\d{1,12}) tokens from the input messages and "
+        r"(?P<output>\d{1,12}) tokens for the completion"
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +149,7 @@ class SglangProtocol(WorkerProtocol):
     # A decode-mode server refuses a request without a bootstrap room (HTTP 400).
     generation_serves_whole_requests: ClassVar[bool] = False
     schedules: ClassVar[frozenset[str]] = frozenset({GENERATION_FIRST, AGGREGATED})
+    error_wordings: ClassVar[Wordings] = WORDINGS
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
         return streamed(chat)

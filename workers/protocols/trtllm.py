@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 import orjson
 
 from workers.wire import client
+from workers.wire.error_reading import Wordings, wording
 from workers.exceptions import MalformedAnswer, WorkerError
 from workers.protocols.base import (
     AGGREGATED,
@@ -73,6 +74,34 @@ SERVER_INFO_TTL_S = 30.0
 SERVER_INFO_TIMEOUT_S = 5.0
 SERVER_INFO_CACHE_SIZE = 1024
 MAX_ENDPOINT_CHARS = 512
+
+# TensorRT-LLM's sentences for a request that does not fit (`WorkerProtocol.error_wordings`).
+WORDINGS: Wordings = (
+    # Its OpenAI server since PR #19457 (code context_length_exceeded), in OpenAI's newer words:
+    # "This model's maximum context length is 69632 tokens. However, your messages resulted in
+    # 69666 tokens. Please reduce the length of the messages."
+    wording(r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, your messages resulted in (?P<prompt>\d{1,12}) tokens"),
+    # Before it, TensorRT backend (llmapi/llm.py `_check_arguments`; the prompt length is printed
+    # as a float, prompt_len / cp_size): "The sum of prompt length (4000.0) and query length (0)
+    # max_tokens (2048) should not exceed max_seq_len (4096)"
+    wording(
+        r"The sum of prompt length \((?P<prompt>\d{1,12})(?:\.\d*)?\) and query length \((?P<query>\d{1,12})\) "
+        r"max_tokens \((?P<output>\d{1,12})\) should not exceed max_seq_len \((?P<maximum>\d{1,12})\)"
+    ),
+    # ... PyTorch backend: "The sum of prompt length (50857.0), query length (0) should not
+    # exceed max_num_tokens (32768)"
+    wording(
+        r"The sum of prompt length \((?P<prompt>\d{1,12})(?:\.\d*)?\), query length \((?P<query>\d{1,12})\) "
+        r"should not exceed max_num_tokens \((?P<maximum>\d{1,12})\)"
+    ),
+    # ... and `_deduce_max_tokens` (executor/base_worker.py): "`default_max_tokens` (-40205)
+    # should be greater than 0, `default_max_tokens` (-40205) = max_seq_len (40961) -
+    # `splited_prompt_len` (81166) - `query_token_len` (0)"
+    wording(
+        r"`default_max_tokens` \(-?\d+\) = max_seq_len \((?P<maximum>\d{1,12})\) - `splited_prompt_len` "
+        r"\((?P<prompt>\d{1,12})\) - `query_token_len` \((?P<query>\d{1,12})\)"
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +367,7 @@ class TrtllmProtocol(WorkerProtocol):
     label: ClassVar[str] = "TensorRT-LLM (disaggregated_params)"
     schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, GENERATION_FIRST, AGGREGATED})
     chat_path: ClassVar[str] = CHAT_PATH
+    error_wordings: ClassVar[Wordings] = WORDINGS
 
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         if not needs_signature(body):

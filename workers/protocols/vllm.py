@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from workers.exceptions import MalformedAnswer
+from workers.wire.error_reading import Wordings, wording
 from workers.protocols.base import (
     AGGREGATED,
     CONTEXT_FIRST,
@@ -40,6 +41,29 @@ CHAT_PATH = "/v1/chat/completions"
 # the prompt's token count with the first chunk, for message_start.
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 REQUEST_ID_HEADER = "X-Request-Id"
+
+# vLLM's sentences for a request that does not fit (`WorkerProtocol.error_wordings`); older vLLM
+# answered in OpenAI's words (workers.protocols.openai).
+WORDINGS: Wordings = (
+    # Serving's max_tokens check: "This model's maximum context length is 8192 tokens. However,
+    # you requested 900 output tokens and your prompt contains at least 7293 input tokens, for a
+    # total of at least 8193 tokens. ..."
+    wording(
+        r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, you requested (?P<output>\d{1,12}) output "
+        r"tokens and your prompt contains at least (?P<prompt>\d{1,12}) input tokens"
+    ),
+    # vLLM 0.32 (a real server, tests/realengine/test_real_vllm.py): "... However, your prompt
+    # contains at least 4097 input tokens, which exceeds this limit even without any output
+    # tokens. ..." (it counts only to the first token past the window: a lower bound, the best there is).
+    wording(
+        r"maximum context length is (?P<maximum>\d{1,12}) tokens\. However, your prompt contains at least "
+        r"(?P<prompt>\d{1,12}) input tokens"
+    ),
+    # vLLM 0.32 (a real server, tests/realengine/test_real_vllm.py): "max_tokens=5000 cannot be
+    # greater than max_model_len=4096. Please request fewer output tokens." Not an over-length
+    # prompt: the output asked for is larger than the window whatever the prompt.
+    wording(r"max_tokens=(?P<output>\d{1,12}) cannot be greater than max_model_len=(?P<maximum>\d{1,12})", output_only=True),
+)
 
 
 def prefill_kv_transfer_params() -> dict[str, Any]:
@@ -129,6 +153,7 @@ class VllmProtocol(WorkerProtocol):
     label: ClassVar[str] = "vLLM (kv_transfer_params, prefill then decode)"
     schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, AGGREGATED})
     chat_path: ClassVar[str] = CHAT_PATH
+    error_wordings: ClassVar[Wordings] = WORDINGS
 
     def headers(self, body: dict[str, Any], call: Call) -> dict[str, str]:
         # vLLM names the request after it (and both legs after the same one, as the routers do).

@@ -52,7 +52,7 @@ from workers import protocols
 from workers.admission import Priority, Ticket
 from workers.admission.queue import get_queue
 from workers.routing import router
-from workers.wire.client import ChunkStream
+from workers.wire.chat_stream import ChunkStream
 from workers.schedule.completion import Completion
 from workers.exceptions import WorkerError, WorkerUnreachable
 from workers.cluster.health import FailureScope, failure_scope, health
@@ -333,7 +333,11 @@ class ChatRun:
             )
             try:
                 response = await client.post_completion(
-                    url + protocol.chat_path, self.rendered.dumps(body), stage=Stage.CONTEXT, headers=self._headers(body)
+                    url + protocol.chat_path,
+                    self.rendered.dumps(body),
+                    stage=Stage.CONTEXT,
+                    headers=self._headers(body),
+                    wordings=protocols.error_wordings(),
                 )
             except WorkerError as exc:
                 self._report(reservation.endpoint.id, exc)
@@ -375,7 +379,12 @@ class ChatRun:
         url = self._generation_url + self._protocol.chat_path
         try:
             return await client.open_stream(
-                url, payload, stage=Stage.GENERATION, headers=self._headers(body), waits_for_context=waits_for_context
+                url,
+                payload,
+                stage=Stage.GENERATION,
+                headers=self._headers(body),
+                waits_for_context=waits_for_context,
+                wordings=protocols.error_wordings(),
             )
         except WorkerError as exc:
             explained = self._protocol.explain_error(exc, self._call)

@@ -1,0 +1,263 @@
+"""An open OpenAI chat stream from a worker (`workers.wire.client.open_stream` opens it), relayed
+chunk by chunk as the worker's bytes arrive:
+
+    stream = await open_stream(url, body, stage="generation", wordings=protocol.error_wordings)
+    await stream.pump(sink)      # each validated chunk to `sink`, in the connection's receive callback
+    await stream.aclose()
+
+Its deadlines (the first byte, the idle gap between events, the whole call) are kept by one timer
+per stream (`_StreamDeadline`); every failure leaves through the error boundary
+(`workers.wire.boundary`), an error frame as the worker's own error (`workers.wire.error_reading`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import orjson
+from django.conf import settings
+
+from workers.exceptions import StreamBroken, WorkerError
+from workers.wire.boundary import boundary
+from workers.wire.error_reading import Wordings, worker_error
+from workers.wire.shapes import check_chunk
+from workers.wire.sse_decoder import Event, SSEDecoder
+from workers.wire.transport import PushedBody, body_reader, push_body
+
+# How long to wait for the end of a stream's body after `[DONE]`.
+DRAIN_TIMEOUT_S = 1.0
+
+
+class _StreamDeadline:
+    """The deadline of one stream's reads, with one timer for the whole stream: when it passes,
+    the outcome the stream's `pump` awaits fails with TimeoutError.
+
+    A stream's deadline moves with every event (the idle gap counts from the last one); entering
+    `asyncio.timeout_at` around each read cost about as much as decoding the event (measured,
+    ~8 µs on the test machine). Here moving the deadline is an assignment; the timer, when it
+    fires early, re-arms itself for the deadline's new value. So a deadline moved later may be
+    assigned to `when` directly (per relayed token); `move` is needed only for an earlier one.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, outcome: asyncio.Future[bool]) -> None:
+        self.loop = loop
+        self.when = float("inf")
+        self._outcome = outcome
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed_for = float("inf")  # the timer's time (inf: none armed)
+
+    def move(self, when: float) -> None:
+        self.when = when
+        if when < self._armed_for:  # only an earlier deadline needs the timer moved
+            if self._handle is not None:
+                self._handle.cancel()
+            self._handle = self.loop.call_at(when, self._fire)
+            self._armed_for = when
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._armed_for = float("inf")
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._armed_for = float("inf")
+        if self.loop.time() < self.when:
+            self._handle = self.loop.call_at(self.when, self._fire)  # moved later meanwhile
+            self._armed_for = self.when
+        elif not self._outcome.done():
+            self._outcome.set_exception(TimeoutError())
+
+
+class _SinkFailed(Exception):
+    """Carries what a pushed stream's sink raised past the worker-error mapping."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+
+class ChunkStream:
+    """An open OpenAI chat stream: `pump` its validated chunks until `[DONE]`; close it when done.
+
+    The response headers (status 200) have arrived when this exists. `pump` raises
+    `StreamBroken` (or its subclasses `StreamTimedOut`, `MalformedChunk`) when the stream ends
+    without `[DONE]`, goes silent past its deadlines or sends a malformed chunk, and the worker's
+    `WorkerError` for an error frame (`event: error`, or a data frame `{"error": ...}`).
+    """
+
+    def __init__(
+        self, response: httpx.Response, stage: str, *, first_byte_by: float, ends_by: float, wordings: Wordings = ()
+    ) -> None:
+        self._response = response
+        self._stage = stage
+        self._wordings = wordings  # the engine's, for an error frame
+        self._first_byte_by: float | None = first_byte_by  # loop time; None once a byte came
+        self._ends_by = ends_by  # loop time: the whole call's deadline
+        self._deadline: _StreamDeadline | None = None
+        self._idle_s: float = settings.WORKER_IDLE_TIMEOUT_S  # read once: this runs per token
+        self._pumping = False
+        self._push: PushedBody | None = None  # while `pump` runs
+        self._paused = False
+
+    async def pump(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        """Each validated chunk to `sink` as it arrives, until `[DONE]`. `sink` runs in the worker
+        connection's receive callback, so it must not wait (`pause` holds the worker back); what
+        it raises ends the stream and is raised here as it is, never as the worker's failure.
+
+        Why pushed: a stream relays one token per read, and a read the task awaits costs a
+        future, a loop callback and a task step that resumes the reader through every `await`
+        up to the consumer's loop; here the bytes reach the decoder, the chunk checks and `sink`
+        in the call that received them."""
+        loop = asyncio.get_running_loop()
+        # True once [DONE] came; the stream's failure otherwise.
+        outcome: asyncio.Future[bool] = loop.create_future()
+        decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
+        deadline = self._deadline = _StreamDeadline(loop, outcome)
+        idle_s, ends_by = self._idle_s, self._ends_by
+        # The loop's clock, read per token: asyncio's is time.monotonic behind a Python method.
+        clock = time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
+
+        def deliver(events: list[Event]) -> bool:
+            """Pass on the events' chunks; False once the stream is over ([DONE] or a failure)."""
+            for event in events:
+                chunk = self._chunk(event)
+                if chunk is None:
+                    outcome.set_result(True)
+                    return False
+                try:
+                    sink(chunk)
+                except BaseException as exc:  # the consumer's own failure, raised as it is
+                    outcome.set_exception(_SinkFailed(exc))
+                    return False
+            return True
+
+        def on_data(data: bytes) -> bool:
+            if outcome.done():  # the deadline passed meanwhile
+                return False
+            try:
+                events = decoder.feed(data)
+                # The first byte, then every complete event, restarts the idle gap.
+                if self._first_byte_by is not None:
+                    self._first_byte_by = None
+                    deadline.move(min(clock() + idle_s, ends_by))
+                elif events:
+                    # Later than the deadline before it (the clock only moves on; `ends_by` is
+                    # fixed), so an assignment, not `move`: the timer re-arms itself when it fires.
+                    deadline.when = min(clock() + idle_s, ends_by)
+                return deliver(events)
+            except Exception as exc:  # malformed, an error frame, a line too long
+                outcome.set_exception(exc)
+                return False
+
+        def on_end(error: BaseException | None) -> None:
+            if outcome.done():
+                return
+            if error is not None:  # the connection failed
+                outcome.set_exception(error)
+                return
+            try:
+                if deliver(decoder.end()):  # the body ended without [DONE]
+                    outcome.set_exception(self._broken())
+            except Exception as exc:
+                outcome.set_exception(exc)
+
+        deadline.move(min(self._first_byte_by or loop.time() + idle_s, ends_by))
+        self._pumping = True
+        failed: BaseException | None = None
+        try:
+            # What has arrived already is pushed from here, before it returns.
+            push = self._push = push_body(self._response, on_data, on_end)
+            if push is None:  # open_stream's responses are always the worker transport's
+                raise TypeError("a stream's response must come from the worker transport")
+            if self._paused:  # by the sink, meanwhile
+                push.pause_reading()
+            with boundary(self._stage, streaming=True):
+                try:
+                    await outcome
+                except _SinkFailed as exc:
+                    failed = exc.error
+        finally:
+            self._pumping = False
+            push, self._push = self._push, None
+            if push is not None:
+                push.stop()
+                if self._paused:  # what remains of the body is read (drained, or closed) from here
+                    push.resume_reading()
+            self._paused = False
+            deadline.close()
+        if failed is not None:
+            raise failed
+        await self._drain(body_reader(self._response))
+
+    def pause(self) -> None:
+        """Read nothing more from the worker until `resume` (backpressure: a client slower than
+        its worker). The idle gap does not count meanwhile, as it did not while a reader was
+        busy elsewhere; the whole call's deadline does. Outside a `pump`, nothing to pause."""
+        deadline = self._deadline
+        if not self._pumping or deadline is None or self._paused:
+            return
+        self._paused = True
+        deadline.when = self._ends_by  # later than the idle gap's: an assignment (see _StreamDeadline)
+        if self._push is not None:
+            self._push.pause_reading()
+
+    def resume(self) -> None:
+        """Read the worker again, its idle gap counted from now."""
+        deadline = self._deadline
+        if not self._paused or deadline is None:
+            return
+        self._paused = False
+        deadline.move(min(deadline.loop.time() + self._idle_s, self._ends_by))
+        if self._push is not None:
+            self._push.resume_reading()
+
+    def _broken(self) -> StreamBroken:
+        return StreamBroken(
+            502, f"the {self._stage} worker closed the stream before it was complete", stage=self._stage, code="stream_broken"
+        )
+
+    def _chunk(self, event: Event) -> dict[str, Any] | None:
+        """The checked chunk an event carries; None for `[DONE]`."""
+        data = event.data
+        if event.event == "error":
+            raise self._error_frame(data.encode())
+        if data[:1] != "{" and data.strip() == "[DONE]":
+            return None
+        chunk = orjson.loads(data)
+        if isinstance(chunk, dict) and "error" in chunk and "choices" not in chunk:
+            raise self._error_frame(data.encode())
+        return check_chunk(chunk)
+
+    async def _drain(self, read: Callable[[], Awaitable[bytes]]) -> None:
+        """Read the body's end after `[DONE]` (the chunked terminator follows at once) so the
+        connection goes back to the pool instead of being closed half-read."""
+        try:
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                while await read():
+                    pass
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the connection is closed instead of reused; the answer is complete anyway
+
+    def _error_frame(self, body: bytes) -> WorkerError:
+        status = 500
+        try:
+            err = orjson.loads(body).get("error")
+        except (orjson.JSONDecodeError, AttributeError):
+            err = None
+        if isinstance(err, dict) and type(err.get("code")) is int and 400 <= err["code"] < 600:
+            status = err["code"]
+        return worker_error(status, body, self._stage, wordings=self._wordings)
+
+    async def aclose(self) -> None:
+        if self._deadline is not None:
+            self._deadline.close()
+        await self._response.aclose()
+
+
+__all__ = ["ChunkStream"]
