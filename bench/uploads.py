@@ -108,10 +108,10 @@ def upload(port: int, size: int, mode: str, result: Upload) -> None:
     sock.settimeout(max(120.0, size / 1e6))
     try:
         while True:
-            chunk = sock.recv(65536)
-            if not chunk:
+            received = sock.recv(65536)
+            if not received:
                 break
-            data += chunk
+            data += received
             if result.status is None and b"\r\n\r\n" in data:
                 result.answered_at = time.monotonic() - started
                 result.sent_before_answer = result.sent_total

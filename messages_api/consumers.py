@@ -501,6 +501,7 @@ class MessagesConsumer(ApiConsumer):
         if self.reframer is not None and self.reframer.started:
             record.input_tokens = self.reframer.input_tokens
             record.output_tokens = self.reframer.output_tokens
+            record.cache_read_input_tokens = self.reframer.cache_read_input_tokens
 
 
 def _event_frames(reframer: StreamReframer, chunk: dict[str, Any]) -> bytes | None:
