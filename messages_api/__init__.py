@@ -11,6 +11,8 @@ Other packages use only the names in `__all__` below and the Django places every
     errors.py                     Anthropic's error envelope, and the one mapping to it
     audit.py, auth.py, metrics.py the audit row, API keys, Prometheus metrics
     intake.py, limits/            bounded parsing of a body; per-key limits and their headers
+    usage.py, usage_report.py     usage per key and hour (counted in memory, added to the rows);
+    usage_chart.py                its admin page (SVG charts) and CSV
     server/                       daphne plumbing: the intake guard, direct writes, drain, state dump,
                                   the event loop's lag (shedding), memory given back
 

@@ -7,6 +7,7 @@ from django.template.response import TemplateResponse
 
 from messages_api.auth import KEY_PREFIX, generate_key, hash_key
 from messages_api.models import ApiKey, MessageRequest
+from messages_api.usage_report import KeyUsagePages
 from workers import ReadOnlyAdmin
 
 
@@ -30,12 +31,12 @@ class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
         ("Outcome", {"fields": ("status", "stage", "http_status", "error_type", "error_message")}),
         ("Route", {"fields": ("pool_name", "context_endpoint", "generation_endpoint")}),
         ("Timings (ms after receipt)", {"fields": ("headers_sent_ms", "queued_ms", "context_done_ms", "first_token_ms", "finished_ms", "pings_sent")}),
-        ("Usage", {"fields": ("input_tokens", "output_tokens")}),
+        ("Usage", {"fields": ("input_tokens", "output_tokens", "cache_read_input_tokens")}),
     )
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
+class ApiKeyAdmin(KeyUsagePages):  # a ModelAdmin, with the per-key usage page and its CSV
     list_display = ("name", "prefix", "active", "priority", "max_concurrency", "requests_per_minute", "tokens_per_day", "last_used_at")
     list_filter = ("active", "priority")
     search_fields = ("name", "prefix")

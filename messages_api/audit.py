@@ -16,7 +16,7 @@ from typing import Any
 
 from django.conf import settings
 
-from messages_api import metrics
+from messages_api import metrics, usage
 from messages_api.models import MessageRequest, RequestStatus
 from workers import GATEWAY_INSTANCE, RunTrace, Traced, get_writer
 
@@ -51,6 +51,7 @@ class AuditRecord:
     pings_sent: int = 0
     input_tokens: int | None = None
     output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
     api_key_name: str = ""
     begun: bool = False
     ended: bool = False
@@ -103,6 +104,8 @@ class AuditRecord:
         if self.run is not None:
             self._read_trace(self.run.trace)  # the metrics' labels need the run's final stage
         metrics.observe(self)
+        if self.api_key_name:
+            usage.note(self)
         if not persist:
             return True
         self._write()
@@ -153,6 +156,7 @@ class AuditRecord:
             "pings_sent": self.pings_sent,
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
+            "cache_read_input_tokens": self.cache_read_input_tokens,
             "api_key_name": self.api_key_name,
             "gateway_instance": GATEWAY_INSTANCE,
         }

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from prometheus_client import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
@@ -29,6 +30,12 @@ unauthenticated_rejections = Counter(
     "Requests refused without a valid API key (only a sample of them is written to the audit).",
 )
 
+# Per API key, only with METRICS_PER_KEY_LABELS (one series per key: the operator's choice).
+key_requests = Counter("gateway_key_requests", "Requests per API key by terminal status (METRICS_PER_KEY_LABELS).", ["key", "status"])
+key_tokens = Counter(
+    "gateway_key_tokens", "Tokens per API key: input, output, cache_read (METRICS_PER_KEY_LABELS).", ["key", "kind"]
+)
+
 
 def observe(record: AuditRecord) -> None:
     requests.labels(record.status, record.stage or "received", "true" if record.stream else "false").inc()
@@ -42,3 +49,27 @@ def observe(record: AuditRecord) -> None:
         generation_phase.observe((record.finished_ms - (record.context_done_ms or 0)) / 1000)
     if record.pings_sent:
         pings_sent.inc(record.pings_sent)
+    if record.api_key_name and settings.METRICS_PER_KEY_LABELS:
+        _observe_key(record)
+
+
+# The labelled children by (metric, key, label value): `labels()` costs a lock and a few µs.
+_key_children: dict[tuple[Counter, str, str], Any] = {}
+
+
+def _key_child(counter: Counter, key: str, label: str) -> Any:
+    child = _key_children.get((counter, key, label))
+    if child is None:
+        child = _key_children[(counter, key, label)] = counter.labels(key, label)
+    return child
+
+
+def _observe_key(record: AuditRecord) -> None:
+    key = record.api_key_name
+    _key_child(key_requests, key, record.status).inc()
+    if record.input_tokens:
+        _key_child(key_tokens, key, "input").inc(record.input_tokens)
+    if record.output_tokens:
+        _key_child(key_tokens, key, "output").inc(record.output_tokens)
+    if record.cache_read_input_tokens:
+        _key_child(key_tokens, key, "cache_read").inc(record.cache_read_input_tokens)

@@ -89,6 +89,7 @@ class MessageRequest(models.Model):
     pings_sent = models.PositiveIntegerField(default=0)
     input_tokens = models.PositiveIntegerField(null=True, blank=True)
     output_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cache_read_input_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="Prompt tokens read from the worker's prefix cache.")
     api_key_name = models.CharField(max_length=100, blank=True, default="")
     queued_ms = models.FloatField(null=True, blank=True, help_text="Time spent in the admission queue waiting for worker capacity.")
     gateway_instance = models.CharField(max_length=64, blank=True, default="", db_index=True)
@@ -99,3 +100,31 @@ class MessageRequest(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.status}"
+
+
+class KeyUsage(models.Model):
+    """One API key's use in one UTC hour, added to by every gateway process (messages_api/usage.py).
+
+    Days are not stored: a day is the sum of its hours (messages_api/usage_report.py), so there is
+    one source of truth and an increment that arrives late still counts. `prune_audit` deletes
+    hours older than USAGE_HOURS_RETENTION_DAYS.
+    """
+
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage")
+    hour = models.DateTimeField(help_text="Start of the UTC hour the requests were received in.")
+    requests = models.PositiveBigIntegerField(default=0)
+    input_tokens = models.PositiveBigIntegerField(default=0)
+    output_tokens = models.PositiveBigIntegerField(default=0)
+    cache_read_tokens = models.PositiveBigIntegerField(default=0)
+    errors = models.JSONField(default=dict, blank=True, help_text="Error type → requests that ended with it.")
+    queued_ms_total = models.FloatField(default=0.0, help_text="Time the hour's requests spent in the admission queue, summed.")
+
+    class Meta:
+        verbose_name = "key usage (hour)"
+        verbose_name_plural = "key usage (hours)"
+        ordering = ["-hour"]
+        constraints = [models.UniqueConstraint(fields=["api_key", "hour"], name="key_usage_one_row_per_key_and_hour")]
+        indexes = [models.Index(fields=["hour"], name="key_usage_hour")]
+
+    def __str__(self) -> str:
+        return f"{self.api_key_id} {self.hour:%Y-%m-%d %H}:00"

@@ -177,6 +177,11 @@ class StreamReframer:
         usage = self._usage
         return (usage.get("completion_tokens") or 0) if usage is not None else 0
 
+    @property
+    def cache_read_input_tokens(self) -> int:
+        """Prompt tokens the worker read from its prefix cache (not in `input_tokens`)."""
+        return _cached_tokens(self._usage) if self._usage is not None else 0
+
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """One parsed upstream chunk → the events it completes (possibly none)."""
         out: list[dict[str, Any]] = []
@@ -304,7 +309,7 @@ class StreamReframer:
             "input_tokens": self.input_tokens,
             "output_tokens": output_tokens,
             "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": _cached_tokens(self._usage) if self._usage is not None else 0,
+            "cache_read_input_tokens": self.cache_read_input_tokens,
         }
 
     def _on_finish_reason(self, finish_reason: str, choice: dict[str, Any]) -> None:

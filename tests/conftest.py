@@ -68,10 +68,12 @@ def release_test_database(django_db_setup: Any, django_db_blocker: Any) -> Itera
     yield
     from django.db import connection
 
+    from messages_api.usage import get_recorder
     from workers.cluster.writer import get_writer
 
     with django_db_blocker.unblock():
         get_writer().flush()
+        get_recorder().flush()  # in-process requests' usage, or the exit would write it to a dropped database
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
                 cursor.execute(

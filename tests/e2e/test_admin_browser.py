@@ -171,3 +171,111 @@ def test_operator_admin_in_a_browser(
             # The ORM calls above ran in playwright's greenlet, whose context holds a connection
             # of its own: close it here, or PostgreSQL cannot drop the test database at the end.
             connections.close_all()
+
+
+def test_key_usage_page_in_a_browser(
+    transactional_db: Any,
+    gateways: Any,
+    context_worker: SimWorker,
+    generation_worker: SimWorker,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key's usage page: requests through a real gateway are counted in their hour, the page
+    charts them with rows made here in SVG, fits a 1440 px screen, and downloads its CSV."""
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # as above: playwright's loop on this thread
+    from datetime import datetime, timedelta, timezone
+
+    from django.contrib.auth import get_user_model
+    from django.db import connections
+    from playwright.sync_api import expect, sync_playwright
+
+    from messages_api.auth import hash_key
+    from messages_api.models import ApiKey, KeyUsage
+    from tests.support.cluster import wait_until
+
+    gateway = gateways(USAGE_FLUSH_INTERVAL_S="0.2")
+    cluster = register_cluster(context_worker, generation_worker)
+    wait_registered(gateway, cluster)
+    api_key = ApiKey.objects.get(key_hash=hash_key(cluster.key))
+
+    # Counted by the gateway itself: one failed and one completed request.
+    assert send(gateway, cluster.headers(), cluster.model, "hi [sim context_status=503]").status_code == 503
+    assert send(gateway, cluster.headers(), cluster.model, "hello [sim tokens=3]").status_code == 200
+    counted = wait_until(
+        lambda: sum(KeyUsage.objects.filter(api_key=api_key).values_list("requests", flat=True)) == 2,
+        message="the gateway did not write the key's usage",
+    )
+    assert counted
+    recent = list(KeyUsage.objects.filter(api_key=api_key))
+    assert sum(r.output_tokens for r in recent) == 3 and sum(sum(r.errors.values()) for r in recent) == 1
+
+    # Older hours, as if counted earlier.
+    this_hour = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+    KeyUsage.objects.create(api_key=api_key, hour=this_hour - timedelta(hours=5), requests=37, input_tokens=12345,
+                            output_tokens=678, cache_read_tokens=9000, queued_ms_total=370.0, errors={"overloaded_error": 4})  # fmt: skip
+    KeyUsage.objects.create(api_key=api_key, hour=this_hour - timedelta(days=3), requests=41, output_tokens=4100)
+
+    password = "operator-password-1"
+    get_user_model().objects.create_superuser("operator", "operator@example.com", password)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    admin = gateway.url + "/admin/"
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900}, accept_downloads=True)
+            page.set_default_timeout(10_000)
+            bad_responses: list[str] = []
+            page.on("response", lambda r: bad_responses.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            page.goto(admin + "login/")
+            page.fill("#id_username", "operator")
+            page.fill("#id_password", password)
+            page.click("input[type=submit]")
+            expect(page.locator("#user-tools")).to_contain_text("operator")
+
+            # From the key's change page to its usage.
+            page.goto(f"{admin}messages_api/apikey/{api_key.pk}/change/")
+            page.click("#key-usage-link")
+            page.wait_for_url(re.compile(rf"/apikey/{api_key.pk}/usage/$"))
+            charts = page.locator("svg.usage-chart")
+            expect(charts).to_have_count(6)
+            hours, days = page.locator("#usage-hours"), page.locator("#usage-days")
+            expect(hours.locator('rect.point[data-series="requests"][data-value="37"]')).to_have_count(1)
+            expect(hours.locator('circle.point[data-series="input"][data-value="12345"]')).to_have_count(1)
+            expect(hours.locator('circle.point[data-series="cache read"][data-value="9000"]')).to_have_count(1)
+            expect(hours.locator('rect.point[data-series="errors"][data-value="4"]')).to_have_count(1)
+            expect(hours.locator('rect.point[data-series="ms queued per request"][data-value="10"]')).to_have_count(1)
+            expect(days.locator('rect.point[data-series="requests"][data-value="41"]')).to_have_count(1)
+            expect(hours.locator(".usage-errors")).to_contain_text("overloaded_error")
+            # Drawn, at a readable size, and nothing wider than the screen.
+            for i in range(6):
+                box = charts.nth(i).bounding_box()
+                assert box is not None and box["width"] > 400 and box["height"] > 150, box
+            tallest = page.evaluate(
+                "Math.max(...[...document.querySelectorAll('#usage-hours rect.point[data-series=requests]')]"
+                ".map(r => r.getBoundingClientRect().height))"
+            )
+            assert tallest > 50  # the 37-request hour is drawn as a bar, not a hairline
+            assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), page.evaluate(
+                "[document.documentElement.scrollWidth, window.innerWidth]"
+            )
+            page.screenshot(path=str(SCREENSHOTS / "admin-key-usage.png"), full_page=True)
+
+            # Download CSV: the 30 days, one line a day, the last being today.
+            with page.expect_download() as download_info:
+                days.locator("a.usage-csv").click()
+            download = download_info.value
+            lines = Path(download.path()).read_text().splitlines()
+            assert lines[0].startswith("start_utc,requests,input_tokens,output_tokens,cache_read_tokens,errors,")
+            assert len(lines) == 31 and lines[-1].startswith(this_hour.strftime("%Y-%m-%dT00:00:00Z,"))
+            assert sum(int(line.split(",")[1]) for line in lines[1:]) == 2 + 37 + 41
+            assert download.suggested_filename.endswith("-days.csv")
+
+            assert not bad_responses, bad_responses
+        except Exception:
+            for open_page in browser.contexts[0].pages if browser.contexts else []:
+                open_page.screenshot(path=str(SCREENSHOTS / "admin-key-usage-failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+            connections.close_all()

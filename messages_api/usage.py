@@ -1,0 +1,280 @@
+"""Usage per API key and UTC hour: requests, tokens, errors by type, time queued.
+
+Every request that ends with a key (`AuditRecord.end`) is added to this process's tally of its
+key and hour: a dict lookup and a few additions on the event loop, no query. A thread of the
+recorder's own adds the tallies to the database every `USAGE_FLUSH_INTERVAL_S`, at exit, and on
+`flush()`: one `INSERT … ON CONFLICT (api_key_id, hour) DO UPDATE SET requests = requests +
+excluded.requests, …` for all of them, on SQLite and PostgreSQL alike. Increments, not values: any
+number of gateway processes add to the same rows and the sums come out right.
+
+Errors by type are a JSON object per row, which neither database can add to in that statement
+portably: for the rows that have errors, the same transaction then reads the row and writes it back
+merged. The upsert has already taken the row's lock (PostgreSQL's row lock, SQLite's one writer),
+so no other process can come between the read and the write. Rows are written in (key, hour)
+order, so two processes never wait on each other's rows in opposite orders.
+
+The hour is the one the request was received in, as the audit row's `received_at`. The key is
+found by name when the tallies are written (the record knows the name, not the id); a key deleted
+or renamed in between loses that interval's tally, logged. A write that fails keeps the tallies
+for the next one; a process killed loses at most one interval of its own tallies.
+
+Why a thread of its own, not the row writer or a `DatabaseThread` task: the row writer writes rows'
+latest states, not increments, and a periodic task would need an event loop while tallies also come
+from management commands and tests. Every `USAGE_FLUSH_INTERVAL_S` (5 s), when there was traffic,
+it makes one lookup of the keys' ids, one batched upsert, and a read and a write per row with errors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from django.db.models import Field
+
+from messages_api.models import ApiKey, KeyUsage
+
+if TYPE_CHECKING:
+    from messages_api.audit import AuditRecord
+
+logger = logging.getLogger(__name__)
+
+HOUR_S = 3600
+# Names looked up per query (well under SQLite's and PostgreSQL's parameter limits).
+NAMES_PER_QUERY = 500
+COUNTED = ("requests", "input_tokens", "output_tokens", "cache_read_tokens", "queued_ms_total")
+
+
+@dataclass(slots=True)
+class Tally:
+    """One key's use in one hour, in this process, since the last write."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    queued_ms_total: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: Tally) -> None:
+        self.requests += other.requests
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+        self.cache_read_tokens += other.cache_read_tokens
+        self.queued_ms_total += other.queued_ms_total
+        for error_type, count in other.errors.items():
+            self.errors[error_type] = self.errors.get(error_type, 0) + count
+
+
+TallyKey = tuple[str, int]  # (API key name, hours since the epoch)
+
+
+def hour_of(moment: datetime) -> int:
+    """Hours since the epoch of an aware datetime (its UTC hour)."""
+    return int(moment.timestamp()) // HOUR_S
+
+
+def hour_start(hour: int) -> datetime:
+    return datetime.fromtimestamp(hour * HOUR_S, timezone.utc)
+
+
+class UsageRecorder:
+    def __init__(self, flush_interval: float) -> None:
+        self.flush_interval = flush_interval
+        self._pending: dict[TallyKey, Tally] = {}
+        self._lock = threading.Lock()  # the pending tallies
+        self._write_lock = threading.Lock()  # one write at a time (the thread's, or a flush's)
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.writes = 0
+        self.write_errors = 0
+        self.dropped_keys = 0
+
+    def add(
+        self,
+        key: str,
+        hour: int,
+        *,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        cache_read_tokens: int = 0,
+        queued_ms: float = 0.0,
+        error_type: str = "",
+    ) -> None:
+        """Count one request of `key` received in `hour` (hours since the epoch)."""
+        with self._lock:
+            tally = self._pending.get((key, hour))
+            if tally is None:
+                tally = self._pending[(key, hour)] = Tally()
+                if self._thread is None and self.flush_interval > 0:  # 0: written only by flush()
+                    self._start()
+            tally.requests += 1
+            tally.input_tokens += input_tokens
+            tally.output_tokens += output_tokens
+            tally.cache_read_tokens += cache_read_tokens
+            tally.queued_ms_total += queued_ms
+            if error_type:
+                tally.errors[error_type] = tally.errors.get(error_type, 0) + 1
+
+    def note(self, record: AuditRecord) -> None:
+        """Count an ended request (its key, hour, tokens, error type, time queued): `add`, inlined
+        (this runs on the event loop for every request)."""
+        key = (record.api_key_name, int(record.received_at.timestamp()) // HOUR_S)
+        with self._lock:
+            tally = self._pending.get(key)
+            if tally is None:
+                tally = self._pending[key] = Tally()
+                if self._thread is None and self.flush_interval > 0:
+                    self._start()
+            tally.requests += 1
+            tally.input_tokens += record.input_tokens or 0
+            tally.output_tokens += record.output_tokens or 0
+            tally.cache_read_tokens += record.cache_read_input_tokens or 0
+            tally.queued_ms_total += record.queued_ms or 0.0
+            if record.error_type:
+                tally.errors[record.error_type] = tally.errors.get(record.error_type, 0) + 1
+
+    def pending(self) -> dict[TallyKey, Tally]:
+        """A copy of the tallies not written yet (tests)."""
+        with self._lock:
+            return {key: Tally(t.requests, t.input_tokens, t.output_tokens, t.cache_read_tokens, t.queued_ms_total, dict(t.errors))
+                    for key, t in self._pending.items()}  # fmt: skip
+
+    def flush(self) -> bool:
+        """Write the tallies now, on the calling thread (tests, shutdown); whether it succeeded."""
+        with self._write_lock:
+            with self._lock:
+                batch, self._pending = self._pending, {}
+            if not batch:
+                return True
+            try:
+                self._write(batch)
+            except Exception:  # the database is down or refused: keep the counts for the next write
+                self.write_errors += 1
+                logger.exception("usage: %d hourly tallies not written; kept for the next write", len(batch))
+                connection.close()
+                with self._lock:
+                    for key, tally in batch.items():
+                        mine = self._pending.get(key)
+                        if mine is None:
+                            self._pending[key] = tally
+                        else:
+                            mine.add(tally)
+                return False
+            finally:
+                if connection.vendor != "sqlite":
+                    close_old_connections()  # pooled: back to the pool between writes
+            self.writes += 1
+            return True
+
+    def close(self) -> None:
+        """Stop the thread and write what is left (at exit)."""
+        self._wakeup.set()
+        self.flush()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._wakeup.wait(self.flush_interval):  # set only by close(), which flushes
+            self.flush()
+
+    def _write(self, batch: dict[TallyKey, Tally]) -> None:
+        ids = _key_ids({name for name, _ in batch})
+        rows: list[tuple[int, int, Tally]] = []
+        for (name, hour), tally in batch.items():
+            key_id = ids.get(name)
+            if key_id is None:
+                self.dropped_keys += 1
+                logger.warning("usage: no API key named %r any more; %d requests of it not counted", name, tally.requests)
+            else:
+                rows.append((key_id, hour, tally))
+        rows.sort(key=lambda row: (row[0], row[1]))  # one lock order in every process
+        if not rows:
+            return
+        sql, hour_field, errors_field = _upsert_sql()
+        no_errors = errors_field.get_db_prep_save({}, connection)
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.executemany(
+                sql,
+                [
+                    (key_id, hour_field.get_db_prep_save(hour_start(hour), connection), t.requests, t.input_tokens,
+                     t.output_tokens, t.cache_read_tokens, t.queued_ms_total, no_errors)
+                    for key_id, hour, t in rows
+                ],
+            )  # fmt: skip
+            for key_id, hour, tally in rows:
+                if tally.errors:
+                    _merge_errors(key_id, hour_start(hour), tally.errors)
+
+
+def _key_ids(names: set[str]) -> dict[str, int]:
+    ordered = sorted(names)
+    ids: dict[str, int] = {}
+    for start in range(0, len(ordered), NAMES_PER_QUERY):
+        ids.update(ApiKey.objects.filter(name__in=ordered[start : start + NAMES_PER_QUERY]).values_list("name", "id"))
+    return ids
+
+
+def _merge_errors(key_id: int, hour: datetime, errors: dict[str, int]) -> None:
+    """Add `errors` to the row's; the caller's upsert holds the row's lock."""
+    row = KeyUsage.objects.filter(api_key_id=key_id, hour=hour)
+    stored: dict[str, int] = dict(row.values_list("errors", flat=True).get() or {})
+    for error_type, count in errors.items():
+        stored[error_type] = int(stored.get(error_type, 0)) + count
+    row.update(errors=stored)
+
+
+AnyField = Field[Any, Any]
+_SQL: dict[str, tuple[str, AnyField, AnyField]] = {}
+
+
+def _upsert_sql() -> tuple[str, AnyField, AnyField]:
+    """The increment statement for this connection's database, and the fields whose values need
+    Django's preparation (the hour, the errors)."""
+    cached = _SQL.get(connection.vendor)
+    if cached is not None:
+        return cached
+    quote = connection.ops.quote_name
+    table = quote(KeyUsage._meta.db_table)
+    key_column, hour_column, errors_column = (quote(_field(name).column) for name in ("api_key", "hour", "errors"))
+    counted = [quote(_field(name).column) for name in COUNTED]
+    columns = [key_column, hour_column, *counted, errors_column]
+    updates = ", ".join(f"{c} = {table}.{c} + excluded.{c}" for c in counted)
+    sql = (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))}) "
+        f"ON CONFLICT ({key_column}, {hour_column}) DO UPDATE SET {updates}"
+    )
+    _SQL[connection.vendor] = cached = (sql, _field("hour"), _field("errors"))
+    return cached
+
+
+def _field(name: str) -> AnyField:
+    field = KeyUsage._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field
+
+
+_recorder: UsageRecorder | None = None
+_recorder_lock = threading.Lock()
+
+
+def get_recorder() -> UsageRecorder:
+    global _recorder
+    if _recorder is None:
+        with _recorder_lock:
+            if _recorder is None:
+                _recorder = UsageRecorder(settings.USAGE_FLUSH_INTERVAL_S)
+                atexit.register(_recorder.close)
+    return _recorder
+
+
+def note(record: AuditRecord) -> None:
+    """Count an ended request of an API key (`AuditRecord.end`)."""
+    (_recorder or get_recorder()).note(record)
