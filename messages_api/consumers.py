@@ -50,7 +50,7 @@ from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.framing import PING_FRAME, encode_events
 from messages_api.limits import Usage, check_limits
-from workers import ChatRun, PoolInfo, Priority, WorkerError, count_prompt_tokens, get_registry
+from workers import ChatRun, PoolInfo, Priority, WorkerError, choose_pool, count_prompt_tokens, get_registry
 
 if TYPE_CHECKING:
     from asgiref.typing import HTTPDisconnectEvent, HTTPRequestEvent
@@ -352,7 +352,7 @@ class MessagesConsumer(ApiConsumer):
         request, chat = await intake.messages_request(body)
         record.model = request["model"]
         record.stream = bool(request.get("stream"))
-        pool = await pool_for_model(request["model"], principal)
+        pool = await pool_for_model(request["model"], principal, chat)
 
         record.pool_name = pool.name
         run = ChatRun(
@@ -538,13 +538,17 @@ def session_key(headers: dict[bytes, bytes], request: dict[str, Any]) -> str | N
     return match.group(1) if match else user_id
 
 
-async def pool_for_model(model: str, principal: Principal) -> PoolInfo:
-    """The pool serving `model`; a model the key may not use is as unknown to it as a missing one."""
+async def pool_for_model(model: str, principal: Principal, chat: dict[str, Any]) -> PoolInfo:
+    """The pool to serve `model` (the first of its pools with room: spill-over), with the chat
+    request renamed to the model its workers know. A model the key may not use is as unknown to
+    it as a missing one."""
     snapshot = await get_registry().snapshot()
-    pool = snapshot.pool_for_model(model) if principal.may_use(model) else None
-    if pool is None:
+    served = snapshot.serving(model) if principal.may_use(model) else ()
+    if not served:
         raise AnthropicError(404, f"model: {model}", "not_found_error")
-    return pool
+    choice = choose_pool(served) if len(served) > 1 else served[0]
+    chat["model"] = choice.upstream_model
+    return choice.pool
 
 
 class CountTokensConsumer(ApiConsumer):
@@ -553,20 +557,21 @@ class CountTokensConsumer(ApiConsumer):
     async def handle_request(self, body: bytes) -> None:
         principal = await self.authenticate()
         request, chat = await intake.count_tokens_request(body)
-        pool = await pool_for_model(request["model"], principal)
+        pool = await pool_for_model(request["model"], principal, chat)
         count = await count_prompt_tokens(pool, chat)
         await self.send_json(200, {"input_tokens": count})
 
 
 class ModelsConsumer(ApiConsumer):
-    """`GET /v1/models` and `GET /v1/models/{id}`, from the registered pools, in Anthropic's shape."""
+    """`GET /v1/models` and `GET /v1/models/{id}`: the exact public names (the catalogue's routes
+    and the pools' own models) the key may use, in Anthropic's shape."""
 
     allowed_methods = ("GET",)
 
     async def handle_request(self, body: bytes) -> None:
         principal = await self.authenticate()
         snapshot = await get_registry().snapshot()
-        models = [model_info(pool) for pool in sorted(snapshot.pools, key=lambda p: p.model) if principal.may_use(pool.model)]
+        models = [model_info(*public) for public in snapshot.public_models() if principal.may_use(public[0])]
         # URLRouter sets `url_route` on HTTP scopes too; the stubs' HTTPScope does not declare it.
         model_id = self.scope["url_route"]["kwargs"].get("model_id")  # type: ignore[typeddict-item]
         if model_id is not None:

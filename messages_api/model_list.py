@@ -1,19 +1,19 @@
-"""`/v1/models` in Anthropic's shape: one model per registered pool, cursor-paginated."""
+"""`/v1/models` in Anthropic's shape: one model per public name, cursor-paginated."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from messages_api.errors import invalid_request
-from workers import PoolInfo
 
 
-def model_info(pool: PoolInfo) -> dict[str, Any]:
+def model_info(name: str, display_name: str, created_at: datetime) -> dict[str, Any]:
     return {
         "type": "model",
-        "id": pool.model,
-        "display_name": pool.model,
-        "created_at": pool.created_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "id": name,
+        "display_name": display_name,
+        "created_at": created_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
 

@@ -42,6 +42,8 @@ _HOMES = {
     "start_services": "workers.cluster.services",
     "close_transport": "workers.wire.client",
     "candidates": "workers.routing.router",
+    "choose_pool": "workers.routing.router",
+    "Served": "workers.cluster.registry",
     "AGGREGATED": "workers.protocols.base",
     "ReadOnlyAdmin": "workers.admin",
     "Priority": "workers.admission.queue",
@@ -61,11 +63,13 @@ __all__ = [
     "PoolInfo",
     "Priority",
     "ReadOnlyAdmin",
+    "Served",
     "Script",
     "RunTrace",
     "Traced",
     "WorkerError",
     "candidates",
+    "choose_pool",
     "close_transport",
     "count_prompt_tokens",
     "get_registry",
@@ -85,13 +89,13 @@ if TYPE_CHECKING:
     from workers.cluster.shared_state import leases as shared_leases
     from workers.cluster.instance import GATEWAY_INSTANCE
     from workers.cluster.recovery import process_abandoned
-    from workers.cluster.registry import PoolInfo, get_registry
+    from workers.cluster.registry import PoolInfo, Served, get_registry
     from workers.cluster.services import start_services
     from workers.cluster.writer import get_writer
     from workers.management.arguments import limit_argument
     from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, WorkerError
     from workers.protocols.base import AGGREGATED
-    from workers.routing.router import candidates
+    from workers.routing.router import candidates, choose_pool
     from workers.schedule.pipeline import ChatRun
     from workers.schedule.prompt_tokens import count_prompt_tokens
     from workers.schedule.trace import RunTrace, Traced

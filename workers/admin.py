@@ -9,7 +9,7 @@ from django.contrib import admin
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
-from workers.models import Reservation, WorkerEndpoint, WorkerPool
+from workers.models import ModelRoute, ModelRoutePool, Reservation, WorkerEndpoint, WorkerPool
 
 _M = TypeVar("_M", bound=Model)
 
@@ -166,3 +166,24 @@ class ReservationAdmin(ReadOnlyAdmin[Reservation]):
     list_filter = ("outcome", "stage", "pool_name", ("released_at", admin.EmptyFieldListFilter), "reserved_at")
     search_fields = ("request_id", "endpoint_url")
     date_hierarchy = "reserved_at"
+
+
+class ModelRoutePoolInline(admin.TabularInline[ModelRoutePool, ModelRoute]):
+    model = ModelRoutePool
+    extra = 1
+    fields = ("position", "pool")
+    ordering = ("position",)
+
+
+@admin.register(ModelRoute)
+class ModelRouteAdmin(admin.ModelAdmin[ModelRoute]):
+    """The model catalogue: public names (exact or patterns) and the pools serving each, in order."""
+
+    list_display = ("name", "display_name", "pools_in_order", "upstream_model", "updated_at")
+    search_fields = ("name", "display_name", "upstream_model")
+    fields = ("name", "display_name", "upstream_model")
+    inlines = [ModelRoutePoolInline]
+
+    @admin.display(description="pools (first preferred)")
+    def pools_in_order(self, route: ModelRoute) -> str:
+        return " > ".join(place.pool.name for place in route.route_pools.select_related("pool")) or "—"

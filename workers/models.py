@@ -138,6 +138,51 @@ class WorkerEndpoint(models.Model):
         return f"{self.pool.name}/{self.role} {self.url}"
 
 
+class ModelRoute(models.Model):
+    """A model name clients ask for — exact (`claude-sonnet-4-6`) or a pattern (`claude-sonnet-*`) —
+    and the pools that serve it, in preference order: when the first has no usable endpoint with
+    room, the next serves. A pool's own `model` is a public name too, without a route."""
+
+    name = models.CharField(
+        max_length=200, unique=True,
+        help_text='Exact ("claude-sonnet-4-6") or a pattern with * and ? ("claude-sonnet-*"). Exact names are listed by /v1/models.',
+    )
+    display_name = models.CharField(max_length=200, blank=True, default="", help_text="Shown by /v1/models (and Claude Code's /model picker).")
+    upstream_model = models.CharField(
+        max_length=200, blank=True, default="", help_text="The model name sent to the workers; empty: each pool's own model."
+    )
+    pools: models.ManyToManyField[WorkerPool, ModelRoutePool] = models.ManyToManyField(
+        WorkerPool, through="ModelRoutePool", related_name="routes"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_pattern(self) -> bool:
+        return any(c in self.name for c in "*?[")
+
+
+class ModelRoutePool(models.Model):
+    """One pool of a route, at its place in the preference order."""
+
+    route = models.ForeignKey(ModelRoute, on_delete=models.CASCADE, related_name="route_pools")
+    pool = models.ForeignKey(WorkerPool, on_delete=models.CASCADE, related_name="route_places")
+    position = models.PositiveSmallIntegerField(default=0, help_text="Lower first.")
+
+    class Meta:
+        ordering = ["route", "position", "id"]
+        constraints = [models.UniqueConstraint(fields=["route", "pool"], name="unique_pool_per_route")]
+
+    def __str__(self) -> str:
+        return f"{self.route.name} #{self.position}: {self.pool.name}"
+
+
 class Outcome(models.TextChoices):
     SUCCESS = "success", "success"
     FAILURE = "failure", "failure"

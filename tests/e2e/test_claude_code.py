@@ -28,6 +28,7 @@ Regenerate the fixture with `.venv/bin/python -m tests.e2e.test_claude_code`.
 from __future__ import annotations
 
 import copy
+import io
 import functools
 import json
 import tempfile
@@ -501,3 +502,50 @@ def test_claude_code_finishes_a_tool_task_while_another_key_floods(
     output = json.loads(result.stdout)
     assert output["subtype"] == "success" and output["num_turns"] == 2, diagnostics
     assert set(statuses) <= {200, 529}, sorted(set(statuses))  # the flood is served or told to come back, never a 5xx else
+
+
+# --- no model variables: the gateway's catalogue ---------------------------------------------------
+
+
+def test_claude_code_with_no_model_variables_uses_the_routed_claude_names_and_discovers_them(
+    gateway: Gateway, cc_cluster: Cluster, tmp_path: Path
+) -> None:
+    """As `make run` sets it up (quickstart's routes): Claude Code with only ANTHROPIC_BASE_URL and
+    a key completes a tool-using task, its background Haiku-class calls included, and with
+    discovery on caches the gateway's claude-* names for its /model picker."""
+    from workers.management.commands import quickstart
+
+    for name, display_name in quickstart.CLAUDE_MODELS:
+        call_command_quietly("model_route", name, pool=[cc_cluster.pool.name], display_name=display_name)
+    for pattern in quickstart.CLAUDE_PATTERNS:
+        call_command_quietly("model_route", pattern, pool=[cc_cluster.pool.name])
+    wait_until(
+        lambda: any(m["id"] == "claude-opus-4-8" for m in httpx.get(gateway.url + "/v1/models", headers=cc_cluster.headers(), timeout=5).json()["data"]),
+        message="routes never seen",
+    )
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "Paris").write_text("no model variables\n")
+    discovery = {"CLAUDE_CODE_ENABLE_GATEWAY_MODEL_DISCOVERY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""}
+    from django.utils import timezone
+
+    started = timezone.now()
+    result = run_claude(gateway.url, cc_cluster.key, "Read the file [sim tool_call=Read]", tmp_path, "--max-turns", "4", model=None, env=discovery)
+    diagnostics = f"exit {result.returncode}\nstdout: {result.stdout[-3000:]}\nstderr: {result.stderr[-3000:]}"
+    assert result.returncode == 0, diagnostics
+    output = json.loads(result.stdout)
+    assert output["subtype"] == "success" and output["num_turns"] == 2, diagnostics
+    from messages_api.models import MessageRequest
+
+    ours = MessageRequest.objects.filter(received_at__gte=started)  # not an earlier test's late rows
+    asked = set(ours.values_list("model", flat=True))
+    assert asked and all(name.startswith("claude-") for name in asked), asked
+    assert not ours.filter(http_status=404).exists()
+    cached = json.loads((tmp_path / "home" / ".claude" / "cache" / "gateway-models.json").read_text())
+    assert cached["baseUrl"] == gateway.url
+    assert {m["id"] for m in cached["models"]} >= {name for name, _ in quickstart.CLAUDE_MODELS}
+
+
+def call_command_quietly(*args: Any, **options: Any) -> None:
+    from django.core.management import call_command
+
+    call_command(*args, stdout=io.StringIO(), **options)

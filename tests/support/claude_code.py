@@ -33,10 +33,11 @@ def claude_command() -> list[str]:
 
 
 def claude_env(
-    base_url: str, key: str, home: Path, credential: str = "ANTHROPIC_API_KEY", model: str = "sim-model", **extra: str
+    base_url: str, key: str, home: Path, credential: str = "ANTHROPIC_API_KEY", model: str | None = "sim-model", **extra: str
 ) -> dict[str, str]:
     """A clean environment: no proxies, no inherited Anthropic/Claude settings, a fresh HOME;
-    every model alias names `model`; `extra` adds variables (e.g. CLAUDE_CODE_MAX_OUTPUT_TOKENS)."""
+    every model alias names `model` (None: no model variable at all, as a user who sets none);
+    `extra` adds variables (e.g. CLAUDE_CODE_MAX_OUTPUT_TOKENS); one given as "" is removed."""
 
     def inherited(name: str) -> bool:
         upper = name.upper()
@@ -50,17 +51,16 @@ def claude_env(
     env.update(
         HOME=str(home),
         ANTHROPIC_BASE_URL=base_url,
-        ANTHROPIC_MODEL=model,
-        ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
-        ANTHROPIC_DEFAULT_SONNET_MODEL=model,
-        ANTHROPIC_DEFAULT_OPUS_MODEL=model,
         DISABLE_TELEMETRY="1",
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         DISABLE_AUTOUPDATER="1",
     )
+    if model is not None:
+        for name in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL"):
+            env[name] = model
     env[credential] = key  # ANTHROPIC_API_KEY → x-api-key; ANTHROPIC_AUTH_TOKEN → Authorization: Bearer
     env.update(extra)
-    return env
+    return {name: value for name, value in env.items() if value != ""}
 
 
 def run_claude(
@@ -70,7 +70,7 @@ def run_claude(
     workdir: Path,
     *extra: str,
     credential: str = "ANTHROPIC_API_KEY",
-    model: str = "sim-model",
+    model: str | None = "sim-model",
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`claude -p PROMPT --output-format json`; in print mode no approval of the key is asked for."""

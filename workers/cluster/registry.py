@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import Any
 
@@ -20,7 +21,7 @@ from django.db.models import Count
 
 from workers.cluster.db_thread import DatabaseThread
 from workers.cluster.instance import GATEWAY_INSTANCE
-from workers.models import Reservation, WorkerEndpoint, WorkerPool
+from workers.models import ModelRoute, ModelRoutePool, Reservation, WorkerEndpoint, WorkerPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +66,66 @@ class PoolInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteInfo:
+    """A public model name (or pattern) and its pools in preference order."""
+
+    name: str
+    display_name: str
+    upstream_model: str
+    pool_ids: tuple[int, ...]
+    created_at: datetime
+    is_pattern: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A pool that serves a public model name, and the name its workers know the model by."""
+
+    pool: PoolInfo
+    upstream_model: str
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     pools: tuple[PoolInfo, ...]
     loaded_at: float
+    routes: tuple[RouteInfo, ...] = ()
 
     def pool_for_model(self, model: str) -> PoolInfo | None:
+        served = self.serving(model)
+        return served[0].pool if served else None
+
+    def serving(self, model: str) -> tuple[Served, ...]:
+        """The pools that serve `model`, in preference order: its exact route's, else the pool
+        whose own model it is, else the most specific pattern route's (the longest pattern)."""
+        by_id = {pool.id: pool for pool in self.pools}
+        exact = next((r for r in self.routes if not r.is_pattern and r.name == model), None)
+        if exact is not None:
+            return _served(exact, by_id)
+        own = tuple(Served(pool, pool.model) for pool in self.pools if pool.model == model)
+        if own:
+            return own
+        patterns = [r for r in self.routes if r.is_pattern and fnmatchcase(model, r.name)]
+        if patterns:
+            return _served(max(patterns, key=lambda r: len(r.name)), by_id)
+        return ()
+
+    def public_models(self) -> list[tuple[str, str, datetime]]:
+        """(name, display name, created) of every exact name a client may ask for: the exact
+        routes, then the pools' own models, each once."""
+        names: dict[str, tuple[str, str, datetime]] = {}
+        for route in self.routes:
+            if not route.is_pattern and route.pool_ids:
+                names.setdefault(route.name, (route.name, route.display_name or route.name, route.created_at))
         for pool in self.pools:
-            if pool.model == model:
-                return pool
-        return None
+            names.setdefault(pool.model, (pool.model, pool.model, pool.created_at))
+        return list(names.values())
+
+
+def _served(route: RouteInfo, by_id: Mapping[int, PoolInfo]) -> tuple[Served, ...]:
+    return tuple(
+        Served(by_id[pool_id], route.upstream_model or by_id[pool_id].model) for pool_id in route.pool_ids if pool_id in by_id
+    )
 
 
 def load_snapshot() -> ClusterSnapshot:
@@ -105,7 +157,22 @@ def load_snapshot() -> ClusterSnapshot:
                 capacity_tokens=e.capacity_tokens,
             )
         )
+    places: dict[int, list[tuple[int, int]]] = {}
+    for place in ModelRoutePool.objects.order_by().values("route_id", "pool_id", "position", "id"):
+        places.setdefault(place["route_id"], []).append((place["position"] * 1_000_000 + place["id"], place["pool_id"]))
+    routes = tuple(
+        RouteInfo(
+            name=r.name,
+            display_name=r.display_name,
+            upstream_model=r.upstream_model,
+            pool_ids=tuple(pool_id for _, pool_id in sorted(places.get(r.id, ()))),
+            created_at=r.created_at,
+            is_pattern=r.is_pattern,
+        )
+        for r in sorted(ModelRoute.objects.order_by(), key=lambda r: r.id)
+    )
     return ClusterSnapshot(
+        routes=routes,
         pools=tuple(
             PoolInfo(
                 id=p.id,

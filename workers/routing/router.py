@@ -8,18 +8,20 @@ Routing reads only memory: the registry snapshot and this process's open reserva
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from django.conf import settings
 
 from workers.admission import Ticket, admit
+from workers.admission.capacity import fits_here
+from workers.admission.queue import get_queue
 from workers.exceptions import NoEndpointAvailable
 from workers.cluster.health import health
 from workers.models import Role, RoutingPolicy
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
 from workers.schedule.rendered_chat import RenderedChat
-from workers.cluster.registry import EndpointInfo, PoolInfo, get_registry
+from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
 from workers.routing.reservations import Reservation, ledger
 
 Policy = Callable[[PoolInfo, str, list[EndpointInfo], str | None], EndpointInfo]
@@ -179,6 +181,27 @@ def _keeps_cache(endpoint: EndpointInfo) -> bool:
     """Whether the endpoint probably still holds what it was sent: it is in the pool, enabled,
     and not failing its health probe (a draining endpoint keeps its cache)."""
     return health.usable(replace(endpoint, draining=False))
+
+
+def choose_pool(served: Sequence[Served], tokens: int = 0) -> Served:
+    """Spill-over across the pools that serve one model name, in preference order: the first
+    whose generation role has a usable endpoint with room now (and no queue before it), else the
+    first with any usable one (the request waits there for a slot), else the first (which answers
+    that nothing is available)."""
+    queue = get_queue()
+    waiting_room: Served | None = None
+    for option in served:
+        pool = _current(option.pool)
+        usable = candidates(pool, Role.GENERATION)
+        if not usable:
+            continue
+        if not queue.busy((pool.name, Role.GENERATION)) and any(
+            not e.capped or fits_here(e, *_held_here(e.id), tokens) for e in usable
+        ):
+            return option
+        if waiting_room is None:
+            waiting_room = option
+    return waiting_room or served[0]
 
 
 def candidates(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[EndpointInfo]:

@@ -22,12 +22,21 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workers.management.commands.simworker import AUTH_KEY_ENV
-from workers.models import Role, WorkerEndpoint, WorkerPool
+from workers.models import ModelRoute, Role, WorkerEndpoint, WorkerPool
 from workers.sim.process import SimWorker, start_simworker
 
 SIM_POOL = "local-sim"
 SIM_MODEL = "sim-model"
 KEY_NAME = "make-run"
+# Claude Code's model names (Opus, Sonnet and Haiku classes), routed to the simulated pool so
+# that it needs no model variables: the exact current names are listed by /v1/models (its /model
+# picker), and the patterns catch the others, the background Haiku-class calls included.
+CLAUDE_MODELS = (
+    ("claude-opus-4-8", "Claude Opus 4.8 (simulated)"),
+    ("claude-sonnet-4-6", "Claude Sonnet 4.6 (simulated)"),
+    ("claude-haiku-4-5", "Claude Haiku 4.5 (simulated)"),
+)
+CLAUDE_PATTERNS = ("claude-opus-*", "claude-sonnet-*", "claude-haiku-*", "claude-*")
 
 
 class Command(BaseCommand):
@@ -48,9 +57,10 @@ class Command(BaseCommand):
             "\nThe gateway is starting on %s\n\nAPI key (shown once): %s\n\nTry it:\n"
             "  curl -sN %s/v1/messages -H %s -H 'anthropic-version: 2023-06-01' "
             "-H 'content-type: application/json' -d %s\n\n"
-            "Claude Code:\n  ANTHROPIC_BASE_URL=%s ANTHROPIC_API_KEY=%s ANTHROPIC_MODEL=%s claude\n\n"
+            "Claude Code:\n  ANTHROPIC_BASE_URL=%s ANTHROPIC_API_KEY=%s claude\n"
+            "  (its Claude model names are routed here; add CLAUDE_CODE_ENABLE_GATEWAY_MODEL_DISCOVERY=1 for the /model picker)\n\n"
             "Admin: %s/admin/ (create a user with `manage.py createsuperuser`)\n"
-            % (base, key, base, shlex.quote(f"x-api-key: {key}"), shlex.quote(body), base, key, model, base)
+            % (base, key, base, shlex.quote(f"x-api-key: {key}"), shlex.quote(body), base, key, base)
         )
         self.stdout.flush()
         CommandLineInterface().run(["-b", options["host"], "-p", str(options["port"]), "disagg_project.asgi:application"])
@@ -74,7 +84,17 @@ class Command(BaseCommand):
         WorkerEndpoint.objects.create(pool=pool, role=Role.CONTEXT, url=context.url)
         WorkerEndpoint.objects.create(pool=pool, role=Role.GENERATION, url=generation.url)
         self.stdout.write(f"Started simulated workers: context {context.url}, generation {generation.url} (pool {SIM_POOL}).")
+        self._route_claude_models()
         return pool.model
+
+    def _route_claude_models(self) -> None:
+        """Claude Code's names to the simulated pool, unless an operator routed them elsewhere."""
+        for name, display_name in CLAUDE_MODELS:
+            if not ModelRoute.objects.filter(name=name).exists():
+                call_command("model_route", name, pool=[SIM_POOL], display_name=display_name, stdout=io.StringIO())
+        for pattern in CLAUDE_PATTERNS:
+            if not ModelRoute.objects.filter(name=pattern).exists():
+                call_command("model_route", pattern, pool=[SIM_POOL], stdout=io.StringIO())
 
     def _start(self, role: str, port: int, signing_key: str) -> SimWorker:
         env = {AUTH_KEY_ENV: signing_key}
