@@ -181,9 +181,7 @@ def _messages(messages: object) -> None:
         _fail("messages", "at least one message is required")
     for i, message in enumerate(messages):
         path = f"messages.{i}"
-        if not isinstance(message, dict):
-            _fail(path, "Input should be a valid dictionary")
-        role = _required(message, "role", path)
+        role = _required(_dict(message, path), "role", path)
         if role not in ROLES:
             _fail(f"{path}.role", "Input should be 'user', 'assistant' or 'system'")
         content = _required(message, "content", path)
@@ -196,14 +194,10 @@ def _messages(messages: object) -> None:
             _block(block, f"{path}.content.{j}", tags)
 
 
-def _block(block: object, path: str, tags: tuple[str, ...]) -> None:
-    if not isinstance(block, dict):
-        _fail(path, "Input should be a valid dictionary")
-    tag = _required(block, "type", path)
-    if not isinstance(tag, str):
-        _fail(f"{path}.type", "Input should be a valid string")
-    if tag not in tags:
-        _bad_tag(f"{path}.type", tag, tags)
+def _block(value: object, path: str, tags: tuple[str, ...]) -> None:
+    if isinstance(value, dict) and not isinstance(value.get("type"), (str, type(None))):
+        _fail(f"{path}.type", "Input should be a valid string")  # a block's tag, before it is looked up
+    block, tag = _tagged(value, path, tags)
     check = _BLOCK_FIELDS.get(tag)
     if check is not None:
         check(block, path)
@@ -234,13 +228,8 @@ def _document_block(block: dict[str, Any], path: str) -> None:
 
 def _source(block: dict[str, Any], path: str, kinds: tuple[str, ...]) -> dict[str, Any]:
     """An image or document `source`: a tagged object with the string fields of its type."""
-    source = _required(block, "source", path)
     spath = f"{path}.source"
-    if not isinstance(source, dict):
-        _fail(spath, "Input should be a valid dictionary")
-    kind = _required(source, "type", spath)
-    if kind not in kinds:
-        _bad_tag(f"{spath}.type", kind, kinds)
+    source, kind = _tagged(_required(block, "source", path), spath, kinds)
     for name in SOURCE_FIELDS.get(kind, ()):
         _string_field(source, name, spath)
     return source
@@ -345,9 +334,7 @@ def _tools(value: object, path: str) -> None:
         _fail(path, "Input should be a valid list")
     for i, tool in enumerate(value):
         tpath = f"{path}.{i}"
-        if not isinstance(tool, dict):
-            _fail(tpath, "Input should be a valid dictionary")
-        kind = tool.get("type")
+        kind = _dict(tool, tpath).get("type")
         if kind is not None and not isinstance(kind, str):
             _fail(f"{tpath}.type", "Input should be a valid string")
         if kind is None or kind == "custom":
@@ -365,26 +352,18 @@ def _tools(value: object, path: str) -> None:
 
 
 def _tool_choice(value: object, path: str) -> None:
-    if not isinstance(value, dict):
-        _fail(path, "Input should be a valid dictionary")
-    kind = _required(value, "type", path)
-    if kind not in TOOL_CHOICE_TYPES:
-        _bad_tag(f"{path}.type", kind, TOOL_CHOICE_TYPES)
+    choice, kind = _tagged(value, path, TOOL_CHOICE_TYPES)
     if kind == "tool":
-        _string_field(value, "name", path)
-    flag = value.get("disable_parallel_tool_use")
+        _string_field(choice, "name", path)
+    flag = choice.get("disable_parallel_tool_use")
     if flag is not None:
         _bool(flag, f"{path}.disable_parallel_tool_use")
 
 
 def _thinking(value: object, path: str) -> None:
-    if not isinstance(value, dict):
-        _fail(path, "Input should be a valid dictionary")
-    kind = _required(value, "type", path)
-    if kind not in THINKING_TYPES:
-        _bad_tag(f"{path}.type", kind, THINKING_TYPES)
+    thinking, kind = _tagged(value, path, THINKING_TYPES)
     if kind == "enabled":
-        budget = _required(value, "budget_tokens", path)
+        budget = _required(thinking, "budget_tokens", path)
         if type(budget) is not int:
             _fail(f"{path}.budget_tokens", "Input should be a valid integer")
         if budget < MIN_THINKING_BUDGET:
@@ -392,31 +371,20 @@ def _thinking(value: object, path: str) -> None:
 
 
 def _metadata(value: object, path: str) -> None:
-    if not isinstance(value, dict):
-        _fail(path, "Input should be a valid dictionary")
-    user_id = value.get("user_id")
-    if user_id is not None and not isinstance(user_id, str):
-        _fail(f"{path}.user_id", "Input should be a valid string")
+    _optional_string(_dict(value, path), "user_id", path)
 
 
 def _output_config(value: object, path: str) -> None:
-    if not isinstance(value, dict):
-        _fail(path, "Input should be a valid dictionary")
-    effort = value.get("effort")
-    if effort is not None and not isinstance(effort, str):
-        _fail(f"{path}.effort", "Input should be a valid string")
-    output_format = value.get("format")
+    config = _dict(value, path)
+    _optional_string(config, "effort", path)
+    output_format = config.get("format")
     if output_format is not None:
         _json_schema_format(output_format, f"{path}.format")
 
 
 def _json_schema_format(value: object, path: str) -> None:
-    if not isinstance(value, dict):
-        _fail(path, "Input should be a valid dictionary")
-    kind = _required(value, "type", path)
-    if kind != "json_schema":
-        _bad_tag(f"{path}.type", kind, ("json_schema",))
-    if not isinstance(_required(value, "schema", path), dict):
+    output_format, _ = _tagged(value, path, ("json_schema",))
+    if not isinstance(_required(output_format, "schema", path), dict):
         _fail(f"{path}.schema", "Input should be a valid dictionary")
 
 
@@ -438,6 +406,22 @@ _OPTIONAL_FIELDS: dict[str, Callable[[Any, str], None]] = {
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _dict(value: object, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        _fail(path, "Input should be a valid dictionary")
+    return value
+
+
+def _tagged(value: object, path: str, tags: tuple[str, ...]) -> tuple[dict[str, Any], str]:
+    """A tagged object (a block, a source, a tool choice ...): a dictionary whose `type` is one of
+    `tags`; it and its tag."""
+    tagged = _dict(value, path)
+    tag = _required(tagged, "type", path)
+    if tag not in tags:
+        _bad_tag(f"{path}.type", tag, tags)
+    return tagged, tag
 
 
 def _required(container: dict[str, Any], key: str, path: str) -> Any:

@@ -30,7 +30,7 @@ from tests.support.ports import refused_url, unused_port
 from tests.support.simworkers import SimWorker
 from workers.exceptions import MalformedAnswer, WorkerError, WorkerUnreachable
 from workers.protocols import trtllm
-from workers.protocols.base import Call
+from workers.protocols.base import USAGE_ON_EVERY_CHUNK, Call
 
 UPSTREAM_ENDPOINT = "tcp://10.0.0.1:5000"
 
@@ -107,7 +107,7 @@ def test_generation_after_context_carries_the_handoff_usage_and_prompt() -> None
     handoff = trtllm.read_context_response(context_answer())
     assert handoff.generation_pending and handoff.prompt_tokens == 3
     body = trtllm.generation_request_after_context(CHAT, handoff, "context_first", "conv-1")
-    assert body["stream"] is True and body["stream_options"] == trtllm.STREAM_OPTIONS
+    assert body["stream"] is True and body["stream_options"] == USAGE_ON_EVERY_CHUNK
     assert body["disaggregated_params"] == {
         "request_type": "generation_only", "ctx_request_id": 7, "disagg_request_id": 7, "encoded_opaque_state": "b3BhcXVl",
         "first_gen_tokens": [9], "ctx_info_endpoint": UPSTREAM_ENDPOINT, "schedule_style": "context_first",

@@ -33,6 +33,11 @@ AGGREGATED = "aggregated"
 CONTEXT_FIRST = "context_first"
 GENERATION_FIRST = "generation_first"
 
+#: `stream_options` for usage on every chunk (`continuous_usage_stats`, which vLLM's, SGLang's and
+#: TensorRT-LLM's OpenAI servers honour): the first chunk carries the prompt's token count, for
+#: message_start.
+USAGE_ON_EVERY_CHUNK = {"include_usage": True, "continuous_usage_stats": True}
+
 
 @dataclass(frozen=True, slots=True)
 class ContextPeer:
@@ -87,6 +92,14 @@ def streamed_request(
     body["stream"] = True
     body["stream_options"] = dict(stream_options)
     return body
+
+
+def reported_prompt_tokens(answer: Mapping[str, Any]) -> int | None:
+    """The prompt's token count a context worker's answer reports (`usage.prompt_tokens`), if it
+    is one: a non-negative integer, not a bool; None otherwise."""
+    usage = answer.get("usage")
+    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return count if type(count) is int and count >= 0 else None
 
 
 def answered_request(chat: Mapping[str, Any], *, without: Iterable[str] = ()) -> dict[str, Any]:

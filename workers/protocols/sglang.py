@@ -43,19 +43,18 @@ from workers.wire.error_reading import Wordings, wording
 from workers.protocols.base import (
     AGGREGATED,
     GENERATION_FIRST,
+    USAGE_ON_EVERY_CHUNK,
     Call,
     ContextPeer,
     Handoff,
     WorkerProtocol,
     answered_request,
+    reported_prompt_tokens,
     streamed_request,
 )
 
 logger = logging.getLogger(__name__)
 
-# SGLang's OpenAI server honours both (its `StreamOptions`): usage on every chunk gives
-# message_start the prompt's token count.
-STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # The router draws rooms in 0..2^63-1 (`generate_room_id`); workers read them as signed 64-bit.
 MAX_ROOM = 2**63 - 1
@@ -119,7 +118,7 @@ def _misconfigured(detail: str) -> WorkerError:
 
 
 def streamed(chat: dict[str, Any]) -> dict[str, Any]:
-    return streamed_request(chat, STREAM_OPTIONS, without=BOOTSTRAP_FIELDS)
+    return streamed_request(chat, USAGE_ON_EVERY_CHUNK, without=BOOTSTRAP_FIELDS)
 
 
 def prefill_request(chat: dict[str, Any], context: ContextPeer, room: int) -> dict[str, Any]:
@@ -136,11 +135,7 @@ def decode_request(chat: dict[str, Any], context: ContextPeer, room: int) -> dic
 
 def read_prefill_answer(answer: dict[str, Any]) -> PrefillDone:
     """The prefill's answer is dropped; only its prompt token count is kept, if it is sound."""
-    usage = answer.get("usage")
-    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
-        prompt_tokens = None
-    return PrefillDone(prompt_tokens)
+    return PrefillDone(reported_prompt_tokens(answer))
 
 
 class SglangProtocol(WorkerProtocol):

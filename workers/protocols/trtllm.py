@@ -48,19 +48,19 @@ from workers.protocols.base import (
     AGGREGATED,
     CONTEXT_FIRST,
     GENERATION_FIRST,
+    USAGE_ON_EVERY_CHUNK,
     Call,
     ContextPeer,
     Handoff,
     WorkerProtocol,
     answered_request,
+    reported_prompt_tokens,
     streamed_request,
 )
 
 logger = logging.getLogger(__name__)
 
-CHAT_PATH = "/v1/chat/completions"
 SERVER_INFO_PATH = "/server_info"
-STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 AUTH_HEADER = "x-trtllm-disagg-auth"
 # upstream's `_GEN_PENDING_FINISH_REASONS`: the context worker holds KV for a generation request.
 GENERATION_PENDING = frozenset({"length", "not_finished"})
@@ -212,8 +212,7 @@ def read_context_response(response: dict[str, Any]) -> ContextResult:
     choice = choices[0]
     usage = response.get("usage")
     usage = usage if isinstance(usage, dict) else None
-    prompt_tokens = usage.get("prompt_tokens") if usage is not None else None
-    prompt_tokens = prompt_tokens if _is_int(prompt_tokens) else None
+    prompt_tokens = reported_prompt_tokens(response)
     params = choice.get("disaggregated_params")
     if not isinstance(params, dict):
         raise WorkerError(502, "the context worker returned no disaggregated handoff", stage="context", code="invalid_handoff")
@@ -353,7 +352,7 @@ def generation_request_first(
 
 def streamed(chat: dict[str, Any]) -> dict[str, Any]:
     """The request as a generation worker streams it (usage on every chunk for message_start)."""
-    return streamed_request(chat, STREAM_OPTIONS, without=("disaggregated_params",))
+    return streamed_request(chat, USAGE_ON_EVERY_CHUNK, without=("disaggregated_params",))
 
 
 class TrtllmProtocol(WorkerProtocol):
@@ -366,7 +365,6 @@ class TrtllmProtocol(WorkerProtocol):
     name: ClassVar[str] = "trtllm"
     label: ClassVar[str] = "TensorRT-LLM (disaggregated_params)"
     schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, GENERATION_FIRST, AGGREGATED})
-    chat_path: ClassVar[str] = CHAT_PATH
     error_wordings: ClassVar[Wordings] = WORDINGS
 
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:

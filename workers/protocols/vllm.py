@@ -28,18 +28,16 @@ from workers.wire.error_reading import Wordings, wording
 from workers.protocols.base import (
     AGGREGATED,
     CONTEXT_FIRST,
+    USAGE_ON_EVERY_CHUNK,
     Call,
     ContextPeer,
     Handoff,
     WorkerProtocol,
     answered_request,
+    reported_prompt_tokens,
     streamed_request,
 )
 
-CHAT_PATH = "/v1/chat/completions"
-# vLLM's StreamOptions: usage on every chunk (`continuous_usage_stats`, a vLLM extension) gives
-# the prompt's token count with the first chunk, for message_start.
-STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 REQUEST_ID_HEADER = "X-Request-Id"
 
 # vLLM's sentences for a request that does not fit (`WorkerProtocol.error_wordings`); older vLLM
@@ -110,10 +108,7 @@ def prefill_request(chat: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_prefill_answer(answer: dict[str, Any]) -> PrefillResult:
-    usage = answer.get("usage")
-    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    if not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):
-        prompt_tokens = None
+    prompt_tokens = reported_prompt_tokens(answer)
     params = answer.get("kv_transfer_params")
     if isinstance(params, dict) and params:
         return PrefillResult(params, prompt_tokens)
@@ -143,7 +138,7 @@ def decode_request(chat: dict[str, Any], prefill: PrefillResult) -> dict[str, An
 
 def streamed(chat: dict[str, Any]) -> dict[str, Any]:
     """The request as a decode (or aggregated) worker streams it."""
-    return streamed_request(chat, STREAM_OPTIONS, without=("kv_transfer_params",))
+    return streamed_request(chat, USAGE_ON_EVERY_CHUNK, without=("kv_transfer_params",))
 
 
 class VllmProtocol(WorkerProtocol):
@@ -152,7 +147,6 @@ class VllmProtocol(WorkerProtocol):
     name: ClassVar[str] = "vllm"
     label: ClassVar[str] = "vLLM (kv_transfer_params, prefill then decode)"
     schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, AGGREGATED})
-    chat_path: ClassVar[str] = CHAT_PATH
     error_wordings: ClassVar[Wordings] = WORDINGS
 
     def headers(self, body: dict[str, Any], call: Call) -> dict[str, str]:

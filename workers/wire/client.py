@@ -165,13 +165,7 @@ async def _fetch(
 
 
 async def post_json(
-    url: str,
-    body: JsonBody,
-    *,
-    stage: str,
-    timeout: float | None = None,
-    headers: Mapping[str, str] | None = None,
-    wordings: Wordings = (),
+    url: str, body: JsonBody, *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None, wordings: Wordings = ()
 ) -> dict[str, Any]:
     """POST a JSON body and return the JSON object answered, all within `timeout` (default
     WORKER_REQUEST_TIMEOUT_S); anything else raises WorkerError. `headers` add to the JSON ones."""
@@ -185,13 +179,7 @@ async def post_json(
 
 
 async def post_completion(
-    url: str,
-    body: JsonBody,
-    *,
-    stage: str,
-    timeout: float | None = None,
-    headers: Mapping[str, str] | None = None,
-    wordings: Wordings = (),
+    url: str, body: JsonBody, *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None, wordings: Wordings = ()
 ) -> dict[str, Any]:
     """POST a non-streamed chat request and return its chat completion, checked against the
     documented shape (workers.wire.shapes), all within `timeout` (default WORKER_CONTEXT_TIMEOUT_S);
