@@ -33,6 +33,7 @@ from messages_api import intake, metrics
 from messages_api.server import loop_lag
 from messages_api.accumulate import accumulate_message
 from messages_api.server.arrival import seconds_since_received
+from messages_api.cache_accounting import cached_prefix_share
 from messages_api.audit import AuditRecord, sample_unauthenticated
 from messages_api.auth import Principal, key_cache, key_from_headers
 from messages_api.server.body_writer import BodyWriter, body_writer
@@ -371,6 +372,7 @@ class MessagesConsumer(ApiConsumer):
                 # message_start's count when the worker reports usage only at the end (a plain
                 # OpenAI-compatible server has no per-chunk usage); the worker's count replaces it.
                 input_tokens=run.estimated_prompt_tokens,
+                cache_share=cached_prefix_share(request, len(body)),
             )
             record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
             try:
@@ -383,7 +385,9 @@ class MessagesConsumer(ApiConsumer):
                 # Whichever way the run ended (the error boundary writes the failed or cancelled row).
                 self.note_reply()
         finally:
-            used = Usage(record.input_tokens or 0, record.output_tokens or 0)
+            # Anthropic's input-token limits count what was written to the cache too.
+            written = self.reframer.cache_creation_input_tokens if self.reframer is not None and self.reframer.started else 0
+            used = Usage((record.input_tokens or 0) + written, record.output_tokens or 0)
             lease.settle(used)
             run.charge_output(used.output_tokens)
         record.end(RequestStatus.COMPLETED, http_status=200)

@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from messages_api.cache_accounting import split_prompt
 from messages_api.errors import AnthropicError
 from messages_api.framing import text_delta_frame
 
@@ -116,6 +117,7 @@ class StreamReframer:
         "_model",
         "_stop_sequences",
         "_start_input_tokens",
+        "_cache_share",
         "_started",
         "_done",
         "_index",
@@ -137,11 +139,16 @@ class StreamReframer:
         model: str,
         input_tokens: int | None = None,
         stop_sequences: list[str] | None = None,
+        cache_share: float = 0.0,
     ) -> None:
+        """`cache_share`: the fraction of the prompt up to its last `cache_control` breakpoint
+        (`messages_api.cache_accounting`), which the usage reports as cache creation where the
+        worker did not read it from its cache."""
         self._message_id = message_id
         self._model = model
         self._stop_sequences = frozenset(stop_sequences or ())
         self._start_input_tokens = input_tokens or 0
+        self._cache_share = cache_share
         self._started = False
         self._done = False
         self._index = -1
@@ -165,12 +172,25 @@ class StreamReframer:
         return self._started
 
     @property
-    def input_tokens(self) -> int:
+    def prompt_tokens(self) -> int:
+        """The whole prompt: the worker's count, or the estimate until it reports one."""
         usage = self._usage
         if usage is None or usage.get("prompt_tokens") is None:
             return self._start_input_tokens
         prompt_tokens: int = usage["prompt_tokens"]
-        return max(prompt_tokens - _cached_tokens(usage), 0)
+        return prompt_tokens
+
+    @property
+    def input_tokens(self) -> int:
+        """The prompt's tokens neither read from nor written to the cache."""
+        return self._split()[0]
+
+    @property
+    def cache_creation_input_tokens(self) -> int:
+        return self._split()[1]
+
+    def _split(self) -> tuple[int, int, int]:
+        return split_prompt(self.prompt_tokens, self.cache_read_input_tokens, self._cache_share)
 
     @property
     def output_tokens(self) -> int:
@@ -308,7 +328,7 @@ class StreamReframer:
         return {
             "input_tokens": self.input_tokens,
             "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0,
+            "cache_creation_input_tokens": self.cache_creation_input_tokens,
             "cache_read_input_tokens": self.cache_read_input_tokens,
         }
 
