@@ -41,6 +41,12 @@ reads of a stream (p50/p99 over streams). Targets (issue 12): at 10,000 ev/s ≤
 event and status/first content p99 ≤ 60 ms; at 2,500 ev/s ≤ 60 µs and first content p99 ≤ 50 ms.
 Beside them, in the same run: the Rust routers (`--routers`) and the floor of a Python relay
 (`--floors`: bench/floor_proxy.py, plain asyncio, bytes through or the least reframing work).
+
+With `--burst` (issue 30) the paced streams start together instead of ramping, and, all of one
+length, end together and start together again: first content p50/p99 over every stream, and per
+burst the time until its last stream's first content event.
+
+    .venv/bin/python bench/relay.py --part paced --burst --paced-loads 10000 --routers vllm-router,sglang-router
 """
 
 from __future__ import annotations
@@ -83,6 +89,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ms-per-token", type=float, default=20.0, help="paced: ms between two tokens of a stream (default 20)")
     parser.add_argument("--paced-tokens", type=int, help="paced: tokens per stream (default 256; --quick 64)")
     parser.add_argument("--paced-seconds", type=float, help="paced: seconds per load level and target (default 25; --quick 5)")
+    parser.add_argument("--burst", action="store_true",
+                        help="paced: every stream starts at once (no ramp), and, all of one length, they end together and "
+                             "start together again: bursts, as when a team starts work, after a restart or after a 529")
     parser.add_argument("--b-root", type=Path,
                         help="paced: A/B, a second gateway ('gateway B') run from this checkout of the project (another "
                         "commit), in front of the same workers and database; measured right after gateway A at every level")
@@ -342,23 +351,41 @@ async def throughput(args: argparse.Namespace, gateway: h.GatewayProc, key: str,
 
 async def _drive_paced(port: int, wire: bytes, pattern: bytes, streams: int, seconds: float, ramp: float) -> dict[str, Any]:
     """`streams` connections, each running streams back to back until `seconds` have passed,
-    the first of each starting at an even offset within `ramp`."""
+    the first of each starting at an even offset within `ramp` (0: all at once). `rounds[k]` holds
+    every connection's k-th stream (a burst, when they start together)."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     stop_at = start + seconds
     responses: list[h.Response] = []
+    rounds: dict[int, list[h.Response]] = {}
 
     async def one_connection(index: int) -> None:
-        await asyncio.sleep(ramp * index / streams)
+        if ramp:
+            await asyncio.sleep(ramp * index / streams)
         conn = h.KeepAlive(port)
         try:
+            k = 0
             while loop.time() < stop_at:
-                responses.append(await conn.request(wire, count=pattern, count_times=True))
+                response = await conn.request(wire, count=pattern, count_times=True)
+                responses.append(response)
+                rounds.setdefault(k, []).append(response)
+                k += 1
         finally:
             conn.close()
 
     await asyncio.gather(*(one_connection(i) for i in range(streams)))
-    return {"responses": responses, "start": start}
+    return {"responses": responses, "start": start, "rounds": rounds}
+
+
+def _burst_summary(rounds: dict[int, list[h.Response]], streams: int) -> dict[str, Any]:
+    """Per burst (a round every connection ran in full): from its first request sent to its last
+    stream's first content event, the time until everyone has started."""
+    spans = []
+    for responses in rounds.values():
+        if len(responses) < streams or any(r.first_count_at is None for r in responses):
+            continue
+        spans.append(max(r.first_count_at for r in responses if r.first_count_at is not None) - min(r.sent_at for r in responses))
+    return {"bursts": len(spans), "last_first_content_s": h.distribution(spans)}
 
 
 def _paced_summary(responses: list[h.Response], window: tuple[float, float]) -> dict[str, Any]:
@@ -392,7 +419,7 @@ async def paced(
     directive = f"[sim tokens={args.paced_tokens}]"
     direct_wire = h.worker_request(dport, {**direct_payload(directive), "model": h.MODEL})
     stream_s = args.paced_tokens * args.ms_per_token / 1000
-    ramp = min(stream_s, args.paced_seconds / 3)
+    ramp = 0.0 if args.burst else min(stream_s, args.paced_seconds / 3)
     loads = [int(x) for x in str(args.paced_loads).split(",") if x.strip()]
     targets: dict[str, tuple[int, bytes, bytes, dict[str, int]]] = {}
     for label, gateway in gateways.items():
@@ -436,6 +463,8 @@ async def paced(
             cpu = meter.stop()
             window = (run["start"] + ramp + 1.0, run["start"] + args.paced_seconds)
             summary = _paced_summary(run["responses"], window)
+            if args.burst:
+                summary["burst"] = _burst_summary(run["rounds"], streams)
             summary["cpu_s"] = cpu
             summary["cpu_util"] = {k: v / meter.wall for k, v in cpu.items()}
             events = summary["events"] or float("nan")
@@ -462,6 +491,8 @@ async def paced(
                 summary["max_gap_s"].get("p99", float("nan")) * 1000,
                 summary["failures"],
                 cpu["others"] / meter.wall,
+                *([summary["burst"]["last_first_content_s"].get("p50", float("nan")) * 1000,
+                   summary["burst"]["last_first_content_s"].get("max", float("nan")) * 1000] if args.burst else []),
             ])
         target = PACED_TARGETS.get(load)
         if target is not None:
@@ -482,10 +513,12 @@ async def paced(
         levels.append(level)
     h.print_table(
         f"(c) paced: one token every {args.ms_per_token:g} ms per stream, {args.paced_tokens}-token streams, "
-        f"{args.paced_seconds:g} s per run (steady window after a {ramp:.1f} s ramp)",
+        f"{args.paced_seconds:g} s per run "
+        + ("(bursts: every stream starts together, again at each stream's end)" if args.burst else f"(steady window after a {ramp:.1f} s ramp)"),
         ("", "events/s delivered", "proxy CPU µs/event", "of which kernel", "of which loop thread", "worker CPU µs/event",
          "proxy CPU %", "status p50 ms", "status p99 ms",
-         "first content p50 ms", "first content p99 ms", "max gap p99 ms", "failures", "others' cores"),
+         "first content p50 ms", "first content p99 ms", "max gap p99 ms", "failures", "others' cores",
+         *(("last stream's first content p50 ms", "... max ms") if args.burst else ())),
         rows,
         digits=1,
     )
@@ -501,7 +534,7 @@ async def paced(
     for level in levels:
         for label in [*routers, *floors]:
             print(f"({level['offered_events_per_s']:,} ev/s, {label}: {level[label]['machine']})")
-    return {"ms_per_token": args.ms_per_token, "tokens": args.paced_tokens, "seconds": args.paced_seconds,
+    return {"ms_per_token": args.ms_per_token, "tokens": args.paced_tokens, "seconds": args.paced_seconds, "burst": args.burst,
             "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "routers": list(routers), "floors": list(floors),
             "levels": levels}
 
