@@ -38,7 +38,7 @@ key_tokens = Counter(
 
 
 def observe(record: AuditRecord) -> None:
-    requests.labels(record.status, record.stage or "received", "true" if record.stream else "false").inc()
+    _child(requests, record.status, record.stage or "received", "true" if record.stream else "false").inc()
     if record.headers_sent_ms is not None and record.stream:
         time_to_status_line.observe(record.headers_sent_ms / 1000)
     if record.first_token_ms is not None:
@@ -53,23 +53,24 @@ def observe(record: AuditRecord) -> None:
         _observe_key(record)
 
 
-# The labelled children by (metric, key, label value): `labels()` costs a lock and a few µs.
-_key_children: dict[tuple[Counter, str, str], Any] = {}
+# The labelled children by (metric, label values): `labels()` costs a lock and a few µs, per
+# request; the label sets are few (statuses × stages, keys × kinds).
+_children: dict[tuple[Any, ...], Any] = {}
 
 
-def _key_child(counter: Counter, key: str, label: str) -> Any:
-    child = _key_children.get((counter, key, label))
+def _child(metric: Counter, *labels: str) -> Any:
+    child = _children.get((metric, *labels))
     if child is None:
-        child = _key_children[(counter, key, label)] = counter.labels(key, label)
+        child = _children[(metric, *labels)] = metric.labels(*labels)
     return child
 
 
 def _observe_key(record: AuditRecord) -> None:
     key = record.api_key_name
-    _key_child(key_requests, key, record.status).inc()
+    _child(key_requests, key, record.status).inc()
     if record.input_tokens:
-        _key_child(key_tokens, key, "input").inc(record.input_tokens)
+        _child(key_tokens, key, "input").inc(record.input_tokens)
     if record.output_tokens:
-        _key_child(key_tokens, key, "output").inc(record.output_tokens)
+        _child(key_tokens, key, "output").inc(record.output_tokens)
     if record.cache_read_input_tokens:
-        _key_child(key_tokens, key, "cache_read").inc(record.cache_read_input_tokens)
+        _child(key_tokens, key, "cache_read").inc(record.cache_read_input_tokens)

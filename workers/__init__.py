@@ -37,6 +37,7 @@ _HOMES = {
     "PoolInfo": "workers.cluster.registry",
     "get_registry": "workers.cluster.registry",
     "GATEWAY_INSTANCE": "workers.cluster.instance",
+    "new_id": "workers.cluster.instance",
     "get_writer": "workers.cluster.writer",
     "process_abandoned": "workers.cluster.recovery",
     "start_services": "workers.cluster.services",
@@ -76,6 +77,7 @@ __all__ = [
     "get_shared_state",
     "lease_expiry",
     "limit_argument",
+    "new_id",
     "get_writer",
     "process_abandoned",
     "shared_leases",
@@ -87,7 +89,7 @@ if TYPE_CHECKING:
     from workers.admission.queue import Priority
     from workers.cluster.shared_state import Script, get_shared_state, lease_expiry
     from workers.cluster.shared_state import leases as shared_leases
-    from workers.cluster.instance import GATEWAY_INSTANCE
+    from workers.cluster.instance import GATEWAY_INSTANCE, new_id
     from workers.cluster.recovery import process_abandoned
     from workers.cluster.registry import PoolInfo, Served, get_registry
     from workers.cluster.services import start_services

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -24,7 +23,7 @@ from messages_api.errors import AnthropicError
 from messages_api.limits import shared
 from messages_api.limits.local import LocalLimits
 from messages_api.limits.policy import NO_LIMITS, BucketState, Decision, KeyLimits, Usage
-from workers import lease_expiry
+from workers import lease_expiry, new_id
 
 __all__ = ["KeyLimits", "KeyLease", "NO_LIMITS", "Usage", "check_limits", "local_limits"]
 
@@ -73,7 +72,7 @@ async def check_limits(key: str, limits: KeyLimits, estimate: Usage) -> KeyLease
     """Admit the request under its key's limits, or raise a 429 `rate_limit_error`."""
     if not limits.any:
         return KeyLease(key, limits, estimate, settled=True)
-    lease = uuid.uuid4().hex
+    lease = new_id()
     now = time.time()
     expiry = lease_expiry()
     decision = await shared.check(key, limits, estimate, lease, expiry, now)

@@ -11,13 +11,13 @@ fast path: no queue, no lease, no await.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable, Hashable
 
 from django.conf import settings
 
 from workers.admission import capacity
 from workers.admission.queue import AdmissionRefused, Priority, Ticket, get_queue
+from workers.cluster.instance import new_id
 from workers.cluster.registry import EndpointInfo
 
 __all__ = ["AdmissionRefused", "Priority", "Ticket", "admit"]
@@ -77,7 +77,7 @@ async def _try(
         endpoint = pick(roomy)
         if not endpoint.capped:
             return endpoint, None
-        lease = uuid.uuid4().hex
+        lease = new_id()
         if await capacity.acquire(endpoint, lease, tokens, *held_here(endpoint.id)):
             return endpoint, lease
         roomy.remove(endpoint)  # full in another process's count: the next choice

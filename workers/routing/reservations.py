@@ -8,14 +8,13 @@ the background writer so operators and crash recovery can see it.
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from workers.admission import capacity
 from workers.admission.queue import notify_freed
-from workers.cluster.instance import GATEWAY_INSTANCE
+from workers.cluster.instance import GATEWAY_INSTANCE, new_id
 from workers.models import Outcome
 from workers.models import Reservation as ReservationRow
 from workers.cluster.registry import EndpointInfo
@@ -40,6 +39,8 @@ class ReservationLedger:
 
 
 ledger = ReservationLedger()
+# `Outcome.values` builds its list on every access.
+_OUTCOMES = frozenset(Outcome.values)
 
 
 def _now() -> datetime:
@@ -51,7 +52,7 @@ class Reservation:
     request_id: str
     endpoint: EndpointInfo
     stage: str
-    reservation_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    reservation_id: str = field(default_factory=new_id)
     reserved_at: datetime = field(default_factory=_now)
     released_at: datetime | None = None
     outcome: str = ""
@@ -76,7 +77,7 @@ class Reservation:
         if self.released_at is not None:
             ledger.duplicate_releases += 1
             return False
-        assert outcome in Outcome.values, outcome
+        assert outcome in _OUTCOMES, outcome
         self.released_at = _now()
         self.outcome = outcome
         endpoint = self.endpoint
