@@ -33,6 +33,9 @@ def _start_services_with_daphne() -> None:
     install_state_dump(loop)  # kill -USR1: thread and task stacks to the log
     install_loop_monitor(loop)  # new API requests are shed while the loop lags
     install_memory_return()  # large requests' memory goes back to the system
+    from disagg_project import log_queue
+
+    log_queue.install()  # log lines formatted and written on a thread of their own
     loop.call_soon(_no_delay_on_listening_sockets, reactor)
     # Close the worker connection pools while the loop still runs (after daphne has stopped the
     # applications), instead of leaving them to be collected.
