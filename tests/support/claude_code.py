@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,25 +12,56 @@ import pytest
 
 from tests.support.gateway import PROJECT_ROOT
 
-CLAUDE_BIN = PROJECT_ROOT / ".ci" / "node" / "node_modules" / ".bin" / "claude"
-CLAUDE_PACKAGE = PROJECT_ROOT / ".ci" / "node" / "node_modules" / "@anthropic-ai" / "claude-code"
-INSTALL_HINT = "npm install --prefix .ci/node @anthropic-ai/claude-code"
+# Which installed release the tests run: an npm prefix, relative to the project unless absolute.
+# CI installs the pinned release (.ci/claude-code-version) in .ci/node, and the newest published one
+# in .ci/node-latest to run the same tests against it (CLAUDE_CODE_PREFIX=.ci/node-latest); bench/
+# claude_code_releases.py points it at a scratch prefix per release. Read at each call, not at import.
+PREFIX_VARIABLE = "CLAUDE_CODE_PREFIX"
+DEFAULT_PREFIX = ".ci/node"
 CLAUDE_TIMEOUT_S = 120
+
+
+def claude_prefix() -> Path:
+    """The npm prefix Claude Code is installed in: $CLAUDE_CODE_PREFIX, default .ci/node."""
+    prefix = Path(os.environ.get(PREFIX_VARIABLE) or DEFAULT_PREFIX)
+    return prefix if prefix.is_absolute() else PROJECT_ROOT / prefix
+
+
+def claude_bin() -> Path:
+    return claude_prefix() / "node_modules" / ".bin" / "claude"
+
+
+def claude_package() -> Path:
+    return claude_prefix() / "node_modules" / "@anthropic-ai" / "claude-code"
+
+
+def claude_version() -> str | None:
+    """The installed release's version (its package.json), None when none is installed there."""
+    try:
+        return str(json.loads((claude_package() / "package.json").read_text())["version"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(PROJECT_ROOT)) if path.is_relative_to(PROJECT_ROOT) else str(path)
 
 
 def claude_command() -> list[str]:
     """The CLI to run; skips (or fails, with REQUIRE_CLAUDE_CODE=1) when it is not installed."""
-    if not CLAUDE_BIN.exists():
-        message = f"Claude Code is not installed at {CLAUDE_BIN.relative_to(PROJECT_ROOT)} (CI runs `{INSTALL_HINT}`)"
+    binary = claude_bin()
+    if not binary.exists():
+        hint = f"npm install --prefix {_shown(claude_prefix())} @anthropic-ai/claude-code"
+        message = f"Claude Code is not installed at {_shown(binary)} (CI runs `{hint}`; {PREFIX_VARIABLE} chooses the prefix)"
         if os.environ.get("REQUIRE_CLAUDE_CODE"):
             pytest.fail(message)
         pytest.skip(message)
     # When npm did not run the package's postinstall, bin/claude.exe is a small placeholder and
     # the package's documented fallback is `node cli-wrapper.cjs`.
-    wrapper = CLAUDE_PACKAGE / "cli-wrapper.cjs"
-    if CLAUDE_BIN.resolve().stat().st_size < 4096 and wrapper.exists() and shutil.which("node"):
+    wrapper = claude_package() / "cli-wrapper.cjs"
+    if binary.resolve().stat().st_size < 4096 and wrapper.exists() and shutil.which("node"):
         return ["node", str(wrapper)]
-    return [str(CLAUDE_BIN)]
+    return [str(binary)]
 
 
 def claude_env(
