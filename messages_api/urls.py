@@ -7,6 +7,8 @@ from messages_api import views
 
 urlpatterns = [
     path("", views.root),
+    # Claude Code 2.1.220-2.1.289 check that the gateway answers with HEAD /api/hello.
+    path("api/hello", views.root),
     path("health", views.health),
     path("ready", views.ready),
     path("metrics", views.metrics),

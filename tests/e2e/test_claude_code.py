@@ -442,8 +442,10 @@ def test_installed_claude_code_request_still_converts() -> None:
     assert BILLING_BLOCK.fullmatch(body["system"][0]["text"]), body["system"][0]["text"]
     chat = to_chat_request(validate_messages_request(body))
     assert_worker_request_is_converted(chat, body)
+    # Every route Claude Code calls is one the gateway answers (2.1.220-2.1.289 probe /api/hello).
     assert {(r["method"], r["path"].split("?")[0]) for r in captured} <= {
         ("HEAD", "/"),
+        ("HEAD", "/api/hello"),
         ("POST", "/v1/messages"),
         ("POST", "/v1/messages/count_tokens"),
         ("GET", "/v1/models"),
@@ -549,3 +551,8 @@ def call_command_quietly(*args: Any, **options: Any) -> None:
     from django.core.management import call_command
 
     call_command(*args, stdout=io.StringIO(), **options)
+
+
+@pytest.mark.parametrize(("method", "path"), [("HEAD", "/"), ("GET", "/"), ("HEAD", "/api/hello"), ("GET", "/api/hello")])
+def test_the_connectivity_probes_claude_code_sends_answer_200(gateway: Gateway, method: str, path: str) -> None:
+    assert httpx.request(method, gateway.url + path, timeout=10).status_code == 200

@@ -31,7 +31,11 @@ KEY_NAME = "make-run"
 # Claude Code's model names (Opus, Sonnet and Haiku classes), routed to the simulated pool so
 # that it needs no model variables: the exact current names are listed by /v1/models (its /model
 # picker), and the patterns catch the others, the background Haiku-class calls included.
+# (Current as of Claude Code 2.1.332, 2026-11; the patterns catch the names that come later.)
 CLAUDE_MODELS = (
+    ("claude-opus-5-5", "Claude Opus 5.5 (simulated)"),
+    ("claude-sonnet-5-5", "Claude Sonnet 5.5 (simulated)"),
+    ("claude-haiku-5-5", "Claude Haiku 5.5 (simulated)"),
     ("claude-opus-4-8", "Claude Opus 4.8 (simulated)"),
     ("claude-sonnet-4-6", "Claude Sonnet 4.6 (simulated)"),
     ("claude-haiku-4-5", "Claude Haiku 4.5 (simulated)"),
