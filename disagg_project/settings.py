@@ -19,6 +19,14 @@ django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
+# Every file a gateway process creates is its user's alone, whatever the umask of the shell or
+# service that started it: the SQLite database (admin sessions, password hashes, handoff signing
+# keys) and its -wal/-shm files, and anything else written later. Set here, before the first
+# database connection, in every process that loads the settings (daphne, manage.py, serve's
+# children). `collectstatic` output is then 0600 too: serve it through the gateway (WhiteNoise),
+# or loosen it for a web server that reads it (docs/security.md).
+os.umask(0o077)
+
 
 def env_bool(name: str, default: bool = False) -> bool:
     value = os.environ.get(name)

@@ -246,7 +246,7 @@ class Stack:
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                    "--worker-startup-check-interval", "1"]
         if not shutil.which(command[0]):
-            raise RuntimeError(f"{kind} is not installed (requirements.txt pins it)")
+            raise RuntimeError(f"{kind} is not installed (requirements-dev.txt pins it: make install-dev)")
         env = {k: v for k, v in self.env.items() if "proxy" not in k.lower()}
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
             env[name] = env[name.lower()] = "http://127.0.0.1:9"
