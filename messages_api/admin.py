@@ -8,7 +8,7 @@ from django.template.response import TemplateResponse
 from messages_api.auth import KEY_PREFIX, generate_key, hash_key
 from messages_api.models import ApiKey, MessageRequest
 from messages_api.usage_report import KeyUsagePages
-from workers import ReadOnlyAdmin
+from workers import GuardedAdmin, ReadOnlyAdmin
 
 
 @admin.register(MessageRequest)
@@ -36,7 +36,8 @@ class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(KeyUsagePages):  # a ModelAdmin, with the per-key usage page and its CSV
+class ApiKeyAdmin(GuardedAdmin[ApiKey], KeyUsagePages):  # a ModelAdmin, with the per-key usage page and its CSV
+    secret_fields = ("key_hash",)
     list_display = ("name", "prefix", "active", "priority", "max_concurrency", "requests_per_minute", "tokens_per_day", "last_used_at")
     list_filter = ("active", "priority")
     search_fields = ("name", "prefix")

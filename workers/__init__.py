@@ -53,12 +53,14 @@ _HOMES = {
     "get_shared_state": "workers.cluster.shared_state",
     "shared_leases": "workers.cluster.shared_state",
     "lease_expiry": "workers.cluster.shared_state",
+    "GuardedAdmin": "workers.admin",
 }
 __all__ = [
     "AGGREGATED",
     "ChatRun",
     "ContextLengthExceeded",
     "GATEWAY_INSTANCE",
+    "GuardedAdmin",
     "NoEndpointAvailable",
     "OutputLimitExceeded",
     "PoolInfo",
@@ -85,7 +87,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from workers.admin import ReadOnlyAdmin
+    from workers.admin import GuardedAdmin, ReadOnlyAdmin
     from workers.admission.queue import Priority
     from workers.cluster.shared_state import Script, get_shared_state, lease_expiry
     from workers.cluster.shared_state import leases as shared_leases
