@@ -91,7 +91,8 @@ SECURE_PROXY_SSL_HEADER = env_proxy_ssl_header("SECURE_PROXY_SSL_HEADER")
 
 INSTALLED_APPS = [
     "daphne",
-    "django.contrib.admin",
+    # Django's admin with the gateway's site: the cluster overview (messages_api/admin_site.py).
+    "messages_api.admin_config.GatewayAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",

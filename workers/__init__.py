@@ -54,6 +54,7 @@ _HOMES = {
     "shared_leases": "workers.cluster.shared_state",
     "lease_expiry": "workers.cluster.shared_state",
     "GuardedAdmin": "workers.admin",
+    "local_state": "workers.cluster.local_state",
 }
 __all__ = [
     "AGGREGATED",
@@ -80,6 +81,7 @@ __all__ = [
     "lease_expiry",
     "limit_argument",
     "new_id",
+    "local_state",
     "get_writer",
     "process_abandoned",
     "shared_leases",
@@ -92,6 +94,7 @@ if TYPE_CHECKING:
     from workers.cluster.shared_state import Script, get_shared_state, lease_expiry
     from workers.cluster.shared_state import leases as shared_leases
     from workers.cluster.instance import GATEWAY_INSTANCE, new_id
+    from workers.cluster.local_state import local_state
     from workers.cluster.recovery import process_abandoned
     from workers.cluster.registry import PoolInfo, Served, get_registry
     from workers.cluster.services import start_services

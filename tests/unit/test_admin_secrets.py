@@ -69,6 +69,8 @@ def test_editors_never_see_the_signing_key_either(pool: WorkerPool) -> None:
         reverse("admin:workers_workerpool_change", args=[pool.pk]),
         reverse("admin:workers_workerpool_changelist"),
         reverse("admin:workers_workerpool_history", args=[pool.pk]),
+        reverse("admin:cluster_overview"),
+        reverse("admin:cluster_overview_live"),
     ):
         page = root.get(url)
         assert page.status_code == 200, url

@@ -29,6 +29,7 @@ waiters, and the slots themselves (`workers.admission.capacity`) are shared exac
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import itertools
 import time
@@ -108,6 +109,9 @@ class AdmissionQueue:
         self._session_counter: dict[tuple[str, str], float] = {}
         self._count = 0
         self._bytes = 0
+        # Waiters by (resource, class): kept as they come and go, so another thread (the admin's
+        # cluster overview) reads a copy without walking the queue while the loop changes it.
+        self.waiting: collections.Counter[tuple[Hashable, Priority]] = collections.Counter()
         self._order = itertools.count()
         self._pollers: dict[Hashable, asyncio.TimerHandle] = {}
 
@@ -173,6 +177,10 @@ class AdmissionQueue:
                         del self._waiting[waiter.resource]
         self._count -= 1
         self._bytes -= waiter.ticket.size
+        place = (waiter.resource, waiter.ticket.priority)
+        self.waiting[place] -= 1
+        if self.waiting[place] <= 0:
+            del self.waiting[place]
         label = waiter.ticket.priority.label
         queue_depth.labels(label).dec()
         queue_wait.labels(label, outcome).observe(time.monotonic() - waiter.enqueued)
@@ -218,6 +226,7 @@ class AdmissionQueue:
         flow.sessions[ticket.session].append(waiter)
         self._count += 1
         self._bytes += ticket.size
+        self.waiting[(waiter.resource, ticket.priority)] += 1
         queue_depth.labels(ticket.priority.label).inc()
 
     def _next(self, resource: Hashable) -> _Waiter | None:
@@ -264,6 +273,15 @@ def get_queue() -> AdmissionQueue:
             del _queues[stale]
         queue = _queues[loop] = AdmissionQueue()
     return queue
+
+
+def waiting_here() -> dict[tuple[Hashable, Priority], int]:
+    """Requests waiting in this process's queues, by resource (pool, role) and class. Safe from any
+    thread: it copies counters that only the queues' loops change."""
+    total: collections.Counter[tuple[Hashable, Priority]] = collections.Counter()
+    for queue in list(_queues.values()):
+        total.update(dict(queue.waiting))
+    return dict(total)
 
 
 def notify_freed(resource: Hashable) -> None:
