@@ -7,12 +7,19 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from prometheus_client import Counter, Gauge, Histogram
 
+from messages_api.errors import ERROR_TYPE_BY_STATUS, STATUS_BY_ERROR_TYPE
+
 if TYPE_CHECKING:
     from messages_api.audit import AuditRecord
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 requests = Counter("gateway_requests", "Requests by terminal status and the stage they ended in.", ["status", "stage", "stream"])
+# Bounded labels: Anthropic's error types (any other is counted as "other"), and the stages.
+_ERROR_TYPES = frozenset(ERROR_TYPE_BY_STATUS.values()) | frozenset(STATUS_BY_ERROR_TYPE)
+errors = Counter(
+    "gateway_errors", "Requests that ended with an error, by Anthropic error type and the stage they ended in.", ["type", "stage"]
+)
 time_to_status_line = Histogram(
     "gateway_time_to_status_line_seconds", "Streamed requests: receipt to response headers.", buckets=_LATENCY_BUCKETS
 )
@@ -39,6 +46,9 @@ key_tokens = Counter(
 
 def observe(record: AuditRecord) -> None:
     _child(requests, record.status, record.stage or "received", "true" if record.stream else "false").inc()
+    if record.error_type:
+        error_type = record.error_type if record.error_type in _ERROR_TYPES else "other"
+        _child(errors, error_type, record.stage or "received").inc()
     if record.headers_sent_ms is not None and record.stream:
         time_to_status_line.observe(record.headers_sent_ms / 1000)
     if record.first_token_ms is not None:
