@@ -107,6 +107,9 @@ MIDDLEWARE = [
     # First: load-balancer probes and the metrics scrape answer for any Host (they arrive by IP)
     # and are never redirected to HTTPS; everything else keeps the host check (messages_api/probes.py).
     "messages_api.probes.ProbeMiddleware",
+    # Second: a bad Host is answered 400 in Anthropic's envelope and logged as one sampled line,
+    # not a traceback per request (messages_api/host_check.py).
+    "messages_api.host_check.HostCheckMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

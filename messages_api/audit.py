@@ -18,6 +18,7 @@ from django.conf import settings
 
 from messages_api import metrics, usage
 from messages_api.models import MessageRequest, RequestStatus
+from messages_api.request_context import loggable
 from workers import GATEWAY_INSTANCE, RunTrace, Traced, get_writer
 
 access_log = logging.getLogger("messages_api.access")
@@ -109,10 +110,12 @@ class AuditRecord:
         if not persist:
             return True
         self._write()
+        # The model and the error's message may be the client's text: escaped, so that a newline or
+        # a terminal escape in them cannot forge or hide a log line.
         access_log.info(
             "%s stream=%s status=%s http=%s stage=%s ms=%.1f%s",
-            self.model or "-", self.stream, status, self.http_status, self.stage, self.finished_ms,
-            f" error={self.error_type}: {self.error_message}" if self.error_type else "",
+            loggable(self.model) or "-", self.stream, status, self.http_status, self.stage, self.finished_ms,
+            f" error={loggable(self.error_type)}: {loggable(self.error_message)}" if self.error_type else "",
             extra={"request_id": self.request_id},
         )
         return True

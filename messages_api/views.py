@@ -1,4 +1,5 @@
-"""Small plain-Django routes: the root probe Claude Code sends (`HEAD /`), liveness and readiness."""
+"""Small plain-Django routes: the root probe Claude Code sends (`HEAD /`), liveness and readiness,
+the metrics scrape; and Django's error pages (400, 404, 500) in Anthropic's envelope."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_safe
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from messages_api.audit import new_request_id
+from messages_api.errors import INTERNAL_ERROR_MESSAGE, error_body
 from messages_api.server import drain
 from workers import AGGREGATED, PoolInfo, candidates, get_registry
 
@@ -82,3 +85,26 @@ def metrics(request: HttpRequest) -> HttpResponse:
     if not allowed:
         return JsonResponse({"error": "metrics are served to loopback or with METRICS_BEARER_TOKEN"}, status=403)
     return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+
+def error_response(status: int, error_type: str, message: str) -> JsonResponse:
+    """An answer in Anthropic's envelope, with its `request-id` header."""
+    request_id = new_request_id()
+    response = JsonResponse(error_body(error_type, message, request_id), status=status)
+    response["request-id"] = request_id
+    return response
+
+
+# Django's error views (disagg_project/urls.py): every request target Django does not serve (`*`,
+# `/V1/MESSAGES`, an absolute URL, ...) is answered in Anthropic's envelope, not an HTML page.
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    return error_response(404, "not_found_error", f"Not found: {request.method} {request.path}")
+
+
+def bad_request(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    return error_response(400, "invalid_request_error", "Bad request")
+
+
+def server_error(request: HttpRequest) -> JsonResponse:
+    return error_response(500, "api_error", INTERNAL_ERROR_MESSAGE)

@@ -1,10 +1,12 @@
-"""Unknown API paths answer Anthropic's 404 envelope, through a real daphne (messages_api.routes)."""
+"""Unknown API paths answer Anthropic's 404 envelope, through a real daphne (messages_api.routes), and so
+does every other request target Django does not serve (its handler404, messages_api.views)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
+from tests.e2e.test_http_guard import exchange
 from tests.support.gateway import Gateway
 
 
@@ -23,6 +25,26 @@ def test_an_unknown_api_path_is_a_404_in_the_envelope(gateway: Gateway, method: 
     assert body["request_id"] == response.headers["request-id"]
 
 
-def test_other_paths_are_still_django_s(gateway: Gateway) -> None:
-    assert httpx.get(gateway.url + "/v1x", timeout=10).headers["content-type"].startswith("text/html")
+@pytest.mark.parametrize(
+    ("request_line", "path"),
+    [
+        ("OPTIONS * HTTP/1.1", "*"),
+        ("POST /V1/MESSAGES HTTP/1.1", "/V1/MESSAGES"),
+        ("GET /..%2f..%2fetc/passwd HTTP/1.1", "/../../etc/passwd"),
+        ("GET http://example.com/v1/models HTTP/1.1", "http://example.com/v1/models"),
+        ("GET /v1x HTTP/1.1", "/v1x"),
+        ("GET /nothing/here HTTP/1.1", "/nothing/here"),
+    ],
+    ids=["asterisk", "upper-case", "dot-dot", "absolute-form", "v1x", "other"],
+)
+def test_every_other_request_target_is_a_404_in_the_envelope(gateway: Gateway, request_line: str, path: str) -> None:
+    """Django's own 404 page was HTML; every target it does not serve now answers as the API does."""
+    answer = exchange(gateway, f"{request_line}\r\nhost: 127.0.0.1\r\ncontent-length: 0\r\n\r\n".encode(), wait_close=0)
+    assert answer.status == 404
+    assert answer.envelope() == {"type": "not_found_error", "message": f"Not found: {request_line.split()[0]} {path}"}
+
+
+def test_django_s_pages_are_still_django_s(gateway: Gateway) -> None:
     assert httpx.get(gateway.url + "/health", timeout=10).status_code == 200
+    login = httpx.get(gateway.url + "/admin/login/", timeout=10)
+    assert login.status_code == 200 and login.headers["content-type"].startswith("text/html")
