@@ -1,29 +1,38 @@
 #!/usr/bin/env python
-"""Hostile uploads without an API key: the gateway's memory and how soon each is cut.
+"""Hostile uploads: the gateway's memory and CPU, and how soon each is cut.
 
-    .venv/bin/python bench/uploads.py            # 4 × 400 MB declared, 4 × 400 MB chunked, 4 slow (~1 min)
+    .venv/bin/python bench/uploads.py            # 4 × 400 MB declared, 4 × 400 MB chunked, 4 slow, 8 × 30 MB wrong key (~1 min)
     .venv/bin/python bench/uploads.py --quick    # 4 × 40 MB, read timeout 3 s (seconds)
+    .venv/bin/python bench/uploads.py --root DIR # the gateway run from another checkout (before/after)
 
-Three phases against one daphne process (the gateway's default 32 MiB body limit):
+Four phases against one daphne process (the gateway's default 32 MiB body limit):
 
 - declared: C parallel `POST /v1/messages` with `content-length: SIZE`, the body written at full
   speed right after the headers (not waiting for an answer, as a hostile client does);
 - chunked: C parallel uploads with `transfer-encoding: chunked`, 1 MiB chunks, no length;
 - slow: C uploads at 1 byte/s (`content-length: 1000`), cut after MESSAGES_BODY_READ_TIMEOUT_S;
-- with `--under-limit`, a fourth: C bodies of 1 KiB under the limit, sent whole, which the guard
-  lets through (the consumer answers 401): what a body the gateway accepts costs while daphne
-  queues it and the consumer joins it (not part of the target).
+- wrong key: 8 parallel uploads of 30 MB (under the limit) with `content-length`, each with a key
+  of its own that is no key (a database lookup each), the body written at full speed: the
+  anonymous cost of a request, refused from its headers before the body is read;
+- with `--under-limit`, a fifth: C bodies of 1 KiB under the limit, sent whole with a valid key,
+  which the guard lets through (the consumer answers 400): what a body the gateway accepts costs
+  while daphne queues it and the consumer joins it (not part of the target).
 
-Every client reads the answer while it is still writing. Reported per phase: the statuses, the
-seconds from connecting to the answer, the bytes written before the gateway's answer and before
-the connection ended; for the gateway: RSS before the phase, its peak during the phase (sampled
-every 20 ms from /proc) and after it. Target: RSS growth ≤ 64 MiB over the whole run (issue 9).
+The first three carry a valid API key: a request without one is refused at its headers (as the
+wrong-key phase shows), so only a keyed client's body reaches the limits they measure. Every
+client reads the answer while it is still writing. Reported per phase: the statuses, the seconds
+from connecting to the answer, the bytes written before the gateway's answer and before the
+connection ended; for the gateway: RSS before the phase, its peak during the phase (sampled every
+20 ms from /proc) and after it, and its CPU seconds over the phase per upload. Targets: RSS growth
+≤ 64 MiB over the whole run (issue 9); in the wrong-key phase, RSS growth ≤ 16 MiB and each upload
+refused within 50 ms (issue "Hardening").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import socket
 import sys
 import threading
@@ -38,6 +47,10 @@ import harness as h  # noqa: E402
 from tests.support.chunked import LAST_CHUNK, chunk  # noqa: E402  (harness puts the project on the path)
 
 RSS_GROWTH_TARGET_MIB = 64
+WRONG_KEY_RSS_TARGET_MIB = 16
+WRONG_KEY_ANSWER_TARGET_S = 0.05
+WRONG_KEY_UPLOADS = 8
+WRONG_KEY_SIZE = 30_000_000
 SEND_BLOCK = 1024 * 1024
 UNDER_LIMIT = 32 * 1024 * 1024 - 1024  # the gateway's default MESSAGES_MAX_BODY_BYTES, less 1 KiB
 
@@ -59,19 +72,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--size", type=int, help="bytes per upload (default 400 MB; --quick 40 MB)")
     parser.add_argument("--read-timeout", type=float, help="MESSAGES_BODY_READ_TIMEOUT_S (default 30; --quick 3)")
     parser.add_argument("--under-limit", action="store_true", help="also send bodies just under the 32 MiB limit")
+    parser.add_argument("--root", type=Path, help="run the gateway from this checkout instead (a before/after comparison)")
     args = h.parse_args(parser, quick={"size": 40_000_000, "read_timeout": 3.0}, full={"size": 400_000_000, "read_timeout": 30.0})
     return args
 
 
-def head(length: int | None) -> bytes:
+def head(length: int | None, key: str) -> bytes:
     framing = f"content-length: {length}" if length is not None else "transfer-encoding: chunked"
     return (
         f"POST /v1/messages HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        f"anthropic-version: {h.ANTHROPIC_VERSION}\r\n{framing}\r\n\r\n"
+        f"anthropic-version: {h.ANTHROPIC_VERSION}\r\nx-api-key: {key}\r\n{framing}\r\n\r\n"
     ).encode()
 
 
-def upload(port: int, size: int, mode: str, result: Upload) -> None:
+def wrong_key() -> str:
+    return "sk-gw-" + secrets.token_urlsafe(32)  # well-formed, and no key: a database lookup each
+
+
+def upload(port: int, size: int, mode: str, result: Upload, key: str) -> None:
     """One client: a writer thread sends the body, this thread reads the answer."""
     sock = socket.create_connection(("127.0.0.1", port))
     started = time.monotonic()
@@ -80,14 +98,14 @@ def upload(port: int, size: int, mode: str, result: Upload) -> None:
     def write() -> None:
         try:
             if mode == "slow":
-                sock.sendall(head(size))
+                sock.sendall(head(size, key))
                 for _ in range(size):
                     if answered.wait(1.0):  # one byte a second, until the gateway answers
                         return
                     sock.sendall(b"x")
                     result.sent_total += 1
                 return
-            sock.sendall(head(size if mode == "declared" else None))
+            sock.sendall(head(size if mode == "declared" else None, key))
             block = b"x" * SEND_BLOCK
             if mode == "chunked":
                 block = chunk(block)
@@ -154,11 +172,13 @@ class RssSampler:
         self._thread.join()
 
 
-def run_phase(port: int, pid: int, mode: str, size: int, concurrency: int) -> dict[str, Any]:
+def run_phase(port: int, pid: int, mode: str, size: int, concurrency: int, keys: list[str]) -> dict[str, Any]:
+    """`keys`: one per upload (the same valid key, or a wrong one each)."""
     results = [Upload() for _ in range(concurrency)]
     before = h.rss_mib(pid)
+    cpu_before = h.proc_cpu_seconds(pid)
     with RssSampler(pid) as sampler:
-        threads = [threading.Thread(target=upload, args=(port, size, mode, r)) for r in results]
+        threads = [threading.Thread(target=upload, args=(port, size, mode, r, k)) for r, k in zip(results, keys)]
         for t in threads:
             t.start()
         for t in threads:
@@ -170,6 +190,7 @@ def run_phase(port: int, pid: int, mode: str, size: int, concurrency: int) -> di
         "rss_before_mib": before,
         "rss_peak_mib": sampler.peak,
         "rss_after_mib": after,
+        "cpu_s_per_upload": (h.proc_cpu_seconds(pid) - cpu_before) / concurrency,
         "uploads": [asdict(r) for r in results],
     }
 
@@ -183,19 +204,28 @@ def main() -> None:
         ctx, gen = h.start_sim_pair(stack)
         for role, sim in (("context", ctx), ("generation", gen)):
             stack.register_worker("bench", h.MODEL, role, sim.url)
-        gateway = stack.start_gateway(settings, expect_pools=["bench"])
+        key = stack.create_api_key()
+        gateway = stack.start_gateway(settings, expect_pools=["bench"], root=args.root)
         results["machine_note"] = h.wait_for_quiet(args.quiet_wait)
         start_rss = h.rss_mib(gateway.pid)
         for mode, size in (("declared", args.size), ("chunked", args.size), ("slow", 1000)):
-            results["phases"].append(run_phase(gateway.port, gateway.pid, mode, size, args.concurrency))
+            results["phases"].append(run_phase(gateway.port, gateway.pid, mode, size, args.concurrency, [key] * args.concurrency))
+        wrong = run_phase(gateway.port, gateway.pid, "declared", WRONG_KEY_SIZE, WRONG_KEY_UPLOADS, [wrong_key() for _ in range(WRONG_KEY_UPLOADS)])
+        wrong["mode"] = "wrong key"
+        results["phases"].append(wrong)
         end_rss = h.rss_mib(gateway.pid)
         peak = max(p["rss_peak_mib"] for p in results["phases"])
         if args.under_limit:
-            under = run_phase(gateway.port, gateway.pid, "declared", UNDER_LIMIT, args.concurrency)
+            under = run_phase(gateway.port, gateway.pid, "declared", UNDER_LIMIT, args.concurrency, [key] * args.concurrency)
             under["mode"] = "under-limit"
             results["phases"].append(under)
     growth = peak - start_rss
-    results.update({"rss_start_mib": start_rss, "rss_peak_mib": peak, "rss_end_mib": end_rss, "rss_growth_mib": growth})
+    wrong_growth = wrong["rss_peak_mib"] - wrong["rss_before_mib"]
+    wrong_answer = max(u["answered_at"] or float("inf") for u in wrong["uploads"])
+    results.update({
+        "rss_start_mib": start_rss, "rss_peak_mib": peak, "rss_end_mib": end_rss, "rss_growth_mib": growth,
+        "wrong_key_rss_growth_mib": wrong_growth, "wrong_key_answer_s_max": wrong_answer,
+    })
 
     rows = []
     for phase in results["phases"]:
@@ -210,17 +240,24 @@ def main() -> None:
             phase["rss_before_mib"],
             phase["rss_peak_mib"],
             phase["rss_after_mib"],
+            phase["cpu_s_per_upload"] * 1000,
         ])
     h.print_table(
-        f"{args.concurrency} parallel uploads per phase, {args.size / 1e6:g} MB each (slow: 1 byte/s), no API key",
-        ["phase", "status", "type", "answer s (max)", "MB sent before answer", "MB sent in all", "RSS before", "peak", "after"],
+        f"{args.concurrency} parallel uploads per phase, {args.size / 1e6:g} MB each (slow: 1 byte/s), a valid API key; "
+        f"wrong key: {WRONG_KEY_UPLOADS} × {WRONG_KEY_SIZE / 1e6:g} MB",
+        ["phase", "status", "type", "answer s (max)", "MB sent before answer", "MB sent in all", "RSS before", "peak", "after",
+         "CPU ms/upload"],
         rows,
     )
     ok = growth <= RSS_GROWTH_TARGET_MIB
     print(f"\nRSS {start_rss:.1f} MiB at start, peak {peak:.1f}, end {end_rss:.1f}: growth {growth:.1f} MiB "
           f"(target ≤ {RSS_GROWTH_TARGET_MIB}): {h.verdict(ok)}")
+    wrong_ok = wrong_growth <= WRONG_KEY_RSS_TARGET_MIB and wrong_answer <= WRONG_KEY_ANSWER_TARGET_S
+    print(f"wrong key: RSS growth {wrong_growth:.1f} MiB (target ≤ {WRONG_KEY_RSS_TARGET_MIB}), slowest refusal "
+          f"{wrong_answer * 1000:.1f} ms (target ≤ {WRONG_KEY_ANSWER_TARGET_S * 1000:.0f}), "
+          f"{wrong['cpu_s_per_upload'] * 1000:.1f} ms of gateway CPU per upload: {h.verdict(wrong_ok)}")
     print(results["machine_note"])
-    results["target_met"] = ok
+    results["target_met"] = ok and wrong_ok
     h.write_result(h.result_name(args, "uploads"), results)
 
 

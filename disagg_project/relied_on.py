@@ -94,6 +94,13 @@ RELIANCES: tuple[Reliance, ...] = (
         "daphne 4.2.3",
     ),
     Reliance(
+        "daphne.http_protocol.WebRequest", ("process",),
+        "messages_api/server/header_gate.py (scope_path), messages_api/server/http_guard.py (allHeadersReceived)",
+        "the scope's path is the target's path percent-decoded, its root path a Daphne-Root-Path header (removed): "
+        "the key is checked on the path daphne routes",
+        "daphne 4.2.3",
+    ),
+    Reliance(
         "daphne.server.Server", ("create_application", "handle_reply", "connections"),
         "messages_api/server/body_writer.py (body_writer)",
         "`send` is partial(server.handle_reply, request); the writer repeats its connections[request] check",
@@ -134,6 +141,20 @@ RELIANCES: tuple[Reliance, ...] = (
         ),
         "messages_api/server/http_guard.py (GuardedChannel)",
         "the parser's decision points overridden and its counters read, to refuse a request before daphne",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
+        "twisted.web.http.HTTPChannel",
+        ("requests", "_command", "_path", "_networkProducer", "_waitingForTransport", "paused", "getPeer"),
+        "messages_api/server/http_guard.py (GuardedChannel.allHeadersReceived, _hold, _key_looked_up)",
+        "the request's target and headers read once its headers are in; the connection held (not read, not "
+        "parsed) while its API key is looked up, and released as Twisted's own flow control would",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
+        "twisted.protocols.basic.LineReceiver", ("dataReceived", "paused"),
+        "messages_api/server/http_guard.py (GuardedChannel._hold)",
+        "its parsing loop stops while `paused` is set, keeping what arrived in its buffer for later",
         "Twisted 26.10.0",
     ),
     Reliance(
@@ -201,6 +222,18 @@ RELIANCES: tuple[Reliance, ...] = (
         ("__call__", "dispatch", "channel_layer_alias", "scope", "channel_layer", "base_send"),
         "messages_api/consumers.py (ApiConsumer._dispatch_directly)",
         "stands in for __call__ without a channel layer, setting what it sets (see PINNED_SOURCES)",
+        "channels 4.3.2",
+    ),
+    Reliance(
+        "django.urls.resolvers.RoutePattern", ("match",),
+        "messages_api/routes.py (requires_api_key)",
+        "the pattern `path()` builds, made directly to match a path as the router's routes do",
+        "Django 5.2.19",
+    ),
+    Reliance(
+        "channels.routing.URLRouter", ("__call__", "routes"),
+        "messages_api/routes.py (requires_api_key)",
+        "strips the path's leading slashes, then matches each route's pattern: the key check matches the same way",
         "channels 4.3.2",
     ),
     Reliance(

@@ -221,6 +221,12 @@ MESSAGES_MAX_BODY_BYTES = env_int("MESSAGES_MAX_BODY_BYTES", 32 * 1024 * 1024)
 # refused before the body is read; a chunked body is cut at it. A request's line, headers and
 # body must all arrive within this many seconds of its first byte (408 otherwise).
 MESSAGES_BODY_READ_TIMEOUT_S = env_float("MESSAGES_BODY_READ_TIMEOUT_S", 30.0)
+# Also decided from the headers, before the body is read (messages_api/server/header_gate.py): the
+# API key of every API route (401), and the Cookie header: all of a request's Cookie headers
+# together over this many bytes are refused (431), and one with a backslash (400), before Django
+# parses them (Python 3.11's cookie parser is quadratic in backslashes, CVE-2024-7592: ~130 ms of
+# CPU for 8 KiB of them; the admin's own cookies are ~150 bytes).
+GATEWAY_MAX_COOKIE_BYTES = env_int("GATEWAY_MAX_COOKIE_BYTES", 8192)
 # Deepest JSON nesting accepted in a request body (400 beyond): orjson parses 1,024 levels but
 # cannot re-encode past 254, which the worker request needs (tool schemas, tool_use inputs).
 MESSAGES_MAX_JSON_DEPTH = env_int("MESSAGES_MAX_JSON_DEPTH", 64)
@@ -350,8 +356,14 @@ GATEWAY_DEAD_AFTER_S = env_float("GATEWAY_DEAD_AFTER_S", 3 * GATEWAY_HEARTBEAT_I
 # hung, hence dead, only when its heartbeat is this old: a starved host delays heartbeats.
 GATEWAY_HUNG_AFTER_S = env_float("GATEWAY_HUNG_AFTER_S", 300.0)
 
-# /metrics is served to loopback clients, or to any client presenting this bearer token.
-METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")
+# /metrics is served to loopback clients (the socket's own peer address, on a request no proxy
+# forwarded), or, when this is set, only to clients presenting `Authorization: Bearer <token>`
+# (messages_api/server/header_gate.py). METRICS_BEARER_TOKEN is its former name, still read.
+METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
+_metrics_bearer_token = os.environ.get("METRICS_BEARER_TOKEN", "")
+if METRICS_TOKEN and _metrics_bearer_token and METRICS_TOKEN != _metrics_bearer_token:
+    raise ImproperlyConfigured("METRICS_TOKEN and METRICS_BEARER_TOKEN (its former name) are both set, to different tokens")
+METRICS_TOKEN = METRICS_TOKEN or _metrics_bearer_token
 # Per-key counters (gateway_key_requests_total{key,status}, gateway_key_tokens_total{key,kind}):
 # one time series per API key and label value, so off unless the operator wants that cardinality.
 METRICS_PER_KEY_LABELS = env_bool("METRICS_PER_KEY_LABELS", False)

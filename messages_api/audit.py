@@ -206,6 +206,16 @@ def sample_unauthenticated() -> int | None:
     return _unauthenticated_sampler.take()
 
 
+def sample_anonymous(detail: str) -> str | None:
+    """Count a request refused without a valid API key (gateway_unauthenticated_rejections_total),
+    wherever it was refused; the error message its audit row gets if it is sampled, else None."""
+    metrics.unauthenticated_rejections.inc()
+    skipped = sample_unauthenticated()
+    if skipped is None:
+        return None
+    return detail + (f" (and {skipped} more unauthenticated rejections not recorded since the last)" if skipped else "")
+
+
 def close_abandoned_requests(sender: object, instances: list[str], reason: str, **kwargs: Any) -> None:
     """`workers.cluster.recovery.process_abandoned` receiver: a dead process's requests end `failed`."""
     MessageRequest.objects.filter(gateway_instance__in=instances, status=RequestStatus.IN_PROGRESS).update(

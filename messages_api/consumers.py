@@ -34,8 +34,8 @@ from messages_api.server import loop_lag
 from messages_api.accumulate import accumulate_message
 from messages_api.server.arrival import seconds_since_received
 from messages_api.cache_accounting import cached_prefix_share
-from messages_api.audit import AuditRecord, sample_unauthenticated
-from messages_api.auth import Principal, key_cache, key_from_headers
+from messages_api.audit import AuditRecord, sample_anonymous
+from messages_api.auth import INVALID_KEY, MISSING_KEY, CredentialError, Principal, key_cache, key_from_headers
 from messages_api.server.body_writer import BodyWriter, body_writer
 from messages_api.server.send_queue import SendQueue
 from messages_api.errors import (
@@ -263,11 +263,9 @@ class ApiConsumer(AsyncHttpConsumer):
         detail = operator_detail(exc, error)
         persist = True
         if not record.begun and not record.api_key_name:
-            metrics.unauthenticated_rejections.inc()
-            skipped = sample_unauthenticated()
-            persist = skipped is not None
-            if skipped:
-                detail += f" (and {skipped} more unauthenticated rejections not recorded since the last)"
+            sampled = sample_anonymous(detail)
+            persist = sampled is not None
+            detail = sampled or detail
         record.end(
             RequestStatus.REJECTED if error.status < 500 and not record.begun else RequestStatus.FAILED,
             http_status=self.sent_status or error.status,
@@ -288,19 +286,26 @@ class ApiConsumer(AsyncHttpConsumer):
     # --- helpers ---------------------------------------------------------------------------------
 
     async def authenticate(self) -> Principal:
-        key = key_from_headers(self.request_headers)
+        # Every header, not `request_headers` (a dict: the last of two x-api-key would win).
+        try:
+            key = key_from_headers(self.scope.get("headers") or ())
+        except CredentialError as exc:
+            raise AnthropicError(401, str(exc), "authentication_error") from None
         if not key:
-            raise AnthropicError(401, "x-api-key header is required", "authentication_error")
+            raise AnthropicError(401, MISSING_KEY, "authentication_error")
         principal = await key_cache.authenticate(key)
         if principal is None:
-            raise AnthropicError(401, "invalid x-api-key", "authentication_error")
+            raise AnthropicError(401, INVALID_KEY, "authentication_error")
         self.record.api_key_name = principal.name
         return principal
 
     async def identify(self) -> None:
         """Name the key of a request refused before authentication (a 405, a 413), if it has a
         valid one, so that its audit row is attributed (and not sampled as anonymous)."""
-        key = key_from_headers(self.request_headers or dict(self.scope.get("headers") or ()))
+        try:
+            key = key_from_headers(self.scope.get("headers") or ())
+        except CredentialError:
+            return
         if not key:
             return
         try:

@@ -2,6 +2,10 @@
 
 Every path under `/v1` belongs to the API: one that is not routed here answers Anthropic's 404
 envelope (`not_found_error`) rather than Django's HTML page, which an SDK cannot read.
+
+`requires_api_key(path)` says whether a path goes to one of the consumers (all of which require
+a key), matched as the router matches it: the HTTP intake guard checks the key of those requests
+from their headers, before their body is read (messages_api/server/header_gate.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from channels.routing import URLRouter
 from django.urls import path, re_path
+from django.urls.resolvers import RoutePattern
 
 from messages_api.audit import new_request_id
 from messages_api.consumers import CountTokensConsumer, MessagesConsumer, ModelsConsumer
@@ -21,17 +26,31 @@ if TYPE_CHECKING:
     from channels.routing import _ExtendedURLPattern
 
 
+# The consumers' routes: every one requires an API key.
+API_ROUTES = (
+    ("v1/messages", MessagesConsumer),
+    ("v1/messages/count_tokens", CountTokensConsumer),
+    ("v1/models", ModelsConsumer),
+    ("v1/models/<str:model_id>", ModelsConsumer),
+)
+_KEYED_PATTERNS = tuple(RoutePattern(route, is_endpoint=True) for route, _ in API_ROUTES)
+
+
 def http_application(django_asgi_app: Any) -> Any:
     return URLRouter(
         [
-            _asgi_path("v1/messages", MessagesConsumer.as_asgi()),
-            _asgi_path("v1/messages/count_tokens", CountTokensConsumer.as_asgi()),
-            _asgi_path("v1/models", ModelsConsumer.as_asgi()),
-            _asgi_path("v1/models/<str:model_id>", ModelsConsumer.as_asgi()),
+            *(_asgi_path(route, consumer.as_asgi()) for route, consumer in API_ROUTES),
             _asgi_re_path(r"^v1(?:/|$)", api_not_found),
             _asgi_re_path(r"", django_asgi_app),
         ]
     )
+
+
+def requires_api_key(scope_path: str) -> bool:
+    """Whether the router sends a request for `scope_path` (the ASGI scope's `path`: percent-decoded,
+    with no root path) to a consumer. Channels' URLRouter strips the leading slashes first."""
+    stripped = scope_path.lstrip("/")
+    return any(pattern.match(stripped) for pattern in _KEYED_PATTERNS)
 
 
 # django-stubs types `path()`'s target as a Django view and its result as a plain URLPattern;

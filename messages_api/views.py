@@ -3,10 +3,7 @@ the metrics scrape; and Django's error pages (400, 404, 500) in Anthropic's enve
 
 from __future__ import annotations
 
-import hmac
-
 from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.db import close_old_connections, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_safe
@@ -15,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from messages_api.audit import new_request_id
 from messages_api.errors import INTERNAL_ERROR_MESSAGE, error_body
 from messages_api.server import drain
+from messages_api.server.header_gate import metrics_refusal
 from workers import AGGREGATED, PoolInfo, candidates, get_registry
 
 
@@ -78,13 +76,18 @@ def _roles_needed(pool: PoolInfo) -> tuple[str, ...]:
 @require_safe
 def metrics(request: HttpRequest) -> HttpResponse:
     """Prometheus metrics of this process. They name worker endpoints, so they are served to
-    loopback clients, or to anyone presenting METRICS_BEARER_TOKEN."""
-    token = settings.METRICS_BEARER_TOKEN
-    presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    allowed = hmac.compare_digest(presented, token) if token else request.META.get("REMOTE_ADDR") in ("127.0.0.1", "::1")
-    if not allowed:
-        return JsonResponse({"error": "metrics are served to loopback or with METRICS_BEARER_TOKEN"}, status=403)
+    loopback clients, or (METRICS_TOKEN set) only to those presenting it. Under daphne the intake
+    guard has already applied this rule to the socket's own peer (messages_api/server/header_gate.py);
+    here it is applied again to the address the server reports, for other servers."""
+    # Django decodes header values as latin-1: encoded back, they are the bytes that were sent.
+    authorization = request.headers.get("Authorization")
+    authorizations = [authorization.encode("latin-1")] if authorization is not None else []
+    forwarded = any(request.META.get(name) for name in ("HTTP_X_FORWARDED_FOR", "HTTP_FORWARDED", "HTTP_X_REAL_IP"))
+    refusal = metrics_refusal(authorizations, request.META.get("REMOTE_ADDR"), forwarded)
+    if refusal is not None:
+        return error_response(refusal.status, refusal.error_type, refusal.message)
     return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+
 
 def error_response(status: int, error_type: str, message: str) -> JsonResponse:
     """An answer in Anthropic's envelope, with its `request-id` header."""

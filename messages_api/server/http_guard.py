@@ -9,10 +9,12 @@ answer), and its idle timer restarts on every byte, so a client sending one byte
 connection for ever.
 
 This module plugs into the parser where each of these is decided, per connection, before any
-application runs (so none of it depends on an API key):
+application runs:
 
 - a declared `Content-Length` over MESSAGES_MAX_BODY_BYTES: 413 once the headers are in, before
-  a byte of the body is read (and instead of `100 Continue`);
+  a byte of the body is read (and instead of `100 Continue`); on a path that is not an API route
+  (Django's pages, an unknown path) the limit is Django's own DATA_UPLOAD_MAX_MEMORY_SIZE if
+  lower (2.5 MiB by default): no anonymous request gets a large body read anywhere;
 - a chunked body: counted as it is decoded, cut with the same 413 when it passes the limit;
 - the request line, headers and body must arrive within MESSAGES_BODY_READ_TIMEOUT_S of the
   request's first byte (a connection that sends nothing is left to Twisted's idle timeout, which
@@ -20,7 +22,13 @@ application runs (so none of it depends on an API key):
   the client as the answer to its next request);
 - a malformed request line, header or chunked framing: 400 instead of Twisted's empty one;
 - a line over Twisted's 16 KiB, a header section over 16 KiB or more than 500 headers: 431;
-- daphne's own HTML error pages (bytes it cannot decode in the path, ...): the same envelope.
+- daphne's own HTML error pages (bytes it cannot decode in the path, ...): the same envelope;
+- what the headers alone decide (messages_api/server/header_gate.py): the API key of every API
+  route (401 before the body is read; a key the cache does not know is looked up while the
+  connection is not read), who may read `/metrics`, and a Cookie header over
+  GATEWAY_MAX_COOKIE_BYTES (431) or with a backslash (400). A client's `Daphne-Root-Path` header
+  is removed: it would move the path daphne routes on away from the one checked.
+
 
 Statuses and types. Each answer is Anthropic's envelope
 (`{"type":"error","error":{"type":..,"message":..},"request_id":"req_.."}`, JSON, `request-id`
@@ -47,6 +55,7 @@ tests/unit/test_relied_on.py fails when an upgrade changes one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from http import HTTPStatus
 from types import ModuleType
@@ -61,8 +70,12 @@ from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 
-from messages_api.audit import new_request_id
+from messages_api.audit import AuditRecord, new_request_id, sample_anonymous
+from messages_api.auth import INVALID_KEY, Principal
 from messages_api.errors import error_body, error_type_for_status
+from messages_api.models import RequestStatus
+from messages_api.request_context import loggable
+from messages_api.server import header_gate
 
 __all__ = ["GuardedChannel", "GuardedHTTPFactory", "GuardedRequest", "install", "refusal_bytes"]
 
@@ -110,6 +123,10 @@ class GuardedChannel(HTTPChannel):
     # methods without `self`, which mypy (without the zope plugin) cannot call on an instance.
     _intake_deadline: DelayedCall | None = None
     _linger: DelayedCall | None = None
+    # While the request's API key is looked up: the lookup, and whether the request's content
+    # (none: a GET) was complete meanwhile. The connection is not read in the meantime.
+    _key_lookup: asyncio.Future[Principal | None] | None = None
+    _content_waits = False
 
     def dataReceived(self, data: bytes) -> None:
         if self._refused is not None:
@@ -120,21 +137,94 @@ class GuardedChannel(HTTPChannel):
             timeout = settings.MESSAGES_BODY_READ_TIMEOUT_S
             self._intake_deadline = self.callLater(timeout, self._intake_timed_out)  # type: ignore[no-untyped-call]  # untyped Twisted
         super().dataReceived(data)  # type: ignore[no-untyped-call]  # untyped Twisted
+        if self._key_lookup is not None:
+            # Held (the parser keeps what came in its buffer): the transport may have been resumed
+            # by Twisted's write-side flow control; no more than this read is taken meanwhile.
+            self._networkProducer.pauseProducing()  # type: ignore[misc]  # a zope interface method (see refuse)
 
     def allHeadersReceived(self) -> None:
+        request = self.requests[-1]
+        limit = header_gate.body_limit(self._target())
+        if isinstance(request, GuardedRequest):
+            request.body_limit = limit  # for a chunked body, counted as it is decoded
         # `length` is the declared Content-Length (None when chunked), known before the body.
-        limit = settings.MESSAGES_MAX_BODY_BYTES
         if self.length is not None and self.length > limit:
             self.refuse(413, body_too_large_message(limit), TOO_LARGE)
             return  # not Twisted's: no `100 Continue`, no body file
+        headers = request.requestHeaders
+        # Daphne takes the scope's root path from this header, which would let a client move the
+        # path the router matches away from the one checked below; no deployment of ours sets it.
+        headers.removeHeader(b"daphne-root-path")
+        peer = self.getPeer() if self.transport is not None else None  # type: ignore[no-untyped-call]  # untyped Twisted
+        verdict = header_gate.check(self._target(), headers, getattr(peer, "host", None))
+        if isinstance(verdict, header_gate.Refusal):
+            self._refuse_for(verdict)
+            return
+        if isinstance(verdict, header_gate.KeyLookup):
+            self._hold(verdict.future)
+            return
         super().allHeadersReceived()  # type: ignore[no-untyped-call]  # untyped Twisted
 
     def allContentReceived(self) -> None:
         if self._refused is not None:
             return  # a refused request never reaches daphne
+        if self._key_lookup is not None:
+            self._content_waits = True  # a request without a body, complete while its key is looked up
+            return
         self._cancel(self._intake_deadline)
         self._intake_deadline = None
         super().allContentReceived()  # type: ignore[no-untyped-call]  # untyped Twisted
+
+    def _target(self) -> bytes:
+        """The request line's target (Twisted keeps it until the request's content is complete)."""
+        # HTTPChannel's source reuses the name it stores from for a Request: mypy infers that type.
+        target: bytes = self._path  # type: ignore[assignment]
+        return target
+
+    # --- the key's lookup -----------------------------------------------------------------------
+
+    def _hold(self, lookup: asyncio.Future[Principal | None]) -> None:
+        """Stop reading and parsing this connection until `lookup` says whether the key is valid:
+        what has arrived of the body stays in the parser's buffer, the rest in the socket."""
+        self._key_lookup = lookup
+        self.paused = True  # LineReceiver's loop stops at this flag
+        self._networkProducer.pauseProducing()  # type: ignore[misc]  # a zope interface method (see refuse)
+        lookup.add_done_callback(self._key_looked_up)
+
+    def _key_looked_up(self, lookup: asyncio.Future[Principal | None]) -> None:
+        if self._key_lookup is not lookup or self._refused is not None or self.transport is None:
+            return  # the connection ended, or the request was refused (its read deadline) meanwhile
+        self._key_lookup = None
+        # A failed lookup lets the request through: the consumer looks again and answers it.
+        if not lookup.cancelled() and lookup.exception() is None and lookup.result() is None:
+            self._refuse_for(header_gate.Refusal(401, INVALID_KEY, "authentication_error", unauthenticated=True))
+            return
+        super().allHeadersReceived()  # type: ignore[no-untyped-call]  # the `100 Continue`, the body file
+        if self._content_waits:
+            self._content_waits = False
+            self.allContentReceived()
+        self.paused = False
+        if not self._waitingForTransport:
+            self._networkProducer.resumeProducing()  # type: ignore[misc]  # a zope interface method (see refuse)
+        self.dataReceived(b"")  # parse what arrived meanwhile
+
+    def _refuse_for(self, refusal: header_gate.Refusal) -> None:
+        if not refusal.unauthenticated:
+            self.refuse(refusal.status, refusal.message, refusal.error_type)
+            return
+        # As the consumers do for a request without a valid key: counted always, its audit row
+        # (and access log line) only sampled (AUDIT_UNAUTHENTICATED_SAMPLE_PER_S).
+        path = header_gate.scope_path(self._target()) or "?"
+        record = AuditRecord(route=f"{self._command.decode('ascii', 'replace')} {path}")
+        detail = sample_anonymous(refusal.message)
+        record.end(
+            RequestStatus.REJECTED,
+            http_status=refusal.status,
+            error_type=refusal.error_type,
+            error_message=detail or refusal.message,
+            persist=detail is not None,
+        )
+        self.refuse(refusal.status, refusal.message, refusal.error_type, request_id=record.request_id, log=False)
 
     def lineLengthExceeded(self, line: bytes) -> None:
         self.refuse(431, f"A request line or header is longer than the limit of {self.MAX_LENGTH} bytes", TOO_LARGE)
@@ -153,11 +243,14 @@ class GuardedChannel(HTTPChannel):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._cancel(self._intake_deadline)
         self._cancel(self._linger)
+        self._key_lookup = None
         super().connectionLost(reason)  # type: ignore[no-untyped-call]  # untyped Twisted
 
     # --- the refusal ----------------------------------------------------------------------------
 
-    def refuse(self, status: int, message: str, error_type: str | None = None) -> None:
+    def refuse(
+        self, status: int, message: str, error_type: str | None = None, *, request_id: str | None = None, log: bool = True
+    ) -> None:
         """Answer `status` in Anthropic's envelope, stop parsing, and close (lingering)."""
         transport = self.transport
         if self._refused is not None or transport is None:
@@ -169,11 +262,16 @@ class GuardedChannel(HTTPChannel):
         self.setTimeout(None)  # type: ignore[no-untyped-call]  # untyped Twisted
         self._buffer = b""  # input the line parser has not reached is never parsed now
         self.persistent = False
+        if self._key_lookup is not None:
+            # Held for a key lookup: read again, so the linger drains what the client still sends.
+            self._key_lookup = None
+            self._networkProducer.resumeProducing()  # type: ignore[misc]  # a zope interface method (below)
         refused.labels(status=str(status)).inc()
-        logger.info("refused a request from %s with %s: %s", _peer(transport), status, message)
+        if log:
+            logger.info("refused a request from %s with %s: %s", _peer(transport), status, loggable(message))
         # ITransport.write is a zope.interface method, declared without `self`: mypy (without the
         # zope plugin) counts one argument too many.
-        transport.write(refusal_bytes(status, message, error_type))  # type: ignore[call-arg,misc]
+        transport.write(refusal_bytes(status, message, error_type, request_id))  # type: ignore[call-arg,misc]
         lose_write = getattr(transport, "loseWriteConnection", None)
         if lose_write is None:
             self.loseConnection()  # type: ignore[no-untyped-call]  # untyped Twisted
@@ -207,10 +305,11 @@ class GuardedRequest(WebRequest):  # type: ignore[misc]  # daphne is untyped: We
         kwargs.setdefault("parsePOSTFormSubmission", False)
         super().__init__(channel, *args, **kwargs)
         self.body_bytes = 0
+        self.body_limit: int = settings.MESSAGES_MAX_BODY_BYTES  # the channel sets this request's own
 
     def handleContentChunk(self, data: bytes) -> None:
         self.body_bytes += len(data)
-        limit = settings.MESSAGES_MAX_BODY_BYTES
+        limit = self.body_limit
         if self.body_bytes > limit:
             # Only a chunked body gets here: a declared length over the limit was refused earlier.
             channel = self.channel

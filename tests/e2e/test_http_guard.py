@@ -1,7 +1,10 @@
 """The HTTP intake guard (messages_api/server/http_guard.py), against a real daphne process on real sockets:
 body limits before buffering, the read deadline, and Twisted's and daphne's own rejections in
-Anthropic's envelope. None of the requests carries an API key: the guard acts before the
-application exists. The last tests check the daphne and Twisted internals the guard relies on."""
+Anthropic's envelope. None of the requests but one carries an API key: the guard acts before the
+application exists (the requests whose body matters go to an API path that needs no key,
+`/v1/files`, which the gateway answers 404; what the headers decide, the key among it, is
+tests/e2e/test_header_gate.py). The last tests check the daphne and Twisted internals the guard
+relies on."""
 
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ class Conversation:
     """One TCP connection; writes happen on a thread so the answer is read while still sending."""
 
     port: int
+    host: str = "127.0.0.1"
+    source: str | None = None  # the client's own address (any of 127/8 is loopback on Linux)
     sock: socket.socket = field(init=False)
     started: float = field(init=False)
     sent: int = 0
@@ -63,7 +68,8 @@ class Conversation:
     _sender: threading.Thread | None = None
 
     def __post_init__(self) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=15)
+        source = (self.source, 0) if self.source is not None else None
+        self.sock = socket.create_connection((self.host, self.port), timeout=15, source_address=source)
         self.started = time.monotonic()
 
     def send(self, data: bytes) -> None:
@@ -141,7 +147,12 @@ def exchange(gateway: Gateway, data: bytes, *, wait_close: float = 2.0) -> Answe
         conversation.close()
 
 
-def post_head(length: int | None, *extra: str, path: str = "/v1/messages") -> bytes:
+# An API path that needs no key (answered 404 once the body is in): the body limits and deadline
+# are the same on every path, and a key route would refuse a keyless request at its headers.
+NO_KEY_PATH = "/v1/files"
+
+
+def post_head(length: int | None, *extra: str, path: str = NO_KEY_PATH) -> bytes:
     framing = f"content-length: {length}" if length is not None else "transfer-encoding: chunked"
     lines = [f"POST {path} HTTP/1.1", "host: gateway", "content-type: application/json", framing, *extra]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
@@ -208,15 +219,18 @@ def test_a_chunked_body_is_cut_at_the_limit(guarded: Gateway) -> None:
     assert answer.closed
 
 
-def test_a_body_at_the_limit_reaches_the_application(guarded: Gateway) -> None:
+def test_a_body_at_the_limit_reaches_the_application(guarded: Gateway, transactional_db: Any) -> None:
+    from messages_api.auth import create_api_key
+
+    _, key = create_api_key("http-guard-at-the-limit")
     body = b'{"pad": "' + b"x" * (LIMIT - 11) + b'"}'
     assert len(body) == LIMIT
-    for head in (post_head(len(body)), post_head(None)):
+    for head in (post_head(len(body), f"x-api-key: {key}", path="/v1/messages"), post_head(None, f"x-api-key: {key}", path="/v1/messages")):
         payload = body if b"content-length" in head else chunk(body[:LIMIT // 2]) + chunk(body[LIMIT // 2:]) + b"0\r\n\r\n"
         answer = exchange(guarded, head + payload, wait_close=0)
-        # The consumer answered: the body went through and the missing key was noticed.
-        assert answer.status == 401
-        assert answer.envelope()["type"] == "authentication_error"
+        # The consumer answered: the body went through and was found to be no Messages request.
+        assert answer.status == 400
+        assert answer.envelope()["type"] == "invalid_request_error"
 
 
 # --- the read deadline -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,18 @@ def gateway_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Gateway:
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    """`host`: the address the socket is bound to ("0.0.0.0" for every interface; the URL stays
+    loopback's); `daphne_args`: more options on daphne's command line (`--proxy-headers`)."""
+
+    def __init__(self, env: dict[str, str] | None = None, *, host: str = "127.0.0.1", daphne_args: Sequence[str] = ()) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind((host, 0))
         self.sock.listen(1024)
         self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
         self.env = gateway_env(env)
+        self.daphne_args = list(daphne_args)
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = PROJECT_ROOT / ".gateway" / f"test-daphne-{os.getpid()}-{self.port}.log"
 
@@ -86,6 +91,7 @@ class Gateway:
                 sys.executable, "-m", "daphne",
                 "--fd", str(self.sock.fileno()),
                 "--application-close-timeout", "5",
+                *self.daphne_args,
                 "disagg_project.asgi:application",
             ],
             cwd=PROJECT_ROOT,

@@ -1,5 +1,7 @@
 """The API key cache: one database lookup per key however many requests arrive at once, a key in
-use refreshed before its entry expires, and revocation taking effect within the cache's lifetime."""
+use refreshed before its entry expires, revocation taking effect within the cache's lifetime, and
+misses kept apart from valid keys (a flood of random keys evicts only other misses). And the
+reading of a request's credentials: ambiguous or malformed ones are refused."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from messages_api import auth
-from messages_api.auth import KeyCache, create_api_key, hash_key
+from messages_api.auth import NOT_CACHED, CredentialError, KeyCache, Principal, create_api_key, hash_key, key_from_headers
 from messages_api.models import ApiKey
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -68,7 +70,7 @@ async def test_a_key_in_use_is_refreshed_ahead_and_a_revocation_lands(lookups: l
     assert await cache.authenticate(key) is not None
     await sync_to_async(ApiKey.objects.filter(key_hash=digest).update)(active=False)
     # Inside the refresh window the cached answer is served at once and a lookup starts behind it.
-    while cache._entries[digest][1] - time.monotonic() > auth.REFRESH_AHEAD_S:
+    while cache._known[digest][1] - time.monotonic() > auth.REFRESH_AHEAD_S:
         await asyncio.sleep(0.01)
     assert await cache.authenticate(key) is not None
     refresh = cache._lookups[digest]
@@ -76,3 +78,78 @@ async def test_a_key_in_use_is_refreshed_ahead_and_a_revocation_lands(lookups: l
     assert await refresh is None
     assert await cache.authenticate(key) is None  # revoked, before the old entry would have expired
     assert len(lookups) == 2
+
+
+async def test_a_flood_of_unknown_keys_never_evicts_a_valid_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 10,000 cached entries the cache used to forget everything, valid keys included: every
+    request of every tenant then waited for the database again. Misses now have an LRU of their
+    own, which only other misses can push out."""
+    valid = Principal(key_hash=hash_key("sk-gw-valid"), name="valid")
+    looked_up: list[str] = []
+
+    def lookup(digest: str) -> Principal | None:  # the database, without its cost
+        looked_up.append(digest)
+        return valid if digest == valid.key_hash else None
+
+    monkeypatch.setattr(auth, "_lookup", lookup)
+    cache = KeyCache()
+    assert await cache.authenticate("sk-gw-valid") == valid
+    flood = [f"sk-gw-random-{i}" for i in range(auth.MISSES_KEPT + 2000)]
+    for start in range(0, len(flood), 1000):
+        assert set(await asyncio.gather(*(cache.authenticate(k) for k in flood[start : start + 1000]))) == {None}
+    looked_up.clear()
+    assert cache.peek("sk-gw-valid") == valid
+    assert await cache.authenticate("sk-gw-valid") == valid
+    assert looked_up == []  # served from the cache
+    assert len(cache._misses) == auth.MISSES_KEPT
+
+
+async def test_misses_are_kept_least_recently_seen_first_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auth, "_lookup", lambda digest: None)
+    cache = KeyCache(misses_kept=3)
+    for key in ("a", "b", "c"):
+        assert await cache.authenticate(key) is None
+    assert cache.peek("a") is None  # seen again: now the most recent
+    assert await cache.authenticate("d") is None  # pushes out the least recent: b
+    assert [cache.peek(k) for k in ("a", "b", "c", "d")] == [None, NOT_CACHED, None, None]
+
+
+async def test_a_revoked_key_moves_from_the_valid_to_the_misses(lookups: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auth, "CACHE_TTL_S", 0.05)
+    _, key = await sync_to_async(create_api_key)("revoked")
+    cache = KeyCache()
+    assert await cache.authenticate(key) is not None
+    await sync_to_async(ApiKey.objects.filter(key_hash=hash_key(key)).update)(active=False)
+    await asyncio.sleep(0.06)
+    assert cache.peek(key) is NOT_CACHED
+    assert await cache.lookup(key) is None
+    assert cache.peek(key) is None and hash_key(key) not in cache._known
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ([], None),
+        ([(b"x-api-key", b" k1 ")], "k1"),
+        ([(b"Authorization", b"Bearer k1")], "k1"),
+        ([(b"authorization", b"bearer  k1 ")], "k1"),
+        ([(b"x-api-key", b"k1"), (b"authorization", b"Bearer k1")], "k1"),
+        ([(b"x-api-key", b""), (b"authorization", b"Bearer k1")], "k1"),
+        ([(b"x-api-key", b"k1"), (b"authorization", b"Basic dXNlcjpwdw==")], "k1"),
+        ([(b"authorization", b"Basic dXNlcjpwdw==")], None),
+        ([(b"X-Api-Key", b"k1"), (b"x-api-key", b"k2")], "more than one x-api-key"),
+        ([(b"x-api-key", b"k1"), (b"x-api-key", b"k1")], "more than one x-api-key"),
+        ([(b"authorization", b"Bearer k1"), (b"authorization", b"Bearer k1")], "more than one Authorization"),
+        ([(b"x-api-key", b"k1"), (b"authorization", b"Bearer k2")], "different keys"),
+        ([(b"authorization", b"Bearer \xc3\xa9")], "invalid x-api-key"),
+        ([(b"x-api-key", b"k\x1b[2J")], "invalid x-api-key"),
+        ([(b"x-api-key", b"k" * 257)], "invalid x-api-key"),
+    ],
+)
+def test_credentials_from_headers(headers: list[tuple[bytes, bytes]], expected: str | None) -> None:
+    """The consumers read the scope's header list (a dict of it kept only the last x-api-key)."""
+    if expected is None or expected.startswith("k"):
+        assert key_from_headers(headers) == expected
+        return
+    with pytest.raises(CredentialError, match=expected):
+        key_from_headers(headers)
