@@ -158,6 +158,24 @@ RELIANCES: tuple[Reliance, ...] = (
         "Twisted 26.10.0",
     ),
     Reliance(
+        "twisted.web.http.HTTPFactory", ("timeOut", "buildProtocol"),
+        "messages_api/server/http_guard.py (GuardedHTTPFactory)",
+        "buildProtocol gives each channel the factory's timeOut: the idle timeout (GATEWAY_IDLE_CONNECTION_TIMEOUT_S)",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
+        "twisted.internet.tcp.Port", ("doRead",),
+        "messages_api/server/http_guard.py (GuardedHTTPFactory.buildProtocol)",
+        "a factory whose buildProtocol returns None makes doRead close the accepted socket: the per-address cap",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
+        "twisted.web.http._GenericHTTPChannelProtocol", ("_channel",),
+        "messages_api/server/http_guard.py (GuardedHTTPFactory.buildProtocol)",
+        "the channel inside the wrapper, told which client address it counts against",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
         "twisted.web.http", ("_genericHTTPChannelProtocolFactory", "_GenericHTTPChannelProtocol"),
         "messages_api/server/http_guard.py (GuardedHTTPFactory.protocol)",
         "what HTTPFactory.protocol builds, rebuilt around GuardedChannel",

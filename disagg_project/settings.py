@@ -227,6 +227,16 @@ MESSAGES_BODY_READ_TIMEOUT_S = env_float("MESSAGES_BODY_READ_TIMEOUT_S", 30.0)
 # parses them (Python 3.11's cookie parser is quadratic in backslashes, CVE-2024-7592: ~130 ms of
 # CPU for 8 KiB of them; the admin's own cookies are ~150 bytes).
 GATEWAY_MAX_COOKIE_BYTES = env_int("GATEWAY_MAX_COOKIE_BYTES", 8192)
+# Connections (messages_api/server/http_guard.py): a client address (the socket's peer) with this
+# many connections open has its next one closed at accept (0: no cap). Above what one address
+# legitimately holds open at once (a stream holds its connection; bench/stream_start.py runs 2,000
+# from loopback), below the process's file limit (systemd unit: 65,536); behind a proxy on the same
+# host every connection is the proxy's: set it above the proxy's connections to one process, and
+# cap per client at the proxy. A connection with no request in progress is closed after this many
+# seconds of silence (above the proxies' keep-alive timeouts: nginx's upstream 60 s, a load
+# balancer's 60 s; 0: never).
+GATEWAY_MAX_CONNECTIONS_PER_ADDRESS = env_int("GATEWAY_MAX_CONNECTIONS_PER_ADDRESS", 4096)
+GATEWAY_IDLE_CONNECTION_TIMEOUT_S = env_float("GATEWAY_IDLE_CONNECTION_TIMEOUT_S", 75.0)
 # Deepest JSON nesting accepted in a request body (400 beyond): orjson parses 1,024 levels but
 # cannot re-encode past 254, which the worker request needs (tool schemas, tool_use inputs).
 MESSAGES_MAX_JSON_DEPTH = env_int("MESSAGES_MAX_JSON_DEPTH", 64)

@@ -17,7 +17,7 @@ application runs:
   lower (2.5 MiB by default): no anonymous request gets a large body read anywhere;
 - a chunked body: counted as it is decoded, cut with the same 413 when it passes the limit;
 - the request line, headers and body must arrive within MESSAGES_BODY_READ_TIMEOUT_S of the
-  request's first byte (a connection that sends nothing is left to Twisted's idle timeout, which
+  request's first byte (a connection that sends nothing is left to the idle timeout below, which
   closes it silently: an unasked-for answer on an idle kept-alive connection would be read by
   the client as the answer to its next request);
 - a malformed request line, header or chunked framing: 400 instead of Twisted's empty one;
@@ -29,6 +29,13 @@ application runs:
   GATEWAY_MAX_COOKIE_BYTES (431) or with a backslash (400). A client's `Daphne-Root-Path` header
   is removed: it would move the path daphne routes on away from the one checked.
 
+And per connection, from its accept (`GuardedHTTPFactory`):
+
+- at most GATEWAY_MAX_CONNECTIONS_PER_ADDRESS open connections per client address (the socket's
+  peer): past it, a connection is closed as soon as it is accepted, before any protocol exists;
+- a connection with no request in progress is closed after GATEWAY_IDLE_CONNECTION_TIMEOUT_S of
+  silence (Twisted's idle timer, which restarts on every byte: a request in progress is bounded
+  by the read deadline above instead).
 
 Statuses and types. Each answer is Anthropic's envelope
 (`{"type":"error","error":{"type":..,"message":..},"request_id":"req_.."}`, JSON, `request-id`
@@ -57,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter as Tally
 from http import HTTPStatus
 from types import ModuleType
 from typing import Any
@@ -70,7 +78,7 @@ from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 
-from messages_api.audit import AuditRecord, new_request_id, sample_anonymous
+from messages_api.audit import AuditRecord, RateSampler, new_request_id, sample_anonymous
 from messages_api.auth import INVALID_KEY, Principal
 from messages_api.errors import error_body, error_type_for_status
 from messages_api.models import RequestStatus
@@ -95,6 +103,11 @@ refused = Counter(
     "Requests refused by the HTTP intake guard before any application saw them, by status.",
     ["status"],
 )
+connections_refused = Counter(
+    "gateway_connections_refused",
+    "Connections closed at accept: their client address already had GATEWAY_MAX_CONNECTIONS_PER_ADDRESS open.",
+)
+_cap_log_sampler: RateSampler | None = None
 
 
 def refusal_bytes(status: int, message: str, error_type: str | None = None, request_id: str | None = None) -> bytes:
@@ -127,6 +140,8 @@ class GuardedChannel(HTTPChannel):
     # (none: a GET) was complete meanwhile. The connection is not read in the meantime.
     _key_lookup: asyncio.Future[Principal | None] | None = None
     _content_waits = False
+    # The client address this connection counts against (GuardedHTTPFactory's cap), if any.
+    _counted: tuple[GuardedHTTPFactory, str] | None = None
 
     def dataReceived(self, data: bytes) -> None:
         if self._refused is not None:
@@ -244,6 +259,9 @@ class GuardedChannel(HTTPChannel):
         self._cancel(self._intake_deadline)
         self._cancel(self._linger)
         self._key_lookup = None
+        counted, self._counted = self._counted, None
+        if counted is not None:
+            counted[0].connection_closed(counted[1])
         super().connectionLost(reason)  # type: ignore[no-untyped-call]  # untyped Twisted
 
     # --- the refusal ----------------------------------------------------------------------------
@@ -335,18 +353,58 @@ class GuardedRequest(WebRequest):  # type: ignore[misc]  # daphne is untyped: We
 
 
 class GuardedHTTPFactory(HTTPFactory):  # type: ignore[misc]  # daphne is untyped: HTTPFactory is Any
-    """Daphne's HTTP factory, building guarded channels and requests."""
+    """Daphne's HTTP factory, building guarded channels and requests: at most
+    GATEWAY_MAX_CONNECTIONS_PER_ADDRESS open connections per client address (a connection past it
+    is closed at accept: Twisted closes the socket when `buildProtocol` returns None), each closed
+    after GATEWAY_IDLE_CONNECTION_TIMEOUT_S without a request (Twisted's idle timer, `timeOut`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        idle = settings.GATEWAY_IDLE_CONNECTION_TIMEOUT_S
+        self.timeOut = idle if idle > 0 else None
+        self.open_per_address: Tally[str] = Tally()
 
     def protocol(self) -> _GenericHTTPChannelProtocol:
         # Twisted's `_genericHTTPChannelProtocolFactory`, with our channel instead of HTTPChannel.
         return _GenericHTTPChannelProtocol(GuardedChannel())  # type: ignore[no-untyped-call]  # untyped Twisted
 
     def buildProtocol(self, addr: Any) -> _GenericHTTPChannelProtocol | None:
+        host = getattr(addr, "host", None)
+        cap = settings.GATEWAY_MAX_CONNECTIONS_PER_ADDRESS
+        if isinstance(host, str) and cap > 0 and self.open_per_address[host] >= cap:
+            connections_refused.inc()
+            _log_cap(host, cap)
+            return None
         # Daphne sets its WebRequest as request factory.
         protocol: _GenericHTTPChannelProtocol | None = super().buildProtocol(addr)
         if protocol is not None:
             protocol.requestFactory = GuardedRequest
+            channel: Any = protocol._channel  # ours (`protocol()` above); Twisted types it as either of its channels
+            if isinstance(host, str) and isinstance(channel, GuardedChannel):
+                self.open_per_address[host] += 1
+                channel._counted = (self, host)
         return protocol
+
+    def connection_closed(self, host: str) -> None:
+        left = self.open_per_address[host] - 1
+        if left > 0:
+            self.open_per_address[host] = left
+        else:
+            del self.open_per_address[host]
+
+
+def _log_cap(host: str, cap: int) -> None:
+    """One line per refused connection at most AUDIT_UNAUTHENTICATED_SAMPLE_PER_S times a second
+    (all are counted in gateway_connections_refused_total)."""
+    global _cap_log_sampler
+    if _cap_log_sampler is None:
+        _cap_log_sampler = RateSampler(settings.AUDIT_UNAUTHENTICATED_SAMPLE_PER_S)
+    skipped = _cap_log_sampler.take()
+    if skipped is not None:
+        logger.warning(
+            "closed a connection from %s at accept: %d open from that address already (GATEWAY_MAX_CONNECTIONS_PER_ADDRESS)%s",
+            host, cap, f" (and {skipped} more not logged since the last)" if skipped else "",
+        )
 
 
 def body_too_large_message(limit: int) -> str:
