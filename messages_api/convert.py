@@ -352,17 +352,20 @@ def _tool_message(block: dict[str, Any], path: str, images: list[dict[str, Any]]
 def _image_part(block: dict[str, Any], path: str) -> dict[str, Any]:
     source = block["source"]
     kind = source["type"]
-    if kind == "base64":
-        url = f"data:{source['media_type']};base64,{source['data']}"
-    elif kind == "url":
-        url = source["url"]
-    else:
+    if kind == "url":
+        # The workers would fetch it (vLLM and SGLang do by default): any key holder could make
+        # the cluster reach internal addresses (169.254.169.254, file:, internal host names).
         _fail(
             path,
-            f"image blocks with a {kind} source are not supported by this gateway's workers; "
-            "send base64 data or a URL instead",
+            "image blocks with a url source are not accepted by this gateway (its workers would fetch the URL); "
+            "send the image as base64 data instead",
         )
-    return {"type": "image_url", "image_url": {"url": url}}
+    if kind != "base64":
+        _fail(
+            path,
+            f"image blocks with a {kind} source are not supported by this gateway's workers; send base64 data instead",
+        )
+    return {"type": "image_url", "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"}}
 
 
 def _document_parts(block: dict[str, Any], path: str) -> list[dict[str, Any]]:

@@ -73,6 +73,10 @@ TOOL_RESULT_BLOCK_TAGS = ("text", "image", "document", "search_result", "tool_re
 DOCUMENT_CONTENT_TAGS = ("text", "image")
 IMAGE_SOURCE_TYPES = ("base64", "url", "file")
 DOCUMENT_SOURCE_TYPES = ("base64", "text", "content", "url", "file")
+# The media types each source type accepts (SDK: base64_image_source_param.py,
+# base64_pdf_source_param.py, plain_text_source_param.py).
+IMAGE_MEDIA_TYPES: dict[str, tuple[str, ...]] = {"base64": ("image/jpeg", "image/png", "image/gif", "image/webp")}
+DOCUMENT_MEDIA_TYPES: dict[str, tuple[str, ...]] = {"base64": ("application/pdf",), "text": ("text/plain",)}
 # The string fields each source type requires (SDK: *_source_param.py).
 SOURCE_FIELDS: dict[str, tuple[str, ...]] = {
     "base64": ("media_type", "data"),
@@ -209,11 +213,11 @@ def _text_block(block: dict[str, Any], path: str) -> None:
 
 
 def _image_block(block: dict[str, Any], path: str) -> None:
-    _source(block, path, IMAGE_SOURCE_TYPES)
+    _source(block, path, IMAGE_SOURCE_TYPES, IMAGE_MEDIA_TYPES)
 
 
 def _document_block(block: dict[str, Any], path: str) -> None:
-    source = _source(block, path, DOCUMENT_SOURCE_TYPES)
+    source = _source(block, path, DOCUMENT_SOURCE_TYPES, DOCUMENT_MEDIA_TYPES)
     if source["type"] == "content":
         spath = f"{path}.source"
         content = _required(source, "content", spath)
@@ -226,12 +230,20 @@ def _document_block(block: dict[str, Any], path: str) -> None:
         _optional_string(block, name, path)
 
 
-def _source(block: dict[str, Any], path: str, kinds: tuple[str, ...]) -> dict[str, Any]:
-    """An image or document `source`: a tagged object with the string fields of its type."""
+def _source(
+    block: dict[str, Any], path: str, kinds: tuple[str, ...], media_types: dict[str, tuple[str, ...]]
+) -> dict[str, Any]:
+    """An image or document `source`: a tagged object with the string fields of its type, and a
+    `media_type` among the API's own for the types that carry one."""
     spath = f"{path}.source"
     source, kind = _tagged(_required(block, "source", path), spath, kinds)
     for name in SOURCE_FIELDS.get(kind, ()):
         _string_field(source, name, spath)
+    allowed = media_types.get(kind)
+    if allowed is not None and source["media_type"] not in allowed:
+        quoted = [f"'{m}'" for m in allowed]
+        choices = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+        _fail(f"{spath}.media_type", f"Input should be {choices}")
     return source
 
 

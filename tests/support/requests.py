@@ -84,7 +84,7 @@ def claude_code_body() -> dict[str, Any]:
                         ],
                     },
                     {"type": "text", "text": "Also look at this diagram"},
-                    {"type": "image", "source": {"type": "url", "url": "https://example.com/d.png"}},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/gif", "data": PNG}},
                 ],
             },
             {"role": "system", "content": "<system-reminder>utils.py was modified by the user</system-reminder>"},

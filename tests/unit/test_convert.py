@@ -88,7 +88,7 @@ def test_claude_code_request_converts_to_the_expected_chat_request() -> None:
             "content": [
                 {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
                 {"type": "text", "text": "Also look at this diagram"},
-                {"type": "image_url", "image_url": {"url": "https://example.com/d.png"}},
+                {"type": "image_url", "image_url": {"url": f"data:image/gif;base64,{PNG}"}},
             ],
         },
         {"role": "system", "content": "<system-reminder>utils.py was modified by the user</system-reminder>"},
@@ -230,14 +230,24 @@ def test_images_use_the_list_of_parts_form() -> None:
         user(
             {"type": "text", "text": "What is in these?"},
             {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/4AAQ"}},
-            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.webp"}},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/webp", "data": "UklGR"}},
         )
     )
     assert chat["messages"][0]["content"] == [
         {"type": "text", "text": "What is in these?"},
         {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/4AAQ"}},
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.webp"}},
+        {"type": "image_url", "image_url": {"url": "data:image/webp;base64,UklGR"}},
     ]
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://169.254.169.254/latest/meta-data/", "file:///etc/passwd", "http://internal-host/x.png", "https://example.com/cat.png"],
+)
+def test_image_url_sources_are_refused_the_workers_would_fetch_them(url: str) -> None:
+    """vLLM and SGLang fetch image URLs themselves: a key holder could make the cluster reach any
+    address it can. Only base64 data goes to the workers (count_tokens converts the same way)."""
+    rejects(user({"type": "image", "source": {"type": "url", "url": url}}), "messages.0.content.0:", "url source")
 
 
 def test_image_with_a_file_source_is_rejected() -> None:
@@ -253,7 +263,7 @@ def test_empty_user_content_stays_an_empty_user_message() -> None:
 
 
 def test_consecutive_user_turns_are_combined_as_the_api_does() -> None:
-    image = {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}
     chat = convert(
         minimal(
             messages=[
@@ -270,7 +280,7 @@ def test_consecutive_user_turns_are_combined_as_the_api_does() -> None:
     assert chat["messages"] == [
         {"role": "user", "content": "first\n\nsecond"},
         {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": [{"type": "text", "text": "third"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "third"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}]},
         {"role": "system", "content": "reminder"},
         {"role": "user", "content": "fourth"},
     ]

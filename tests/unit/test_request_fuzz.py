@@ -63,7 +63,7 @@ def _rich_request() -> dict[str, Any]:
                 "content": [
                     {"type": "text", "text": "Look at these.", "citations": []},
                     IMAGE,
-                    {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/webp", "data": "UklGR"}},
                     {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Doc."}, "title": "T"},
                     {
                         "type": "document",

@@ -136,3 +136,27 @@ def test_nesting_up_to_the_limit_is_accepted(settings: Any) -> None:
     to_chat_request(validate_messages_request(body))
     body["tools"][0]["input_schema"] = nested(62)
     assert "deeper than the limit" in error_of(body)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            {"type": "base64", "media_type": "text/html", "data": "PGI+"},
+            "messages.0.content.0.source.media_type: Input should be 'image/jpeg', 'image/png', 'image/gif' or 'image/webp'",
+        ),
+        (
+            {"type": "base64", "media_type": "image/svg+xml", "data": "PHN2Zz4="},
+            "messages.0.content.0.source.media_type: Input should be 'image/jpeg', 'image/png', 'image/gif' or 'image/webp'",
+        ),
+    ],
+)
+def test_a_base64_image_needs_one_of_the_apis_media_types(source: dict[str, Any], message: str) -> None:
+    assert error_of(user({"type": "image", "source": source})) == message
+
+
+def test_a_document_source_needs_its_own_media_type() -> None:
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "image/png", "data": "JVBE"}}
+    assert error_of(user(pdf)) == "messages.0.content.0.source.media_type: Input should be 'application/pdf'"
+    text = {"type": "document", "source": {"type": "text", "media_type": "text/html", "data": "<b>"}}
+    assert error_of(user(text)) == "messages.0.content.0.source.media_type: Input should be 'text/plain'"
