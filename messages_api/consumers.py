@@ -50,7 +50,7 @@ from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.framing import PING_FRAME, encode_events
-from messages_api.limits import Usage, check_limits
+from messages_api.limits import Usage, check_limits, refuse_early
 from workers import ChatRun, PoolInfo, Priority, WorkerError, choose_pool, count_prompt_tokens, get_registry
 
 if TYPE_CHECKING:
@@ -355,6 +355,8 @@ class MessagesConsumer(ApiConsumer):
     async def handle_message(self, body: bytes) -> None:
         record = self.record
         principal = await self.authenticate()
+        # A key this process already knows is over its limits is refused before its body is parsed.
+        refuse_early(principal.key_hash, principal.limits)
         request, chat = await intake.messages_request(body)
         record.model = request["model"]
         record.stream = bool(request.get("stream"))

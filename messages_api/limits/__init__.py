@@ -25,9 +25,45 @@ from messages_api.limits.local import LocalLimits
 from messages_api.limits.policy import NO_LIMITS, BucketState, Decision, KeyLimits, Usage
 from workers import lease_expiry, new_id
 
-__all__ = ["KeyLimits", "KeyLease", "NO_LIMITS", "Usage", "check_limits", "local_limits"]
+__all__ = ["KeyLimits", "KeyLease", "NO_LIMITS", "Usage", "check_limits", "local_limits", "refuse_early"]
 
 local_limits = LocalLimits()
+
+
+class _EarlyRefusals:
+    """What this process already knows will be refused, so that a key over its limits is answered
+    before its body is parsed (a flood of 78 KB refused requests cost ~1.6 ms of parsing each).
+
+    A key refused by a rate or a budget stays refused here until the wait it was given ends; a key
+    with as many requests in flight in this process as its concurrency allows is refused until
+    one ends. Both are lower bounds of what the full check would say: it still decides the rest."""
+
+    def __init__(self) -> None:
+        self.until: dict[str, tuple[float, AnthropicError]] = {}
+        self.in_flight: dict[str, int] = {}
+
+    def refuse(self, key: str, limits: KeyLimits, now: float) -> None:
+        held = self.until.get(key)
+        if held is not None:
+            until, error = held
+            if now < until:
+                wait = math.ceil(until - now)
+                if (error.retry_after or 0) <= MAX_SHORT_RETRY_AFTER_S:
+                    wait = min(wait, MAX_SHORT_RETRY_AFTER_S)  # a rate's wait; a budget's stays long
+                raise AnthropicError(429, error.message, "rate_limit_error", retry_after=float(max(1, wait)), headers=error.headers)
+            del self.until[key]
+        if limits.concurrency is not None and self.in_flight.get(key, 0) >= limits.concurrency:
+            raise AnthropicError(429, _concurrency_message(limits), "rate_limit_error", retry_after=1.0)
+
+
+early = _EarlyRefusals()
+
+
+def refuse_early(key: str, limits: KeyLimits) -> None:
+    """Raise the 429 this process already knows the key's next request gets (before its body is
+    parsed); nothing for a key without limits."""
+    if limits.any:
+        early.refuse(key, limits, time.time())
 
 # Anthropic's header names, by limit.
 _HEADER_NAMES = {
@@ -61,6 +97,11 @@ class KeyLease:
         if self.settled or not self.limits.any:
             return
         self.settled = True
+        left = early.in_flight.get(self.key, 1) - 1
+        if left > 0:
+            early.in_flight[self.key] = left
+        else:
+            early.in_flight.pop(self.key, None)
         now = time.time()
         if self.shared:
             shared.settle(self.key, self.limits, self.estimate, actual, self.lease, now)
@@ -82,7 +123,11 @@ async def check_limits(key: str, limits: KeyLimits, estimate: Usage) -> KeyLease
         decision = local_limits.check(key, limits, estimate, lease, math.inf, now)
     headers = rate_limit_headers(decision.states)
     if not decision.admitted:
-        raise _refusal(decision, limits, headers, now)
+        error = _refusal(decision, limits, headers, now)
+        if decision.refused_by != "concurrency":
+            early.until[key] = (now + decision.retry_after_s, error)
+        raise error
+    early.in_flight[key] = early.in_flight.get(key, 0) + 1
     return KeyLease(key, limits, estimate, lease, is_shared, headers)
 
 
@@ -124,9 +169,13 @@ def _refusal(decision: Decision, limits: KeyLimits, headers: list[tuple[bytes, b
             f"it renews at {_rfc3339(now + decision.retry_after_s)}."
         )
     elif refused_by == "concurrency":
-        message = f"This request would exceed this API key's limit of {limits.concurrency} concurrent requests."
+        message = _concurrency_message(limits)
     else:
         limit = dict(limits.buckets)[refused_by]
         wait = min(wait, MAX_SHORT_RETRY_AFTER_S)
         message = f"This request would exceed this API key's rate limit of {limit:,} {_DESCRIPTIONS[refused_by]}."
     return AnthropicError(429, message, "rate_limit_error", retry_after=float(wait), headers=tuple(headers))
+
+
+def _concurrency_message(limits: KeyLimits) -> str:
+    return f"This request would exceed this API key's limit of {limits.concurrency} concurrent requests."

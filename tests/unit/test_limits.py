@@ -187,3 +187,38 @@ async def _settled(key: str, limits: KeyLimits, estimate: Usage, actual: Usage, 
     """`shared.settle`, waited for (it runs in the background in production)."""
     shared_limits.settle(key, limits, estimate, actual, lease, now)
     await asyncio.gather(*get_shared_state()._background)
+
+
+async def test_a_refused_key_is_refused_again_early_until_its_wait_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next request of a key just refused for a rate is answered before its body is parsed."""
+    from messages_api import limits as limits_module
+
+    key = f"key-{uuid.uuid4().hex}"
+    limits = KeyLimits(requests_per_minute=1)
+    clock = [NOW]
+    monkeypatch.setattr(limits_module.time, "time", lambda: clock[0])
+    lease = await check_limits(key, limits, Usage())
+    with pytest.raises(AnthropicError):
+        await check_limits(key, limits, Usage())
+    with pytest.raises(AnthropicError) as early:
+        limits_module.refuse_early(key, limits)
+    assert early.value.status == 429 and 1 <= (early.value.retry_after or 0) <= 60
+    clock[0] += 61  # the wait is over: the early check lets it through to the full one
+    limits_module.refuse_early(key, limits)
+    lease.settle(Usage())
+    local_limits.forget()
+
+
+async def test_as_many_in_flight_here_as_the_concurrency_is_refused_early() -> None:
+    from messages_api import limits as limits_module
+
+    key = f"key-{uuid.uuid4().hex}"
+    limits = KeyLimits(concurrency=2)
+    leases = [await check_limits(key, limits, Usage()) for _ in range(2)]
+    with pytest.raises(AnthropicError) as early:
+        limits_module.refuse_early(key, limits)
+    assert "2 concurrent requests" in early.value.message
+    leases[0].settle(Usage())
+    limits_module.refuse_early(key, limits)  # one ended: no longer refused early
+    leases[1].settle(Usage())
+    local_limits.forget()

@@ -81,9 +81,14 @@ class SharedState:
             for stale in [l for l in self._clients if l.is_closed()]:
                 del self._clients[stale]
             timeout = settings.REDIS_TIMEOUT_S
-            client = self._clients[loop] = redis.asyncio.Redis.from_url(
-                self.url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30
+            # A blocking pool: a burst of checks waits (up to the timeout) for one of
+            # REDIS_MAX_CONNECTIONS connections instead of failing past redis-py's default 100,
+            # which sent a whole process to its fallback for REDIS_RETRY_S (bench/tenants.py).
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                self.url, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=timeout,
+                socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
             )
+            client = self._clients[loop] = redis.asyncio.Redis(connection_pool=pool)
         return client
 
     async def run(self, script: Script, keys: list[str], args: list[Any]) -> Any | None:
@@ -128,6 +133,7 @@ class SharedState:
         client = self._clients.pop(asyncio.get_running_loop(), None)
         if client is not None:
             await client.aclose()
+            await client.connection_pool.disconnect()  # a pool given to the client is not its to close
 
 
 def _safe(url: str) -> str:
