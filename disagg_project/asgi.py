@@ -14,10 +14,12 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
+from disagg_project import login_guard  # noqa: E402
 from messages_api import http_application  # noqa: E402
 from workers import start_services  # noqa: E402
 
-application = ProtocolTypeRouter({"http": http_application(django_asgi_app)})
+# Django's side first answers the admin logins of clients locked out (disagg_project/login_guard.py).
+application = ProtocolTypeRouter({"http": http_application(login_guard.guard(django_asgi_app))})
 
 
 def _start_services_with_daphne() -> None:

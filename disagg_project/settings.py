@@ -6,7 +6,9 @@ ALLOWED_HOSTS. Gateway knobs are named after what they tune and documented where
 
 from __future__ import annotations
 
+import ipaddress
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -99,6 +101,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    # Admin login throttling and lockout (below, "The admin").
+    "axes",
     "workers",
     "messages_api",
 ]
@@ -110,6 +114,9 @@ MIDDLEWARE = [
     # Second: a bad Host is answered 400 in Anthropic's envelope and logged as one sampled line,
     # not a traceback per request (messages_api/host_check.py).
     "messages_api.host_check.HostCheckMiddleware",
+    # A locked-out client's admin login is answered 429 here, before the HTTPS redirect (a 429
+    # needs none), the session, CSRF and the login view (disagg_project/login_guard.py).
+    "disagg_project.login_guard.LoginLockoutMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -118,6 +125,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes requires: turns a login refused by the lockout into its 429 answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "disagg_project.urls"
@@ -168,6 +177,44 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+
+# --- The admin ------------------------------------------------------------------------------
+# Where the admin is served (a path prefix, e.g. `ops-7f3a/`): an unguessable one keeps scanners
+# off its login page; serve it only to the operators' network (docs/security.md).
+ADMIN_URL = os.environ.get("ADMIN_URL", "admin/").strip("/") + "/"
+if ADMIN_URL == "/":
+    raise ImproperlyConfigured("ADMIN_URL must not be empty (the admin would take every path)")
+
+# Login throttling (django-axes): after ADMIN_LOGIN_FAILURE_LIMIT failed logins from one client
+# address, that address's logins are refused (429) for ADMIN_LOGIN_COOLOFF_S without checking the
+# password. The lockout backend comes first: a refused login never reaches the password hasher,
+# which costs ~200 ms of CPU per try by design. Attempts are rows in the database, so every
+# gateway process sees the same count. Attempts made while locked out are not recorded (the
+# cool-off is not extended, and a flood writes nothing).
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_ENABLED = True
+AXES_HTTP_RESPONSE_CODE = 429
+AXES_FAILURE_LIMIT = env_int("ADMIN_LOGIN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(seconds=env_float("ADMIN_LOGIN_COOLOFF_S", 900.0))
+AXES_LOCKOUT_PARAMETERS = ["ip_address"]
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+AXES_RESET_ON_SUCCESS = True
+# A locked-out client's refusal is sent this many seconds late (no CPU spent meanwhile): one
+# connection trying passwords gets one answer per delay, however fast it sends.
+ADMIN_LOGIN_LOCKOUT_DELAY_S = env_float("ADMIN_LOGIN_LOCKOUT_DELAY_S", 1.0)
+# The client address: the socket peer, or behind a proxy listed in TRUSTED_PROXIES (addresses or
+# networks, comma-separated) the right-most X-Forwarded-For entry it did not add itself
+# (disagg_project/client_address.py). Unset behind a proxy, every client is the proxy.
+TRUSTED_PROXIES = [p.strip() for p in os.environ.get("TRUSTED_PROXIES", "").split(",") if p.strip()]
+for _proxy in TRUSTED_PROXIES:
+    try:
+        ipaddress.ip_network(_proxy, strict=False)
+    except ValueError:
+        raise ImproperlyConfigured(f"TRUSTED_PROXIES: {_proxy!r} is not an address or a network") from None
+AXES_CLIENT_IP_CALLABLE = "disagg_project.client_address.client_address"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

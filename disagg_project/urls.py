@@ -1,9 +1,11 @@
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
 
 urlpatterns = [
     path("", include("messages_api.urls")),
-    path("admin/", admin.site.urls),
+    # ADMIN_URL (default `admin/`): docs/security.md on where to serve it.
+    path(settings.ADMIN_URL, admin.site.urls),
 ]
 
 # Django's error pages in Anthropic's envelope: a request target Django does not serve (`*`,

@@ -18,6 +18,7 @@ import shlex
 from typing import Any
 
 from daphne.cli import CommandLineInterface
+from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
@@ -63,8 +64,8 @@ class Command(BaseCommand):
             "-H 'content-type: application/json' -d %s\n\n"
             "Claude Code:\n  ANTHROPIC_BASE_URL=%s ANTHROPIC_API_KEY=%s claude\n"
             "  (its Claude model names are routed here; add CLAUDE_CODE_ENABLE_GATEWAY_MODEL_DISCOVERY=1 for the /model picker)\n\n"
-            "Admin: %s/admin/ (create a user with `manage.py createsuperuser`)\n"
-            % (base, key, base, shlex.quote(f"x-api-key: {key}"), shlex.quote(body), base, key, base)
+            "Admin: %s/%s (create a user with `manage.py createsuperuser`)\n"
+            % (base, key, base, shlex.quote(f"x-api-key: {key}"), shlex.quote(body), base, key, base, settings.ADMIN_URL)
         )
         self.stdout.flush()
         CommandLineInterface().run(["-b", options["host"], "-p", str(options["port"]), "disagg_project.asgi:application"])
