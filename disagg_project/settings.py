@@ -105,6 +105,8 @@ INSTALLED_APPS = [
     "axes",
     "workers",
     "messages_api",
+    # After django.contrib.auth: its admin module re-registers users and groups (superusers only).
+    "disagg_project",
 ]
 
 MIDDLEWARE = [

@@ -49,6 +49,7 @@ _HOMES = {
     "ReadOnlyAdmin": "workers.admin",
     "Priority": "workers.admission.queue",
     "limit_argument": "workers.management.arguments",
+    "log_change": "workers.management.changes",
     "Script": "workers.cluster.shared_state",
     "get_shared_state": "workers.cluster.shared_state",
     "shared_leases": "workers.cluster.shared_state",
@@ -80,6 +81,7 @@ __all__ = [
     "get_shared_state",
     "lease_expiry",
     "limit_argument",
+    "log_change",
     "new_id",
     "local_state",
     "get_writer",
@@ -100,6 +102,7 @@ if TYPE_CHECKING:
     from workers.cluster.services import start_services
     from workers.cluster.writer import get_writer
     from workers.management.arguments import limit_argument
+    from workers.management.changes import log_change
     from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, WorkerError
     from workers.protocols.base import AGGREGATED
     from workers.routing.router import candidates, choose_pool

@@ -6,6 +6,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from messages_api.auth import create_api_key
 from messages_api.models import ApiKey
+from workers import log_change
 
 
 class Command(BaseCommand):
@@ -18,9 +19,12 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         name = options["name"]
         if options["replace"]:
-            ApiKey.objects.filter(name=name).delete()
+            for old in ApiKey.objects.filter(name=name):
+                old.delete()
+                log_change("create_api_key --replace", "API key %r (%s…) deleted", name, old.prefix)
         if ApiKey.objects.filter(name=name).exists():
             raise CommandError(f"an API key named {name!r} already exists")
         api_key, key = create_api_key(name)
+        log_change("create_api_key", "API key %r (id %d, %s…) created", api_key.name, api_key.pk, api_key.prefix)
         self.stderr.write(f"created API key {api_key.name!r} ({api_key.prefix}…); it is shown only now:")
         self.stdout.write(key)

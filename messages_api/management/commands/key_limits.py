@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from messages_api.models import ApiKey, KeyPriority
-from workers import limit_argument
+from workers import limit_argument, log_change
 
 # Option → the key's field.
 LIMIT_OPTIONS = {
@@ -39,6 +39,7 @@ class Command(BaseCommand):
         if key is None:
             raise CommandError(f"no API key named {options['name']!r}")
         changed: list[str] = []
+        before = {field: getattr(key, field) for field in (*LIMIT_OPTIONS.values(), "priority", "allowed_models")}
         for option, field in LIMIT_OPTIONS.items():
             if options.get(option) is not None:
                 setattr(key, field, options[option] or None)
@@ -52,6 +53,9 @@ class Command(BaseCommand):
             changed.append("allowed_models")
         if changed:
             key.save(update_fields=changed)
+            differences = [f"{field} {before[field]!r} → {getattr(key, field)!r}" for field in changed if before[field] != getattr(key, field)]
+            if differences:
+                log_change("key_limits", "API key %r (id %d): %s", key.name, key.pk, ", ".join(differences))
         self.stdout.write(describe(key))
 
 

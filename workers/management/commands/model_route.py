@@ -14,6 +14,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
+from workers.management.changes import log_change
 from workers.models import ModelRoute, ModelRoutePool, WorkerPool
 
 
@@ -40,6 +41,7 @@ class Command(BaseCommand):
             deleted, _ = ModelRoute.objects.filter(name=name).delete()
             if not deleted:
                 raise CommandError(f"no route {name!r}")
+            log_change("model_route --delete", "route %r deleted", name)
             self.stdout.write(f"deleted: {name}")
             return
         pools = []
@@ -51,6 +53,7 @@ class Command(BaseCommand):
         existing = ModelRoute.objects.filter(name=name).first()
         if existing is None and not pools:
             raise CommandError("a new route needs at least one --pool")
+        before = describe(existing) if existing is not None else None
         with transaction.atomic():
             route = existing or ModelRoute(name=name)
             if options.get("display_name") is not None:
@@ -63,7 +66,12 @@ class Command(BaseCommand):
                 ModelRoutePool.objects.bulk_create(
                     ModelRoutePool(route=route, pool=pool, position=position) for position, pool in enumerate(pools)
                 )
-        self.stdout.write(describe(route))
+        after = describe(route)
+        if before is None:
+            log_change("model_route", "route created: %s", after)
+        elif after != before:
+            log_change("model_route", "route changed: %s → %s", before, after)
+        self.stdout.write(after)
 
 
 def describe(route: ModelRoute) -> str:

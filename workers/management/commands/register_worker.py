@@ -11,6 +11,7 @@ from django.core.validators import URLValidator
 
 from workers import protocols
 from workers.management.arguments import limit_argument
+from workers.management.changes import log_change
 from workers.models import (
     Role,
     RoutingPolicy,
@@ -87,6 +88,7 @@ class Command(BaseCommand):
                 f"pool {pool.name!r} serves model {pool.model!r}, not {options['model']!r}"
             )
         changed = created
+        changes: list[str] = []  # for the change log: never the signing key itself
         for option, field in (
             ("protocol", "protocol"),
             ("schedule_style", "schedule_style"),
@@ -94,10 +96,12 @@ class Command(BaseCommand):
             ("max_local_prefill_tokens", "max_local_prefill_tokens"),
         ):
             if options.get(option) is not None and getattr(pool, field) != options[option]:
+                changes.append(f"{field} {getattr(pool, field)!r} → {options[option]!r}")
                 setattr(pool, field, options[option])
                 changed = True
         signing_key = self._signing_key(options)
         if signing_key is not None and pool.handoff_signing_key != signing_key:
+            changes.append("handoff signing key " + ("set" if signing_key else "cleared"))
             pool.handoff_signing_key = signing_key
             changed = True
         problem = protocols.misconfiguration(pool.protocol, pool.schedule_style, pool.max_local_prefill_tokens)
@@ -105,8 +109,13 @@ class Command(BaseCommand):
             raise CommandError(f"pool {pool.name!r}: {problem}")
         if changed:
             pool.save()
+            what = "created" if created else "changed"
+            log_change("register_worker", "pool %r (model %r) %s%s", pool.name, pool.model, what, f": {', '.join(changes)}" if changes else "")
         endpoint_options = self._endpoint_options(options["option"])
         endpoint, endpoint_created = WorkerEndpoint.objects.get_or_create(pool=pool, role=options["role"], url=url)
+        if endpoint_created:
+            log_change("register_worker", "pool %r: %s endpoint %s added", pool.name, endpoint.role, endpoint.url)
+        before = {"capacity": endpoint.capacity, "capacity_tokens": endpoint.capacity_tokens, "options": dict(endpoint.options)}
         for field in ("capacity", "capacity_tokens"):
             if options.get(field) is not None:
                 value = options[field] or None  # 0: unlimited
@@ -121,6 +130,12 @@ class Command(BaseCommand):
                 endpoint.options = merged
                 endpoint.save(update_fields=["options", "updated_at"])
                 endpoint_created = True  # reported as a change
+        after = {"capacity": endpoint.capacity, "capacity_tokens": endpoint.capacity_tokens, "options": endpoint.options}
+        if after != before:
+            log_change(
+                "register_worker", "pool %r: %s endpoint %s: %s", pool.name, endpoint.role, endpoint.url,
+                ", ".join(f"{field} {before[field]!r} → {value!r}" for field, value in after.items() if before[field] != value),
+            )
         verb = "registered" if endpoint_created else "already registered"
         capacity = "".join(
             f", {label} {value}" for label, value in (("capacity", endpoint.capacity), ("capacity tokens", endpoint.capacity_tokens)) if value
