@@ -54,6 +54,7 @@ class AuditRecord:
     output_tokens: int | None = None
     cache_read_input_tokens: int | None = None
     api_key_name: str = ""
+    api_key_id: int | None = None  # the authenticated key's row (its name may change later)
     begun: bool = False
     ended: bool = False
     # The run serving the request, once there is one: its trace (stage, endpoints, timings) is
@@ -161,6 +162,7 @@ class AuditRecord:
             "output_tokens": self.output_tokens,
             "cache_read_input_tokens": self.cache_read_input_tokens,
             "api_key_name": self.api_key_name,
+            "api_key_id": self.api_key_id,
             "gateway_instance": GATEWAY_INSTANCE,
         }
 

@@ -49,6 +49,7 @@ from messages_api.request_context import current_request_id
 from messages_api.model_list import model_info, model_page
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
+from messages_api.revocation import KeyRevoked, open_requests
 from messages_api.framing import PING_FRAME, encode_events
 from messages_api.limits import Usage, check_limits, refuse_early
 from workers import ChatRun, PoolInfo, Priority, WorkerError, choose_pool, count_prompt_tokens, get_registry
@@ -73,6 +74,7 @@ class ApiConsumer(AsyncHttpConsumer):
         self._body_size = 0
         self._task: asyncio.Task[None] | None = None
         self._refused = False
+        self._revoked = False  # the request's API key was revoked while it ran (`revoke`)
         self.response_started = False
         self.response_finished = False
         self.sent_status: int | None = None  # the status line sent, once it was
@@ -161,6 +163,15 @@ class ApiConsumer(AsyncHttpConsumer):
             await asyncio.wait({task})
         raise StopConsumer()
 
+    def revoke(self) -> None:
+        """The request's API key was revoked (messages_api/revocation.py): its task is cancelled,
+        and `_serve` answers that cancellation with `KeyRevoked` instead of taking the client for gone."""
+        task = self._task
+        if self._revoked or task is None or task.done() or self.response_finished:
+            return
+        self._revoked = True
+        task.cancel()
+
     def _writer(self) -> BodyWriter:
         """Where middle frames go (see `send_body`): daphne's direct writer, or on another server
         a queue to `send`."""
@@ -225,6 +236,10 @@ class ApiConsumer(AsyncHttpConsumer):
                     raise  # someone else's timeout: a bug, answered as one
                 raise DeadlineExceeded(deadline_s) from exc
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._revoked and task is not None and task.uncancel() == 0:  # revoked, and the client is still here
+                await self._answer_error(KeyRevoked())
+                return
             if self._send_queue is not None:
                 self._send_queue.close()  # the client is gone: nothing more is sent to it
             if self.record.begun:
@@ -296,7 +311,7 @@ class ApiConsumer(AsyncHttpConsumer):
         principal = await key_cache.authenticate(key)
         if principal is None:
             raise AnthropicError(401, INVALID_KEY, "authentication_error")
-        self.record.api_key_name = principal.name
+        self.record.api_key_name, self.record.api_key_id = principal.name, principal.key_id or None
         return principal
 
     async def identify(self) -> None:
@@ -314,7 +329,7 @@ class ApiConsumer(AsyncHttpConsumer):
             logger.warning("API key lookup failed while answering an error", exc_info=True)
             return
         if principal is not None:
-            self.record.api_key_name = principal.name
+            self.record.api_key_name, self.record.api_key_id = principal.name, principal.key_id or None
 
     def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         return [(b"content-type", content_type), (b"request-id", self.record.request_id.encode()), *self.extra_headers]
@@ -348,6 +363,7 @@ class MessagesConsumer(ApiConsumer):
         try:
             await self.handle_message(body)
         finally:
+            open_requests.discard(self)
             if self.sse_started:
                 metrics.open_streams.dec()
             intake.release(len(body))
@@ -355,6 +371,7 @@ class MessagesConsumer(ApiConsumer):
     async def handle_message(self, body: bytes) -> None:
         record = self.record
         principal = await self.authenticate()
+        open_requests.add(principal.key_hash, self)  # revoking the key ends the request
         # A key this process already knows is over its limits is refused before its body is parsed.
         refuse_early(principal.key_hash, principal.limits)
         request, chat = await intake.messages_request(body)

@@ -90,7 +90,13 @@ class MessageRequest(models.Model):
     input_tokens = models.PositiveIntegerField(null=True, blank=True)
     output_tokens = models.PositiveIntegerField(null=True, blank=True)
     cache_read_input_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="Prompt tokens read from the worker's prefix cache.")
-    api_key_name = models.CharField(max_length=100, blank=True, default="")
+    api_key_name = models.CharField(max_length=100, blank=True, default="", help_text="The key's name when the request was made.")
+    # The key itself, whatever it is renamed to later. No database constraint, as the reservations'
+    # endpoint: rows are written in the background, and a key deleted meanwhile must not fail the
+    # write; deleting a key empties the field of its rows (the name stays).
+    api_key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, db_constraint=False, related_name="requests",
+    )
     queued_ms = models.FloatField(null=True, blank=True, help_text="Time spent in the admission queue waiting for worker capacity.")
     gateway_instance = models.CharField(max_length=64, blank=True, default="", db_index=True)
 

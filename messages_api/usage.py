@@ -13,15 +13,18 @@ merged. The upsert has already taken the row's lock (PostgreSQL's row lock, SQLi
 so no other process can come between the read and the write. Rows are written in (key, hour)
 order, so two processes never wait on each other's rows in opposite orders.
 
-The hour is the one the request was received in, as the audit row's `received_at`. The key is
-found by name when the tallies are written (the record knows the name, not the id); a key deleted
-or renamed in between loses that interval's tally, logged. A write that fails keeps the tallies
-for the next one; a process killed loses at most one interval of its own tallies.
+The hour is the one the request was received in, as the audit row's `received_at`. A request is
+counted under its key's id (the audit record's `api_key_id`, set when the key was authenticated),
+so renaming a key changes nothing; one known only by name (`add` with a name) is found by name
+when the tallies are written. A key deleted in between (or renamed, for a name) loses that interval's tally,
+logged. A write that fails keeps the tallies for the next one; a process killed loses at most one
+interval of its own tallies.
 
 Why a thread of its own, not the row writer or a `DatabaseThread` task: the row writer writes rows'
 latest states, not increments, and a periodic task would need an event loop while tallies also come
 from management commands and tests. Every `USAGE_FLUSH_INTERVAL_S` (5 s), when there was traffic,
-it makes one lookup of the keys' ids, one batched upsert, and a read and a write per row with errors.
+it makes one lookup of the keys (that the ids still exist; the ids of names), one batched upsert,
+and a read and a write per row with errors.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class Tally:
             self.errors[error_type] = self.errors.get(error_type, 0) + count
 
 
-TallyKey = tuple[str, int]  # (API key name, hours since the epoch)
+TallyKey = tuple[int | str, int]  # (API key id, or its name when the id is not known; hours since the epoch)
 
 
 def hour_of(moment: datetime) -> int:
@@ -97,7 +100,7 @@ class UsageRecorder:
 
     def add(
         self,
-        key: str,
+        key: int | str,
         hour: int,
         *,
         input_tokens: int = 0,
@@ -106,7 +109,7 @@ class UsageRecorder:
         queued_ms: float = 0.0,
         error_type: str = "",
     ) -> None:
-        """Count one request of `key` received in `hour` (hours since the epoch)."""
+        """Count one request of `key` (an id, or a name) received in `hour` (hours since the epoch)."""
         with self._lock:
             tally = self._pending.get((key, hour))
             if tally is None:
@@ -124,7 +127,7 @@ class UsageRecorder:
     def note(self, record: AuditRecord) -> None:
         """Count an ended request (its key, hour, tokens, error type, time queued): `add`, inlined
         (this runs on the event loop for every request)."""
-        key = (record.api_key_name, int(record.received_at.timestamp()) // HOUR_S)
+        key = (record.api_key_id or record.api_key_name, int(record.received_at.timestamp()) // HOUR_S)
         with self._lock:
             tally = self._pending.get(key)
             if tally is None:
@@ -186,13 +189,15 @@ class UsageRecorder:
             self.flush()
 
     def _write(self, batch: dict[TallyKey, Tally]) -> None:
-        ids = _key_ids({name for name, _ in batch})
+        ids = _key_ids({key for key, _ in batch if isinstance(key, str)})
+        existing = _existing_ids({key for key, _ in batch if isinstance(key, int)})
         rows: list[tuple[int, int, Tally]] = []
-        for (name, hour), tally in batch.items():
-            key_id = ids.get(name)
+        for (key, hour), tally in batch.items():
+            key_id = ids.get(key) if isinstance(key, str) else (key if key in existing else None)
             if key_id is None:
                 self.dropped_keys += 1
-                logger.warning("usage: no API key named %r any more; %d requests of it not counted", name, tally.requests)
+                what = f"named {key!r}" if isinstance(key, str) else f"with id {key}"
+                logger.warning("usage: no API key %s any more; %d requests of it not counted", what, tally.requests)
             else:
                 rows.append((key_id, hour, tally))
         rows.sort(key=lambda row: (row[0], row[1]))  # one lock order in every process
@@ -220,6 +225,14 @@ def _key_ids(names: set[str]) -> dict[str, int]:
     for start in range(0, len(ordered), NAMES_PER_QUERY):
         ids.update(ApiKey.objects.filter(name__in=ordered[start : start + NAMES_PER_QUERY]).values_list("name", "id"))
     return ids
+
+
+def _existing_ids(wanted: set[int]) -> set[int]:
+    ordered = sorted(wanted)
+    found: set[int] = set()
+    for start in range(0, len(ordered), NAMES_PER_QUERY):
+        found.update(ApiKey.objects.filter(id__in=ordered[start : start + NAMES_PER_QUERY]).values_list("id", flat=True))
+    return found
 
 
 def _merge_errors(key_id: int, hour: datetime, errors: dict[str, int]) -> None:

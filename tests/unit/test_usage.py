@@ -161,6 +161,19 @@ def test_an_unknown_key_is_dropped_and_the_rest_written(transactional_db: Any) -
     assert recorder.dropped_keys == 1
 
 
+def test_a_request_is_counted_under_its_key_id_whatever_the_key_is_renamed_to(transactional_db: Any) -> None:
+    key = make_key("before-rename")
+    recorder = UsageRecorder(0)
+    record = AuditRecord(api_key_name="before-rename", api_key_id=key.pk, received_at=hour_start(H) + timedelta(minutes=1))
+    record.output_tokens = 5
+    recorder.note(record)
+    ApiKey.objects.filter(pk=key.pk).update(name="after-rename")  # renamed before the tally is written
+    recorder.add(key.pk + 1000, H)  # an id no key has (deleted meanwhile): dropped, the rest written
+    assert recorder.flush()
+    assert (row(key, H).requests, row(key, H).output_tokens) == (1, 5)
+    assert recorder.dropped_keys == 1
+
+
 def test_the_writer_thread_flushes_on_its_own(transactional_db: Any) -> None:
     key = make_key("threaded")
     recorder = UsageRecorder(0.05)
