@@ -116,6 +116,11 @@ def test_operator_admin_in_a_browser(
             endpoint = WorkerEndpoint.objects.get(pool=pool, url=NEW_ENDPOINT_URL)
             assert endpoint.role == "generation" and endpoint.enabled and not endpoint.draining
             assert pool.endpoints.count() == 3
+            # The change is in the admin's history: who, and what (the endpoint added in the inline).
+            from django.contrib.admin.models import LogEntry
+
+            entry = LogEntry.objects.filter(object_id=str(pool.pk), content_type__model="workerpool").latest("action_time")
+            assert entry.user.get_username() == "operator" and "Added worker endpoint" in entry.get_change_message()
             page.screenshot(path=str(SCREENSHOTS / "admin-pool.png"), full_page=True)
 
             # The endpoint changelist: drain the new endpoint with the action.
