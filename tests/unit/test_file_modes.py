@@ -45,7 +45,7 @@ def test_the_secret_key_recipe_writes_into_a_0600_file(tmp_path: Path) -> None:
     # Stands in for the virtualenv's Python in the recipe: records the mode of the file its output
     # goes to, while it writes the secret.
     fake_python = tmp_path / "python"
-    fake_python.write_text(f'#!/bin/sh\nstat -L -c %a /proc/self/fd/1 > {seen}\necho not-a-real-secret\n')
+    fake_python.write_text(f'#!/bin/sh\nstat -L -c %a /proc/$$/fd/1 > {seen}\necho not-a-real-secret\n')  # $$: this script's stdout
     fake_python.chmod(0o755)
     result = subprocess.run(
         ["make", "--no-print-directory", f"SECRET_FILE={secret}", f"PY={fake_python}", "STAMP=Makefile", str(secret)],
