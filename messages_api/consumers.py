@@ -397,6 +397,8 @@ class MessagesConsumer(ApiConsumer):
                 # OpenAI-compatible server has no per-chunk usage); the worker's count replaces it.
                 input_tokens=run.estimated_prompt_tokens,
                 cache_share=cached_prefix_share(request, len(body)),
+                # Enforced here, whatever the worker does: the relay stops at it (reframe.py).
+                max_tokens=request["max_tokens"],
             )
             record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
             try:
@@ -424,6 +426,7 @@ class MessagesConsumer(ApiConsumer):
         reframer = self.reframer
         assert reframer is not None
         events: list[dict[str, Any]] = []
+        # Bounded: past max_tokens the reframer ends the message and the relay stops (reframe.py).
         await run.relay(lambda chunk: events.extend(reframer.feed(chunk)))
         events.extend(reframer.finish())
         message = accumulate_message(events)

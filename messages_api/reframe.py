@@ -16,6 +16,19 @@ calls can interleave their argument fragments by `index`. So:
 - a tool call's arguments are checked when its block closes, which is the last moment the
   client can still be told before it acts on them.
 
+The gateway enforces `max_tokens` itself (a worker may ignore it, and one that streamed 90 MB for
+`max_tokens: 64` was relayed whole). Each piece of content relayed (a text or thinking delta, a
+tool call's name or argument fragment) counts as at least one token, and a long one as one per
+`CHARS_PER_TOKEN` characters. A piece that arrives once the count has reached `max_tokens` is not
+relayed: `feed` raises `OutputLimitReached` (a `StopRelay`: the run stops reading the worker and
+cancels its request) and `finish` ends the message with stop_reason `max_tokens`. So a worker that
+honours the limit is not cut (its last piece brings the count to the limit at most, unless its
+tokens run longer than CHARS_PER_TOKEN characters, then only its finish and usage follow), and
+what is relayed is bounded twice: in pieces, by `max_tokens`, and in characters, by `max_tokens ×
+CHARS_PER_TOKEN`, plus the one piece that crossed the limit (one event, bounded by
+`WORKER_MAX_SSE_LINE_BYTES`). The count is also the output's size when the worker reports a
+smaller one, or none (`output_tokens`).
+
 This runs once per generated token, so the text path is a handful of dict lookups and one
 event dict; nothing is copied.
 
@@ -28,15 +41,17 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import orjson
 
 from messages_api.cache_accounting import split_prompt
 from messages_api.errors import AnthropicError
 from messages_api.framing import text_delta_frame
+from workers import StopRelay
 
-__all__ = ["StreamReframer"]
+__all__ = ["CHARS_PER_TOKEN", "OutputLimitReached", "StreamReframer"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +104,24 @@ UNKNOWN_FINISH_REASON = (502, "The worker ended the answer with a finish reason 
 
 BAD_ARGUMENTS = "The worker returned tool call arguments that are not a JSON object"
 
+# Characters of content counted as one token at least: a piece of n characters counts as
+# ceil(n / 16) tokens, so `max_tokens × 16` characters bound what a worker that ignores the limit
+# gets relayed, however few its pieces. Why 16: a token is 3-4 characters of English text on
+# average and rarely more than 16 (long words, runs of indentation), a CJK character is about one
+# token, and an engine that sends several tokens per chunk sends their characters; so a worker
+# that honours max_tokens stays below the bound, with room for a stream of long tokens, while
+# one that floods gets about 16 bytes per token asked (64 KiB for max_tokens 4,096; at most four
+# times that in UTF-8, six in JSON escapes, still linear in max_tokens). A piece of at most 16
+# characters (almost every token) counts 1 without being measured: `text[16:]` is no call.
+CHARS_PER_TOKEN = 16
+# `_stop_at` once the message is over: every piece is then past it.
+_OVER = -1
+
+
+class OutputLimitReached(StopRelay):
+    """The worker sent more content than the request's `max_tokens`: nothing more is relayed,
+    and `finish` ends the message there with stop_reason `max_tokens`."""
+
 
 class _ToolCall:
     """One upstream tool call (keyed by its `index`) on its way to becoming a tool_use block."""
@@ -130,6 +163,8 @@ class StreamReframer:
         "_matched_stop",
         "_usage",
         "_out",
+        "_relayed",
+        "_stop_at",
     )
 
     def __init__(
@@ -140,10 +175,12 @@ class StreamReframer:
         input_tokens: int | None = None,
         stop_sequences: list[str] | None = None,
         cache_share: float = 0.0,
+        max_tokens: int | None = None,
     ) -> None:
         """`cache_share`: the fraction of the prompt up to its last `cache_control` breakpoint
         (`messages_api.cache_accounting`), which the usage reports as cache creation where the
-        worker did not read it from its cache."""
+        worker did not read it from its cache. `max_tokens`: the request's, enforced here (see
+        the module); None, no limit."""
         self._message_id = message_id
         self._model = model
         self._stop_sequences = frozenset(stop_sequences or ())
@@ -161,8 +198,14 @@ class StreamReframer:
         self._matched_stop: object = None
         self._usage: dict[str, Any] | None = None  # the latest upstream usage, unconverted
         # Events of the feed/finish call in progress. If that call raises, the caller never
-        # receives them, so `fail` sends them ahead of the error.
+        # receives them, so `fail` sends them ahead of the error (and `finish`, ahead of the end,
+        # after `OutputLimitReached`).
         self._out: list[dict[str, Any]] | None = None
+        # Tokens relayed, as counted here (see the module), and the count at which the next piece
+        # of content ends the message instead (_OVER once it is over: `text_frame` then takes
+        # nothing, the one comparison standing for both).
+        self._relayed = 0
+        self._stop_at = max_tokens if max_tokens is not None else sys.maxsize
 
     # -- public ------------------------------------------------------------------------------
 
@@ -194,8 +237,17 @@ class StreamReframer:
 
     @property
     def output_tokens(self) -> int:
+        """The worker's count, or what was relayed (`relayed_tokens`) when that is more: a worker
+        that reports none, or too few, is not taken at its word."""
         usage = self._usage
-        return (usage.get("completion_tokens") or 0) if usage is not None else 0
+        reported: int = (usage.get("completion_tokens") or 0) if usage is not None else 0
+        return reported if reported > self._relayed else self._relayed
+
+    @property
+    def relayed_tokens(self) -> int:
+        """The content relayed, in tokens as counted here: one per piece at least, one per
+        CHARS_PER_TOKEN characters of a long one."""
+        return self._relayed
 
     @property
     def cache_read_input_tokens(self) -> int:
@@ -219,9 +271,16 @@ class StreamReframer:
                 # vLLM has used both names, and some versions send both with the same text.
                 reasoning = delta.get("reasoning_content") or delta.get("reasoning")
                 if reasoning:
+                    # Counted inline, here and below: this is a reasoning model's per-token path.
+                    if self._relayed >= self._stop_at:
+                        self._limit_reached()
+                    self._relayed += -(-len(reasoning) // CHARS_PER_TOKEN) if reasoning[CHARS_PER_TOKEN:] else 1
                     self._content_delta(THINKING, {"type": "thinking_delta", "thinking": reasoning}, out)
                 text = delta.get("content")
                 if text:
+                    if self._relayed >= self._stop_at:
+                        self._limit_reached()
+                    self._relayed += -(-len(text) // CHARS_PER_TOKEN) if text[CHARS_PER_TOKEN:] else 1
                     self._content_delta(TEXT, {"type": "text_delta", "text": text}, out)
                 tool_calls = delta.get("tool_calls")
                 if tool_calls:
@@ -238,8 +297,9 @@ class StreamReframer:
         other chunk, which `feed` takes instead.
 
         The frame is what `encode_event` gives for the `content_block_delta` `feed` would return,
-        built without the event dict (sse.text_delta_frame)."""
-        if self._open != TEXT or self._done:
+        built without the event dict (sse.text_delta_frame). At the output limit, or once the
+        message is over (`_stop_at` is then _OVER), `feed` decides."""
+        if self._open != TEXT or self._relayed >= self._stop_at:
             return None
         choices = chunk.get("choices")
         if not choices:
@@ -249,18 +309,21 @@ class StreamReframer:
         if not delta or choice.get("finish_reason"):
             return None
         text = delta.get("content")
-        if not text or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
+        # A piece longer than CHARS_PER_TOKEN counts more than one token: `feed` measures it.
+        if not text or text[CHARS_PER_TOKEN:] or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
             return None
         usage = chunk.get("usage")
         if usage:
             self._usage = usage
+        self._relayed += 1
         return text_delta_frame(self._index, text)
 
     def finish(self) -> list[dict[str, Any]]:
         """Upstream sent `[DONE]`: close the open block, then `message_delta` and `message_stop`."""
         if self._done:
             return []
-        out: list[dict[str, Any]] = []
+        # After OutputLimitReached, the events of the feed it cut short come first.
+        out: list[dict[str, Any]] = self._out or []
         self._out = out
         if not self._started:
             self._start(out)
@@ -278,6 +341,7 @@ class StreamReframer:
         )
         out.append({"type": "message_stop"})
         self._done = True
+        self._stop_at = _OVER
         self._out = None
         return out
 
@@ -289,6 +353,7 @@ class StreamReframer:
         if self._done:
             return []
         self._done = True
+        self._stop_at = _OVER
         out = self._out or []
         self._out = None
         if not self._started:
@@ -348,6 +413,20 @@ class StreamReframer:
             matched = choice.get("matched_stop")
         self._matched_stop = matched
 
+    def _limit_reached(self) -> NoReturn:
+        """A piece of content past `max_tokens`: it is not relayed, and the message ends here, as
+        an answer cut by max_tokens is (`finish`: stop_reason max_tokens, a tool call's arguments
+        left as they are). The events of the current `feed` stay in `_out` for `finish`."""
+        logger.warning(
+            "the worker sent more than max_tokens=%d: the answer ends there (%d tokens relayed, as counted)",
+            self._stop_at,
+            self._relayed,
+        )
+        self._finish_reason = "length"
+        self._matched_stop = None
+        self._stop_at = _OVER
+        raise OutputLimitReached()
+
     def _stop_reason(self) -> tuple[str, str | None]:
         reason = self._finish_reason
         stop_sequence = None
@@ -400,9 +479,14 @@ class StreamReframer:
 
     def _tool_calls(self, tool_calls: list[dict[str, Any]], out: list[dict[str, Any]]) -> None:
         for tool_call in tool_calls:
-            call = self._call_for(tool_call)
             function = tool_call.get("function")
             arguments = function.get("arguments") if function else None
+            # A call's name or an argument fragment is content (a flood of new calls too).
+            if arguments or (function and function.get("name")):
+                if self._relayed >= self._stop_at:
+                    self._limit_reached()
+                self._relayed += -(-len(arguments) // CHARS_PER_TOKEN) if arguments and arguments[CHARS_PER_TOKEN:] else 1
+            call = self._call_for(tool_call)
             if (
                 call is not self._open_call
                 and not call.started

@@ -34,6 +34,7 @@ _HOMES = {
     "ContextLengthExceeded": "workers.exceptions",
     "NoEndpointAvailable": "workers.exceptions",
     "OutputLimitExceeded": "workers.exceptions",
+    "StopRelay": "workers.exceptions",
     "PoolInfo": "workers.cluster.registry",
     "get_registry": "workers.cluster.registry",
     "GATEWAY_INSTANCE": "workers.cluster.instance",
@@ -70,6 +71,7 @@ __all__ = [
     "ReadOnlyAdmin",
     "Served",
     "Script",
+    "StopRelay",
     "RunTrace",
     "Traced",
     "WorkerError",
@@ -103,7 +105,7 @@ if TYPE_CHECKING:
     from workers.cluster.writer import get_writer
     from workers.management.arguments import limit_argument
     from workers.management.changes import log_change
-    from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, WorkerError
+    from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, StopRelay, WorkerError
     from workers.protocols.base import AGGREGATED
     from workers.routing.router import candidates, choose_pool
     from workers.schedule.pipeline import ChatRun

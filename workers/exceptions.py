@@ -20,6 +20,8 @@ fuller text an operator reads in the audit row (secrets masked).
 The worker client (`workers.wire.client`, `workers.wire.chat_stream`) raises all but
 `NoEndpointAvailable` (the router's), from one place (`workers.wire.boundary`); a worker's error
 answer is read in `workers.wire.error_reading`.
+
+`StopRelay` is not a failure: a relay's sink raises it to end the answer early (`ChatRun.relay`).
 """
 
 from __future__ import annotations
@@ -127,3 +129,9 @@ class OutputLimitExceeded(WorkerError):
         super().__init__(400, message, stage=stage, code="max_tokens_exceeded", detail=detail)
         self.output_tokens = output_tokens
         self.max_context_tokens = max_context_tokens
+
+
+class StopRelay(Exception):
+    """Raised by a relay's sink (`ChatRun.relay`) that takes no more of the answer (the front
+    door's output limit): the answer ends there as complete, nothing more is read from the
+    worker, and its request is cancelled (its connection closed, the rest unread)."""

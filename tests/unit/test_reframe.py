@@ -19,7 +19,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 
 from messages_api.accumulate import accumulate_message
 from messages_api.errors import AnthropicError
-from messages_api.reframe import StreamReframer
+from messages_api.reframe import CHARS_PER_TOKEN, OutputLimitReached, StreamReframer
 from messages_api.framing import PING_FRAME, encode_event
 from tests.support.sdk import sdk_client, sdk_message
 from workers.schedule.pipeline import completion_as_chunks
@@ -649,7 +649,7 @@ def test_usage_only_at_the_end_keeps_the_given_input_tokens_in_message_start() -
     r = reframer(input_tokens=77)
     events = r.feed(chunk("hi"))
     assert events[0]["message"]["usage"] == anthropic_usage(77, 0)
-    assert (r.input_tokens, r.output_tokens) == (77, 0)
+    assert (r.input_tokens, r.output_tokens) == (77, 1)  # the worker reported none yet: what was relayed
     events += r.feed(chunk(finish="stop"))
     events += r.feed(usage_chunk(80, 5, cached=0))
     assert (r.input_tokens, r.output_tokens) == (80, 5)
@@ -660,7 +660,8 @@ def test_usage_only_at_the_end_keeps_the_given_input_tokens_in_message_start() -
 def test_no_usage_at_all() -> None:
     events = run([chunk("hi"), chunk(finish="stop")])
     assert events[0]["message"]["usage"] == anthropic_usage(0, 0)
-    assert events[-2]["usage"] == anthropic_usage(0, 0)
+    # Output tokens the worker never reported are counted from what was relayed, never 0.
+    assert events[-2]["usage"] == anthropic_usage(0, 1)
 
 
 def test_cached_tokens_above_prompt_tokens_do_not_go_negative() -> None:
@@ -893,3 +894,142 @@ def test_a_repeated_text_chunk_is_one_text_delta_each_time() -> None:
         events = r.feed(text_chunk)
         assert events == [{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " token"}}]
         assert encode_event(events[0]).startswith(b"event: content_block_delta\ndata: ")
+
+
+# -- max_tokens, enforced: what is relayed is counted, and stops at the limit ---------------------
+
+
+def feed_until_the_limit(r: StreamReframer, chunks: Iterable[dict[str, Any]]) -> tuple[list[Event], int]:
+    """Feed as the consumer does until the reframer stops the relay; then finish. Returns the
+    events and how many chunks were fed whole."""
+    events: list[Event] = []
+    fed = 0
+    for c in chunks:
+        try:
+            events += r.feed(c)
+        except OutputLimitReached:
+            break
+        fed += 1
+    events += r.finish()
+    assert_event_invariants(events)
+    return events, fed
+
+
+def test_each_piece_counts_a_token_and_a_long_one_one_per_16_characters() -> None:
+    r = reframer()
+    pieces = [
+        (chunk(reasoning="y" * 40), 3),  # ceil(40 / 16)
+        (chunk("a"), 1),
+        (chunk("x" * CHARS_PER_TOKEN), 1),
+        (chunk("x" * (CHARS_PER_TOKEN + 1)), 2),
+        (chunk(tool_calls=[call(0, "", id="call_1", name="f")]), 1),  # a call's name
+        (chunk(tool_calls=[call(0, '{"q": "' + "z" * 30 + '"}')]), 3),  # 38 characters
+        (chunk(tool_calls=[call(0, "")]), 0),  # nothing
+        (chunk(""), 0),
+        (chunk(finish="tool_calls"), 0),
+    ]
+    expected = 0
+    for c, tokens in pieces:
+        r.feed(c)
+        expected += tokens
+        assert r.relayed_tokens == expected
+    assert r.output_tokens == expected == 11  # the worker reported none
+    assert r.finish()[-2]["usage"]["output_tokens"] == 11
+
+
+def test_the_workers_count_wins_when_it_is_larger() -> None:
+    r = reframer()
+    for text in ("a", "b", "c"):
+        r.feed(chunk(text, usage=usage(10, 50)))
+    assert (r.relayed_tokens, r.output_tokens) == (3, 50)
+    r = reframer()
+    for text in ("a", "b", "c"):
+        r.feed(chunk(text, usage=usage(10, 1)))  # too few for what came: not taken at its word
+    assert (r.relayed_tokens, r.output_tokens) == (3, 3)
+
+
+def test_a_worker_that_honours_max_tokens_is_not_cut() -> None:
+    # Its last token brings the count to the limit; its finish and usage still come through.
+    chunks = [chunk("a"), chunk("b"), chunk("c", finish="length"), usage_chunk(20, 3, cached=8)]
+    events, fed = feed_until_the_limit(reframer(max_tokens=3), chunks)
+    assert fed == len(chunks)
+    message = final_message(events)
+    assert message["content"] == [{"type": "text", "text": "abc"}] and message["stop_reason"] == "max_tokens"
+    assert message["usage"] == anthropic_usage(12, 3, cache_read=8)
+
+
+def test_a_piece_past_max_tokens_ends_the_message_at_the_limit() -> None:
+    r = reframer(max_tokens=3, input_tokens=9)
+    events, fed = feed_until_the_limit(r, [chunk("a"), chunk("b"), chunk("c"), chunk("d"), chunk("e")])
+    assert fed == 3
+    assert kinds(events)[-4:] == ["text_delta", "stop", "message_delta", "message_stop"]
+    assert events[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert events[-2]["usage"] == anthropic_usage(9, 3)
+    message = final_message(events)
+    assert message["content"] == [{"type": "text", "text": "abc"}] and message["stop_reason"] == "max_tokens"
+    assert r.finish() == [] and r.text_frame(chunk("f")) is None  # over
+
+
+def test_the_text_fast_path_stops_at_the_limit_too() -> None:
+    r = reframer(max_tokens=2)
+    r.feed(chunk("a"))  # message_start, the block, the first token
+    assert r.text_frame(chunk("b")) is not None
+    assert r.text_frame(chunk("c")) is None  # at the limit: feed decides, and stops the relay
+    with pytest.raises(OutputLimitReached):
+        r.feed(chunk("c"))
+    assert kinds(r.finish()) == ["stop", "message_delta", "message_stop"]
+    assert r.output_tokens == 2
+
+
+def test_the_events_of_the_chunk_the_limit_cut_come_before_the_end() -> None:
+    # Its thinking piece fits (and closes the text block, opens a thinking one); its text does not.
+    events, fed = feed_until_the_limit(reframer(max_tokens=2), [chunk("a"), chunk("b", reasoning="r"), chunk("c")])
+    assert fed == 1
+    assert kinds(events) == [
+        "message_start", "start:text", "text_delta", "stop", "start:thinking", "thinking_delta", "stop", "message_delta", "message_stop",
+    ]
+    message = final_message(events)
+    assert [block["type"] for block in message["content"]] == ["text", "thinking"] and message["stop_reason"] == "max_tokens"
+
+
+def test_a_few_huge_pieces_are_bounded_by_their_characters() -> None:
+    # One piece may cross the limit (one event is bounded by WORKER_MAX_SSE_LINE_BYTES); the
+    # next is not relayed, however few came.
+    huge = "x" * 100_000
+    r = reframer(max_tokens=64)
+    events, fed = feed_until_the_limit(r, [chunk("a"), chunk(huge), chunk(huge), chunk(huge)])
+    assert fed == 2
+    assert final_message(events)["content"] == [{"type": "text", "text": "a" + huge}]
+    assert r.output_tokens == 1 + 100_000 // CHARS_PER_TOKEN
+
+
+def test_a_tool_call_cut_by_the_limit_is_a_truncated_tool_use() -> None:
+    chunks = [
+        chunk(tool_calls=[call(0, "", id="call_1", name="get_weather")]),
+        chunk(tool_calls=[call(0, '{"city": ')]),
+        chunk(tool_calls=[call(0, '"Paris"}')]),
+    ]
+    events, fed = feed_until_the_limit(reframer(max_tokens=2), chunks)
+    assert fed == 2
+    message = final_message(events)
+    # Incomplete arguments are not an error here: the answer was cut, and says so (no client runs
+    # a tool on stop_reason max_tokens).
+    assert message["stop_reason"] == "max_tokens" and message["content"][0]["type"] == "tool_use"
+
+
+def test_a_flood_of_new_tool_calls_stops_at_the_limit() -> None:
+    r = reframer(max_tokens=5)
+    flood = (chunk(tool_calls=[call(i, "", id=f"call_{i}", name="f")]) for i in range(10_000))
+    events, fed = feed_until_the_limit(r, flood)
+    assert fed == 5
+    assert sum(1 for e in events if e["type"] == "content_block_start") == 5
+    assert final_message(events)["stop_reason"] == "max_tokens"
+
+
+def test_the_limit_holds_for_a_complete_answer_from_the_context_phase() -> None:
+    # A context worker that answered the whole request: one chunk with everything in it.
+    response = {"choices": [{"message": {"content": "x" * 40, "reasoning_content": "r" * 40}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    events, fed = feed_until_the_limit(reframer(max_tokens=2), completion_as_chunks(response))
+    assert fed == 0  # the thinking fits (it crosses the limit), the text does not
+    message = final_message(events)
+    assert [block["type"] for block in message["content"]] == ["thinking"] and message["stop_reason"] == "max_tokens"

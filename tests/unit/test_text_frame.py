@@ -9,12 +9,12 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from messages_api.reframe import StreamReframer
+from messages_api.reframe import CHARS_PER_TOKEN, OutputLimitReached, StreamReframer
 from messages_api.framing import encode_event, encode_events, text_delta_frame
 
 
-def reframer() -> StreamReframer:
-    return StreamReframer(message_id="msg_1", model="m", input_tokens=3)
+def reframer(max_tokens: int | None = None) -> StreamReframer:
+    return StreamReframer(message_id="msg_1", model="m", input_tokens=3, max_tokens=max_tokens)
 
 
 def chunk(delta: dict[str, Any] | None = None, finish_reason: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -81,3 +81,47 @@ def test_mixed_streams_give_the_same_bytes_either_way() -> None:
     ]
     general_bytes, fast_bytes, _, _ = stream_both_ways(chunks)
     assert fast_bytes == general_bytes
+
+
+def test_a_long_text_piece_is_left_to_feed_which_counts_it() -> None:
+    r = reframer()
+    r.feed(chunk({"content": "hi"}))
+    assert r.text_frame(chunk({"content": "x" * CHARS_PER_TOKEN})) is not None
+    assert r.text_frame(chunk({"content": "x" * (CHARS_PER_TOKEN + 1)})) is None
+    assert r.relayed_tokens == 2
+
+
+def limited_both_ways(chunks: list[dict[str, Any]], max_tokens: int) -> tuple[bytes, bytes, StreamReframer, StreamReframer]:
+    """`stream_both_ways`, each way stopping where the reframer stops the relay."""
+    general, fast = reframer(max_tokens), reframer(max_tokens)
+    general_parts, fast_parts = [], []
+    for c in chunks:
+        try:
+            general_parts.append(encode_events(general.feed(c)))
+        except OutputLimitReached:
+            break
+    for c in chunks:
+        try:
+            frame = fast.text_frame(c)
+            fast_parts.append(frame if frame is not None else encode_events(fast.feed(c)))
+        except OutputLimitReached:
+            break
+    general_parts.append(encode_events(general.finish()))
+    fast_parts.append(encode_events(fast.finish()))
+    return b"".join(general_parts), b"".join(fast_parts), general, fast
+
+
+@given(st.lists(st.text(min_size=0, max_size=40), min_size=1, max_size=30), st.integers(min_value=1, max_value=12))
+def test_the_limit_and_the_count_are_the_same_either_way(texts: list[str], max_tokens: int) -> None:
+    chunks = [chunk({"role": "assistant", "content": ""})] + [chunk({"content": t}) for t in texts]
+    chunks.append(chunk({}, finish_reason="stop"))
+    general_bytes, fast_bytes, general, fast = limited_both_ways(chunks, max_tokens)
+    assert fast_bytes == general_bytes
+    assert fast.relayed_tokens == general.relayed_tokens == fast.output_tokens
+    relayed = [t for t in texts if t]
+    counted = [-(-len(t) // CHARS_PER_TOKEN) for t in relayed]
+    if sum(counted[:-1]) >= max_tokens:  # a piece came once the count had reached the limit
+        assert b'"stop_reason":"max_tokens"' in fast_bytes
+        assert fast.relayed_tokens >= max_tokens
+    else:
+        assert fast.relayed_tokens == sum(counted)

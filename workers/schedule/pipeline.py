@@ -54,7 +54,7 @@ from workers.admission.queue import get_queue
 from workers.routing import router
 from workers.wire.chat_stream import ChunkStream
 from workers.schedule.completion import Completion
-from workers.exceptions import WorkerError, WorkerUnreachable
+from workers.exceptions import StopRelay, WorkerError, WorkerUnreachable
 from workers.cluster.health import FailureScope, failure_scope, health
 from workers.cluster.metrics import worker_retries
 from workers.models import Outcome, Role, RoutingPolicy, ScheduleStyle, Stage
@@ -409,14 +409,20 @@ class ChatRun:
         """The generation stream's chunks, after `stream_ready()`: `sink` gets each as the
         worker's bytes arrive, in the connection's receive callback (`ChunkStream.pump`), so it
         must not wait (`pause_relay` holds the worker back). What `sink` raises ends the stream
-        and is raised here."""
+        and is raised here, but `StopRelay`: the sink has taken all it will (the front door's
+        output limit), and the answer ends there as complete; the worker's request is cancelled
+        at once (its connection closed, the rest of its answer unread)."""
         if self._complete_response is not None:  # answered by the context phase: no stream
             self._note(first_chunk_at=time.monotonic())
-            for chunk in completion_as_chunks(self._complete_response):
-                sink(chunk)
+            try:
+                for chunk in completion_as_chunks(self._complete_response):
+                    sink(chunk)
+            except StopRelay:
+                pass
             self._note(stage=Stage.DONE)
             return
-        assert self._stream is not None, "relay() before stream_ready()"
+        stream = self._stream
+        assert stream is not None, "relay() before stream_ready()"
         seen = self._seen
 
         def on_chunk(chunk: dict[str, Any]) -> None:
@@ -424,10 +430,14 @@ class ChatRun:
             sink(chunk)
 
         try:
-            await self._stream.pump(on_chunk)
+            await stream.pump(on_chunk)
         except WorkerError as exc:
             self._generation_ended(exc)
             raise
+        except StopRelay:
+            # Not drained (the pump drains only after [DONE]): closing it closes the connection.
+            await stream.aclose()
+            self._stream = None
         self._generation_ended(None)
 
     def pause_relay(self) -> None:

@@ -1,0 +1,226 @@
+"""The gateway enforces `max_tokens` itself, against a generation worker that ignores it: a
+scripted worker that floods its stream with content (many small tokens, or a few huge chunks)
+until the gateway hangs up. Streamed and non-streamed, the answer stops at the limit and ends
+normally with stop_reason `max_tokens`, its output_tokens counted from what was relayed (the
+worker reports none); the worker's connection is closed, and the gateway's memory does not grow
+with the flood.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from messages_api.reframe import CHARS_PER_TOKEN  # a piece counts a token per 16 characters at least
+from tests.support.cluster import Cluster, audit_row, reservations_closed, wait_registered, wait_until
+from tests.support.fakeworker import HEALTH_ANSWER, chunk
+from tests.support.gateway import Gateway
+from tests.support.rawclient import RawStream
+from tests.support.scripted import ScriptedServer, read_request
+from tests.support.simworkers import SimWorker
+from tests.support.waiting import poll
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MODEL = "flood-model"
+MAX_TOKENS = 64
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+# Bytes of 4-character tokens a worker floods with (about 150,000 chunks).
+SMALL_FLOOD = 24_000_000
+# "[flood chars=N bytes=M]" in the prompt: content chunks of N characters each, M bytes of them.
+_ORDER = re.compile(rb"\[flood chars=(\d+) bytes=(\d+)\]")
+
+
+class FloodingWorker:
+    """A generation worker that ignores `max_tokens`: every chat request is answered with content
+    chunks (chunked transfer coding, as engines send streams) written as fast as the gateway reads
+    them, up to the prompt's byte count, then a finish chunk and `[DONE]`. It records, per
+    request, the bytes it wrote and whether the gateway hung up before the end."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []  # bytes of chunks written, per chat request that ended
+        self.hung_up = 0  # chat requests the gateway closed before the flood's end
+        self._server = ScriptedServer(self._serve)
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def __enter__(self) -> FloodingWorker:
+        self._server.start_thread()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop_thread()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        request = await read_request(reader)
+        if request is None:
+            return
+        if request.method == "GET":
+            writer.write(HEALTH_ANSWER)
+            return
+        order = _ORDER.search(request.body)
+        assert order is not None, request.body[:200]
+        chars, total = int(order.group(1)), int(order.group(2))
+        frame = chunk({"content": ("tok " * chars)[:chars]})
+        frames = frame * max(1, 65536 // len(frame))  # about 64 KiB per HTTP chunk
+        piece = b"%x\r\n%b\r\n" % (len(frames), frames)
+        writer.write(CHUNKED_HEAD)
+        sent = 0
+        try:
+            while sent < total:
+                if reader.at_eof():  # the gateway closed its side
+                    raise ConnectionResetError
+                writer.write(piece)
+                await writer.drain()
+                sent += len(frames)
+            end = chunk({}, "stop") + b"data: [DONE]\n\n"
+            writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(end), end))
+            await writer.drain()
+        except ConnectionError:
+            self.hung_up += 1
+        finally:
+            self.sent.append(sent)
+
+    def wait_for_hang_up(self, count: int = 1) -> None:
+        poll(lambda: self.hung_up, lambda closed: closed >= count, timeout=10, what="the flooding worker's connections the gateway closed")
+
+
+@pytest.fixture
+def flooding_worker() -> Iterator[FloodingWorker]:
+    with FloodingWorker() as worker:
+        yield worker
+
+
+def register(gateway: Gateway, context: SimWorker, generation: FloodingWorker) -> Cluster:
+    """A pool whose prompts all skip the context phase, so each request goes straight to the
+    flooding generation worker."""
+    from messages_api.auth import create_api_key
+    from workers.models import WorkerEndpoint, WorkerPool
+
+    pool = WorkerPool.objects.create(name=f"pool-{MODEL}", model=MODEL, max_local_prefill_tokens=100_000)
+    WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url)
+    WorkerEndpoint.objects.create(pool=pool, role="generation", url=generation.url)
+    _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
+    cluster = Cluster(pool=pool, key=key, model=MODEL, context=context, generation=generation)  # type: ignore[arg-type]
+    wait_registered(gateway, cluster)
+    return cluster
+
+
+def payload(chars: int, total: int, *, stream: bool) -> dict[str, Any]:
+    prompt = f"go [flood chars={chars} bytes={total}]"
+    return {"model": MODEL, "max_tokens": MAX_TOKENS, "stream": stream, "messages": [{"role": "user", "content": prompt}]}
+
+
+def streamed(gateway: Gateway, cluster: Cluster, chars: int, total: int) -> tuple[str, dict[str, Any], str]:
+    """The streamed answer's text, its message_delta and its request id, after checking that it
+    ended normally: one text block, opened and closed, then message_delta and message_stop."""
+    s = RawStream.post_json(gateway.url + "/v1/messages", payload(chars, total, stream=True), cluster.headers())
+    frames = [f for f in s.read_all(timeout=60) if f.event != "ping"]
+    assert s.status == 200 and s.ended
+    events = [f.event for f in frames]
+    deltas = events.count("content_block_delta")
+    assert events == ["message_start", "content_block_start", *["content_block_delta"] * deltas, "content_block_stop", "message_delta", "message_stop"], events[:8]
+    text = "".join(f.data["delta"]["text"] for f in frames if f.event == "content_block_delta")
+    return text, frames[-2].data, s.response_headers["request-id"]
+
+
+def non_streamed(gateway: Gateway, cluster: Cluster, chars: int, total: int) -> tuple[dict[str, Any], str]:
+    """The non-streamed answer and its request id."""
+    response = httpx.post(gateway.url + "/v1/messages", json=payload(chars, total, stream=False), headers=cluster.headers(), timeout=60)
+    assert response.status_code == 200, response.text[:500]
+    return response.json(), response.headers["request-id"]
+
+
+def assert_completed_row(request_id: str, output_tokens: int) -> None:
+    row = audit_row(request_id)
+    assert row.status == "completed" and row.http_status == 200 and row.stage == "done", (row.status, row.stage)
+    assert row.output_tokens == output_tokens
+    assert {r.outcome for r in reservations_closed(request_id)} == {"success"}
+
+
+# --- many small tokens: the token count ---------------------------------------------------------
+
+
+def test_a_streamed_flood_of_tokens_stops_at_max_tokens(gateway: Gateway, context_worker: SimWorker, flooding_worker: FloodingWorker) -> None:
+    cluster = register(gateway, context_worker, flooding_worker)
+    text, delta, request_id = streamed(gateway, cluster, 4, SMALL_FLOOD)
+    assert text == "tok " * MAX_TOKENS
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    # The worker reported no usage: its output is what was relayed, never 0.
+    assert delta["usage"]["output_tokens"] == MAX_TOKENS
+    flooding_worker.wait_for_hang_up()
+    # The gateway stopped reading early (the kernel's socket buffers take a few MB meanwhile).
+    assert flooding_worker.sent[-1] < SMALL_FLOOD // 2, flooding_worker.sent
+    assert_completed_row(request_id, MAX_TOKENS)
+
+
+def test_a_non_streamed_flood_of_tokens_stops_at_max_tokens(gateway: Gateway, context_worker: SimWorker, flooding_worker: FloodingWorker) -> None:
+    cluster = register(gateway, context_worker, flooding_worker)
+    message, request_id = non_streamed(gateway, cluster, 4, SMALL_FLOOD)
+    assert message["content"] == [{"type": "text", "text": "tok " * MAX_TOKENS}]
+    assert message["stop_reason"] == "max_tokens" and message["stop_sequence"] is None
+    assert message["usage"]["output_tokens"] == MAX_TOKENS
+    flooding_worker.wait_for_hang_up()
+    assert flooding_worker.sent[-1] < SMALL_FLOOD // 2, flooding_worker.sent
+    assert_completed_row(request_id, MAX_TOKENS)
+
+
+# --- a few huge chunks: the byte bound, and the gateway's memory ---------------------------------
+
+
+def status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field}")
+
+
+@pytest.fixture
+def memory_gateway(gateways: Callable[..., Gateway]) -> Gateway:
+    """A gateway of this test's own (its peak memory is this test's), reading events of up to 1 MiB."""
+    return gateways(WORKER_MAX_SSE_LINE_BYTES=str(1 << 20))
+
+
+def test_a_flood_of_huge_chunks_stops_at_the_byte_bound_and_memory_stays_flat(
+    memory_gateway: Gateway, context_worker: SimWorker, flooding_worker: FloodingWorker
+) -> None:
+    gateway = memory_gateway
+    assert gateway.process is not None
+    pid = gateway.process.pid
+    cluster = register(gateway, context_worker, flooding_worker)
+    huge = 256 * 1024  # characters per chunk: one chunk is far past max_tokens × 16
+    total = 50_000_000
+    # Warm up: connections, caches, the first request's allocations.
+    non_streamed(gateway, cluster, 4, 100_000)
+    rss_before, peak_before = status_kib(pid, "VmRSS"), status_kib(pid, "VmHWM")
+
+    message, _ = non_streamed(gateway, cluster, huge, total)
+    # The chunk that crossed the limit is relayed whole (one event is bounded by
+    # WORKER_MAX_SSE_LINE_BYTES); nothing after it.
+    assert message["content"] == [{"type": "text", "text": ("tok " * huge)[:huge]}]
+    assert message["stop_reason"] == "max_tokens"
+    assert message["usage"]["output_tokens"] == huge // CHARS_PER_TOKEN
+    flooding_worker.wait_for_hang_up(1)
+
+    text, delta, request_id = streamed(gateway, cluster, huge, total)
+    assert text == ("tok " * huge)[:huge]
+    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == huge // CHARS_PER_TOKEN
+    flooding_worker.wait_for_hang_up(2)
+    assert_completed_row(request_id, huge // CHARS_PER_TOKEN)
+    # Each flood was cut long before its end (the kernel's socket buffers take a few MB meanwhile).
+    assert all(sent < total // 4 for sent in flooding_worker.sent[-2:]), flooding_worker.sent
+
+    # Neither the peak nor what is left grew by the flood.
+    wait_until(lambda: status_kib(pid, "VmRSS") - rss_before < 32 * 1024, timeout=10,
+               message=f"RSS {rss_before // 1024} → {status_kib(pid, 'VmRSS') // 1024} MiB")
+    peak = status_kib(pid, "VmHWM")
+    assert peak - peak_before < 32 * 1024, f"peak RSS {peak_before // 1024} → {peak // 1024} MiB"
