@@ -41,6 +41,8 @@ class _EarlyRefusals:
     def __init__(self) -> None:
         self.until: dict[str, tuple[float, AnthropicError]] = {}
         self.in_flight: dict[str, int] = {}
+        # The key's anthropic-ratelimit-* headers as of its last full check.
+        self.headers: dict[str, tuple[tuple[bytes, bytes], ...]] = {}
 
     def refuse(self, key: str, limits: KeyLimits, now: float) -> None:
         held = self.until.get(key)
@@ -53,7 +55,9 @@ class _EarlyRefusals:
                 raise AnthropicError(429, error.message, "rate_limit_error", retry_after=float(max(1, wait)), headers=error.headers)
             del self.until[key]
         if limits.concurrency is not None and self.in_flight.get(key, 0) >= limits.concurrency:
-            raise AnthropicError(429, _concurrency_message(limits), "rate_limit_error", retry_after=1.0)
+            raise AnthropicError(
+                429, _concurrency_message(limits), "rate_limit_error", retry_after=1.0, headers=self.headers.get(key, ())
+            )
 
 
 early = _EarlyRefusals()
@@ -122,6 +126,7 @@ async def check_limits(key: str, limits: KeyLimits, estimate: Usage) -> KeyLease
         # Held here until settled (a request always settles in its `finally`): no expiry.
         decision = local_limits.check(key, limits, estimate, lease, math.inf, now)
     headers = rate_limit_headers(decision.states)
+    early.headers[key] = tuple(headers)
     if not decision.admitted:
         error = _refusal(decision, limits, headers, now)
         if decision.refused_by != "concurrency":

@@ -213,11 +213,12 @@ async def test_as_many_in_flight_here_as_the_concurrency_is_refused_early() -> N
     from messages_api import limits as limits_module
 
     key = f"key-{uuid.uuid4().hex}"
-    limits = KeyLimits(concurrency=2)
+    limits = KeyLimits(concurrency=2, requests_per_minute=100)
     leases = [await check_limits(key, limits, Usage()) for _ in range(2)]
     with pytest.raises(AnthropicError) as early:
         limits_module.refuse_early(key, limits)
     assert "2 concurrent requests" in early.value.message
+    assert dict(early.value.headers)[b"anthropic-ratelimit-requests-remaining"] == b"98"  # as last checked
     leases[0].settle(Usage())
     limits_module.refuse_early(key, limits)  # one ended: no longer refused early
     leases[1].settle(Usage())
