@@ -396,7 +396,8 @@ class MessagesConsumer(ApiConsumer):
                 # message_start's count when the worker reports usage only at the end (a plain
                 # OpenAI-compatible server has no per-chunk usage); the worker's count replaces it.
                 input_tokens=run.estimated_prompt_tokens,
-                cache_share=cached_prefix_share(request, len(body)),
+                # Only a body that marks a breakpoint is walked (most requests outside Claude Code have none).
+                cache_share=cached_prefix_share(request, len(body)) if b'"cache_control"' in body else 0.0,
                 # Enforced here, whatever the worker does: the relay stops at it (reframe.py).
                 max_tokens=request["max_tokens"],
             )
