@@ -26,20 +26,15 @@ from django.urls import URLPattern, path, reverse
 from django.utils.text import slugify
 
 from messages_api.models import ApiKey, KeyUsage
+from messages_api.usage import Tally
 from messages_api.usage_chart import BLUE, GREEN, ORANGE, RED, TEAL, Series, chart, figures
 
 
 @dataclass(slots=True)
-class Bucket:
+class Bucket(Tally):
     """A key's use in one hour or one day."""
 
-    start: datetime
-    requests: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cache_read_tokens: int = 0
-    queued_ms_total: float = 0.0
-    errors: dict[str, int] = field(default_factory=dict)
+    start: datetime = field(kw_only=True)
 
     @property
     def error_count(self) -> int:
@@ -78,7 +73,7 @@ PERIODS = {period.slug: period for period in (HOURS, DAYS)}
 def buckets(key_id: int, period: Period, now: datetime | None = None) -> list[Bucket]:
     """The key's use in each of the period's buckets, oldest first, empty ones included."""
     starts = period.starts(now or datetime.now(timezone.utc))
-    by_start = {start: Bucket(start) for start in starts}
+    by_start = {start: Bucket(start=start) for start in starts}
     rows = KeyUsage.objects.filter(api_key_id=key_id, hour__gte=starts[0]).values_list(
         "hour", "requests", "input_tokens", "output_tokens", "cache_read_tokens", "queued_ms_total", "errors"
     )
@@ -86,26 +81,15 @@ def buckets(key_id: int, period: Period, now: datetime | None = None) -> list[Bu
         bucket = by_start.get(period.bucket_of(hour))
         if bucket is None:  # an hour after now: another process's clock runs ahead
             continue
-        bucket.requests += requests
-        bucket.input_tokens += input_tokens
-        bucket.output_tokens += output_tokens
-        bucket.cache_read_tokens += cache_read_tokens
-        bucket.queued_ms_total += queued_ms_total
-        for error_type, count in (errors or {}).items():
-            bucket.errors[error_type] = bucket.errors.get(error_type, 0) + int(count)
+        errors = {error_type: int(count) for error_type, count in (errors or {}).items()}
+        bucket.add(Tally(requests, input_tokens, output_tokens, cache_read_tokens, queued_ms_total, errors))
     return list(by_start.values())
 
 
 def total(of: list[Bucket]) -> Bucket:
-    whole = Bucket(of[0].start if of else datetime.now(timezone.utc))
+    whole = Bucket(start=of[0].start if of else datetime.now(timezone.utc))
     for bucket in of:
-        whole.requests += bucket.requests
-        whole.input_tokens += bucket.input_tokens
-        whole.output_tokens += bucket.output_tokens
-        whole.cache_read_tokens += bucket.cache_read_tokens
-        whole.queued_ms_total += bucket.queued_ms_total
-        for error_type, count in bucket.errors.items():
-            whole.errors[error_type] = whole.errors.get(error_type, 0) + count
+        whole.add(bucket)
     return whole
 
 
