@@ -5,6 +5,7 @@ an expired wait refused, a cancelled waiter gone at once."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from django.test import override_settings
@@ -192,3 +193,24 @@ def test_priority_names_match_the_keys_choices() -> None:
     assert [p.label for p in Priority] == list(KeyPriority.values)
 
 
+
+
+@override_settings(ADMISSION_POLL_INTERVAL_S=60)
+async def test_a_slot_freed_while_the_head_is_trying_is_not_missed() -> None:
+    """The head is woken, tries (another request took the slot), and a second slot frees before it
+    waits again: it tries again at once instead of waiting for the next poll."""
+    queue = AdmissionQueue()
+    loop = asyncio.get_running_loop()
+    waiter = await asyncio.wait_for(_woken(queue), 1)
+    queue.notify(RESOURCE)  # freed again while the head is "trying"
+    started = loop.time()
+    await queue.wait_again(waiter, loop.time() + 5)  # returns at once: no lost wake-up
+    assert loop.time() - started < 0.5
+    queue.leave(waiter)
+
+
+async def _woken(queue: AdmissionQueue) -> Any:
+    task = asyncio.create_task(queue.wait_turn(RESOURCE, Ticket("a"), asyncio.get_running_loop().time() + 5))
+    await settle()
+    queue.notify(RESOURCE)
+    return await task

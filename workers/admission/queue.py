@@ -88,6 +88,8 @@ class _Waiter:
     resource: Hashable
     future: asyncio.Future[None]
     enqueued: float = field(default_factory=time.monotonic)
+    #: A slot freed again while the woken waiter was still trying: it tries once more at once.
+    rewoken: bool = False
 
 
 class _Flow:
@@ -147,6 +149,9 @@ class AdmissionQueue:
     async def wait_again(self, waiter: _Waiter, deadline: float) -> None:
         if waiter.future.done():
             waiter.future = asyncio.get_running_loop().create_future()
+            if waiter.rewoken:
+                waiter.rewoken = False
+                waiter.future.set_result(None)
         self._poll(waiter.resource)
         try:
             async with asyncio.timeout_at(deadline):
@@ -201,7 +206,11 @@ class AdmissionQueue:
     def notify(self, resource: Hashable) -> None:
         """A slot may have freed on `resource`: wake the next waiter in order to try for it."""
         waiter = self._next(resource)
-        if waiter is not None and not waiter.future.done():
+        if waiter is None:
+            return
+        if waiter.future.done():
+            waiter.rewoken = True  # it is trying now; a failed try must not wait for the next poll
+        else:
             waiter.future.set_result(None)
 
     # --- order -------------------------------------------------------------------------------
