@@ -126,7 +126,8 @@ def main() -> None:
                    "root": str(args.root) if args.root else None},
         "per_token": {"python_calls": token_py, "builtin_calls": token_builtin,
                       "functions": {label(k): v for k, v in per_token.items() if abs(v) >= 0.01}},
-        "per_request": {"python_calls": request_py, "builtin_calls": request_builtin},
+        "per_request": {"python_calls": request_py, "builtin_calls": request_builtin,
+                        "functions": {label(k): v for k, v in per_request.items() if abs(v) >= 0.5}},
     })
 
 
