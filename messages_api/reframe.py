@@ -233,7 +233,7 @@ class StreamReframer:
         return self._split()[1]
 
     def _split(self) -> tuple[int, int, int]:
-        return split_prompt(self.prompt_tokens, self.cache_read_input_tokens, self._cache_share)
+        return split_prompt(self.prompt_tokens, _cached_tokens(self._usage) if self._usage is not None else 0, self._cache_share)
 
     @property
     def output_tokens(self) -> int:
@@ -251,8 +251,8 @@ class StreamReframer:
 
     @property
     def cache_read_input_tokens(self) -> int:
-        """Prompt tokens the worker read from its prefix cache (not in `input_tokens`)."""
-        return _cached_tokens(self._usage) if self._usage is not None else 0
+        """Prompt tokens the worker read from its prefix cache (not in `input_tokens`; at most the prompt)."""
+        return self._split()[2]
 
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """One parsed upstream chunk → the events it completes (possibly none)."""
@@ -390,11 +390,12 @@ class StreamReframer:
         # The cache counts are always present (zero when unknown), as the real API sends them:
         # clients add them up for their context meters, and the streamed and non-streamed
         # answers then carry the same usage.
+        uncached, creation, cached = self._split()  # once: the three come from one split
         return {
-            "input_tokens": self.input_tokens,
+            "input_tokens": uncached,
             "output_tokens": output_tokens,
-            "cache_creation_input_tokens": self.cache_creation_input_tokens,
-            "cache_read_input_tokens": self.cache_read_input_tokens,
+            "cache_creation_input_tokens": creation,
+            "cache_read_input_tokens": cached,
         }
 
     def _on_finish_reason(self, finish_reason: str, choice: dict[str, Any]) -> None:

@@ -32,7 +32,8 @@ class KeyLimits:
 
     @property
     def any(self) -> bool:
-        return any(getattr(self, name) is not None for name in self.__slots__)
+        # Asked several times per request: one generated comparison, not a walk of the fields.
+        return self != NO_LIMITS
 
     @property
     def buckets(self) -> tuple[tuple[str, int | None], ...]:
