@@ -118,7 +118,7 @@ class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
             ))  # fmt: skip
         fieldsets += [
             ("Endpoints", {"fields": ("endpoints", "reservations")}),
-            ("Usage", {"fields": (("input_tokens", "output_tokens", "cache_read_input_tokens"), "pings_sent")}),
+            ("Usage", {"fields": (("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"), "pings_sent")}),
             (
                 "Every field",
                 {

@@ -53,6 +53,7 @@ class AuditRecord:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
     api_key_name: str = ""
     api_key_id: int | None = None  # the authenticated key's row (its name may change later)
     begun: bool = False
@@ -161,6 +162,7 @@ class AuditRecord:
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
             "cache_read_input_tokens": self.cache_read_input_tokens,
+            "cache_creation_input_tokens": self.cache_creation_input_tokens,
             "api_key_name": self.api_key_name,
             "api_key_id": self.api_key_id,
             "gateway_instance": GATEWAY_INSTANCE,

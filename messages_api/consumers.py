@@ -413,8 +413,7 @@ class MessagesConsumer(ApiConsumer):
                 self.note_reply()
         finally:
             # Anthropic's input-token limits count what was written to the cache too.
-            written = self.reframer.cache_creation_input_tokens if self.reframer is not None and self.reframer.started else 0
-            used = Usage((record.input_tokens or 0) + written, record.output_tokens or 0)
+            used = Usage((record.input_tokens or 0) + (record.cache_creation_input_tokens or 0), record.output_tokens or 0)
             lease.settle(used)
             run.charge_output(used.output_tokens)
         record.end(RequestStatus.COMPLETED, http_status=200)
@@ -534,6 +533,7 @@ class MessagesConsumer(ApiConsumer):
             record.input_tokens = self.reframer.input_tokens
             record.output_tokens = self.reframer.output_tokens
             record.cache_read_input_tokens = self.reframer.cache_read_input_tokens
+            record.cache_creation_input_tokens = self.reframer.cache_creation_input_tokens
 
 
 def _event_frames(reframer: StreamReframer, chunk: dict[str, Any]) -> bytes | None:

@@ -90,6 +90,9 @@ class MessageRequest(models.Model):
     input_tokens = models.PositiveIntegerField(null=True, blank=True)
     output_tokens = models.PositiveIntegerField(null=True, blank=True)
     cache_read_input_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="Prompt tokens read from the worker's prefix cache.")
+    cache_creation_input_tokens = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Prompt tokens up to the last cache_control breakpoint the worker did not hold (written to its cache)."
+    )
     api_key_name = models.CharField(max_length=100, blank=True, default="", help_text="The key's name when the request was made.")
     # The key itself, whatever it is renamed to later. No database constraint, as the reservations'
     # endpoint: rows are written in the background, and a key deleted meanwhile must not fail the

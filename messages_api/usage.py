@@ -135,7 +135,8 @@ class UsageRecorder:
                 if self._thread is None and self.flush_interval > 0:
                     self._start()
             tally.requests += 1
-            tally.input_tokens += record.input_tokens or 0
+            # Input as billed: what was not read from a cache, written to one included.
+            tally.input_tokens += (record.input_tokens or 0) + (record.cache_creation_input_tokens or 0)
             tally.output_tokens += record.output_tokens or 0
             tally.cache_read_tokens += record.cache_read_input_tokens or 0
             tally.queued_ms_total += record.queued_ms or 0.0

@@ -42,10 +42,10 @@ def test_migrate_creates_the_sqlite_database_0600(tmp_path: Path) -> None:
 def test_the_secret_key_recipe_writes_into_a_0600_file(tmp_path: Path) -> None:
     secret = tmp_path / ".gateway" / "secret_key"
     seen = tmp_path / "mode-while-writing"
-    # Stands in for the virtualenv's Python in the recipe: records the mode of the file its output
-    # goes to, while it writes the secret.
+    # Stands in for the virtualenv's Python in the recipe: records the umask its output file was
+    # created under (the shell's redirection creates it with 0666 & ~umask) while it writes the secret.
     fake_python = tmp_path / "python"
-    fake_python.write_text(f'#!/bin/sh\nstat -L -c %a /proc/$$/fd/1 > {seen}\necho not-a-real-secret\n')  # $$: this script's stdout
+    fake_python.write_text(f'#!/bin/sh\numask > {seen}\necho not-a-real-secret\n')
     fake_python.chmod(0o755)
     result = subprocess.run(
         ["make", "--no-print-directory", f"SECRET_FILE={secret}", f"PY={fake_python}", "STAMP=Makefile", str(secret)],
@@ -53,6 +53,6 @@ def test_the_secret_key_recipe_writes_into_a_0600_file(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert secret.read_text().strip() == "not-a-real-secret"
-    assert seen.read_text().strip() == "600", "the secret was written into a file others could read"
+    assert seen.read_text().strip() == "0077", "the secret was written into a file others could read"
     assert mode(secret) == 0o600
     assert mode(secret.parent) == 0o700
