@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import audit_row, register_cluster, wait_registered
+from tests.support.browser import logged_in_page
 from tests.support.gateway import PROJECT_ROOT, Gateway
 from tests.support.simworkers import SimWorker
 
@@ -87,17 +88,7 @@ def test_operator_admin_in_a_browser(
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.set_default_timeout(10_000)
-            bad_responses: list[str] = []
-            page.on("response", lambda r: bad_responses.append(f"{r.status} {r.url}") if r.status >= 400 else None)
-
-            # Log in.
-            page.goto(admin + "login/")
-            page.fill("#id_username", "operator")
-            page.fill("#id_password", password)
-            page.click("input[type=submit]")
-            expect(page.locator("#user-tools")).to_contain_text("operator")
+            page, bad_responses = logged_in_page(browser, admin, "operator", password, viewport={"width": 1400, "height": 900})
             # The stylesheet was loaded and applied, not just reachable.
             assert page.evaluate(
                 "[...document.styleSheets].some(s => (s.href || '').endsWith('/admin/css/base.css') && s.cssRules.length > 0)"
@@ -228,15 +219,9 @@ def test_key_usage_page_in_a_browser(
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1440, "height": 900}, accept_downloads=True)
-            page.set_default_timeout(10_000)
-            bad_responses: list[str] = []
-            page.on("response", lambda r: bad_responses.append(f"{r.status} {r.url}") if r.status >= 400 else None)
-            page.goto(admin + "login/")
-            page.fill("#id_username", "operator")
-            page.fill("#id_password", password)
-            page.click("input[type=submit]")
-            expect(page.locator("#user-tools")).to_contain_text("operator")
+            page, bad_responses = logged_in_page(
+                browser, admin, "operator", password, viewport={"width": 1440, "height": 900}, accept_downloads=True
+            )
 
             # From the key's change page to its usage.
             page.goto(f"{admin}messages_api/apikey/{api_key.pk}/change/")

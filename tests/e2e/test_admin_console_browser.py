@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.test_admin_browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, send
 from tests.support.cluster import audit_row, register_cluster, wait_registered
+from tests.support.browser import logged_in_page
 from tests.support.gateway import Gateway
 from tests.support.simworkers import SimWorker
 
@@ -86,15 +87,9 @@ def test_the_operators_console_in_a_browser(
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
-            page.set_default_timeout(15_000)
-            bad_responses: list[str] = []
-            page.on("response", lambda r: bad_responses.append(f"{r.status} {r.url}") if r.status >= 400 else None)
-            page.goto(site + "login/")
-            page.fill("#id_username", "operator")
-            page.fill("#id_password", password)
-            page.click("input[type=submit]")
-            expect(page.locator("#user-tools")).to_contain_text("operator")
+            page, bad_responses = logged_in_page(
+                browser, site, "operator", password, timeout_ms=15_000, viewport={"width": WIDTH, "height": HEIGHT}
+            )
 
             # The index says what the cluster is doing and leads to the overview.
             expect(page.locator("#console-summary")).to_contain_text("failed in the last 15 min")
