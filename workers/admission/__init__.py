@@ -3,6 +3,7 @@ the first one that frees.
 
     capacity.py   endpoint slots, counted in Redis across processes (or in this process)
     queue.py      the fair admission queue: strict priority, then fair share in tokens
+    headroom.py   the last free slots of a busy pool kept for keys under their share
 
 `admit` is what the router calls. A pool none of whose usable endpoints has a capacity takes the
 fast path: no queue, no lease, no await.
@@ -11,16 +12,18 @@ fast path: no queue, no lease, no await.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Hashable
 
 from django.conf import settings
 
 from workers.admission import capacity
-from workers.admission.queue import AdmissionRefused, Priority, Ticket, get_queue
+from workers.admission.headroom import activity, free_slots, slots_to_keep
+from workers.admission.queue import AdmissionQueue, AdmissionRefused, Priority, Ticket, get_queue
 from workers.cluster.instance import new_id
 from workers.cluster.registry import EndpointInfo
 
-__all__ = ["AdmissionRefused", "Priority", "Ticket", "admit"]
+__all__ = ["AdmissionRefused", "Priority", "Ticket", "activity", "admit"]
 
 Counts = Callable[[int], tuple[int, int]]
 
@@ -46,18 +49,27 @@ async def admit(
     if not any(e.capped for e in endpoints):
         return pick(endpoints), None
     queue = get_queue()
+    activity.asked(resource, ticket, time.monotonic())
     waiter = None
     outcome = "failed"
+
+    async def attempt(endpoints: list[EndpointInfo]) -> tuple[EndpointInfo, str | None] | None:
+        if _must_leave_headroom(queue, resource, ticket, endpoints, held_here):
+            queue.hold_back(resource, ticket.flow, True)
+            return None
+        queue.hold_back(resource, ticket.flow, False)
+        return await _try(endpoints, pick, tokens, held_here)
+
     try:
         if not queue.busy(resource):
-            taken = await _try(endpoints, pick, tokens, held_here)
+            taken = await attempt(endpoints)
             if taken is not None:
                 outcome = "admitted"
                 return taken
         deadline = asyncio.get_running_loop().time() + settings.ADMISSION_QUEUE_TIMEOUT_S
         waiter = await queue.wait_turn(resource, ticket, deadline)
         while True:
-            taken = await _try(usable(True), pick, tokens, held_here)
+            taken = await attempt(usable(True))
             if taken is not None:
                 outcome = "admitted"
                 return taken
@@ -67,6 +79,18 @@ async def admit(
             queue.charge(ticket, ticket.tokens)
         if waiter is not None:
             queue.leave(waiter, outcome)
+
+
+def _must_leave_headroom(
+    queue: AdmissionQueue, resource: Hashable, ticket: Ticket, endpoints: list[EndpointInfo], held_here: Counts
+) -> bool:
+    """Whether the request is held back to keep the pool's headroom free (`headroom`): only on
+    a pool whose every usable endpoint has a request capacity."""
+    if not all(e.capacity is not None for e in endpoints):
+        return False
+    total = sum(e.capacity for e in endpoints)  # type: ignore[misc]
+    keep = slots_to_keep(resource, ticket, total, time.monotonic(), queue.waiting_flows(resource))
+    return keep > 0 and free_slots(endpoints, [held_here(e.id)[0] for e in endpoints]) - 1 < keep
 
 
 async def _try(

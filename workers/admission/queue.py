@@ -116,12 +116,32 @@ class AdmissionQueue:
         self.waiting: collections.Counter[tuple[Hashable, Priority]] = collections.Counter()
         self._order = itertools.count()
         self._pollers: dict[Hashable, asyncio.TimerHandle] = {}
+        # (resource, flow) whose last try was refused only to keep the headroom
+        # (`workers.admission.headroom`): they go after the flows a free slot can serve.
+        self._held_back: set[tuple[Hashable, str]] = set()
 
     # --- what callers use --------------------------------------------------------------------
 
     def busy(self, resource: Hashable) -> bool:
         """Whether requests wait for `resource`: a newcomer queues behind them, never past."""
         return resource in self._waiting
+
+    def waiting_flows(self, resource: Hashable) -> list[str]:
+        """The flows with requests waiting for `resource`, any class."""
+        return [flow for flows in self._waiting.get(resource, {}).values() for flow in flows]
+
+    def hold_back(self, resource: Hashable, flow: str, held_back: bool) -> None:
+        """Whether the flow's last try was refused only to keep the headroom: while it is, the
+        flow's waiters go after the others of their class."""
+        if held_back:
+            self._held_back.add((resource, flow))
+            # The turn passes to the next waiter a free slot can serve, if any (never to another
+            # held-back one: they would wake each other in turn for nothing).
+            waiter = self._next(resource)
+            if waiter is not None and (resource, waiter.ticket.flow) not in self._held_back:
+                self.notify(resource)
+        else:
+            self._held_back.discard((resource, flow))
 
     def depth(self, priority: Priority | None = None) -> int:
         return sum(
@@ -140,9 +160,16 @@ class AdmissionQueue:
         (someone elsewhere took the slot first); its place is kept meanwhile."""
         if self._count >= settings.ADMISSION_QUEUE_MAX_REQUESTS or self._bytes + ticket.size > settings.ADMISSION_QUEUE_MAX_BYTES:
             refusals.labels(ticket.priority.label, "queue_full").inc()
+            self._held_back.discard((resource, ticket.flow))
             raise _refused("the gateway's admission queue is full")
         waiter = _Waiter(ticket, resource, asyncio.get_running_loop().create_future())
         self._enqueue(waiter)
+        if self._next(resource) is waiter:
+            # First in order (a key that was served less, or ahead of held-back flows): it tries
+            # now rather than at the next release; a free slot may be one the others must leave.
+            # (Its turn is marked taken, so a release during the try re-wakes it.)
+            waiter.future.set_result(None)
+            return waiter
         await self.wait_again(waiter, deadline)
         return waiter
 
@@ -176,6 +203,7 @@ class AdmissionQueue:
             del flow.sessions[waiter.ticket.session]  # type: ignore[union-attr]
             if not flow.sessions:  # type: ignore[union-attr]
                 del classes[waiter.ticket.priority][waiter.ticket.flow]  # type: ignore[index]
+                self._held_back.discard((waiter.resource, waiter.ticket.flow))
                 if not classes[waiter.ticket.priority]:  # type: ignore[index]
                     del classes[waiter.ticket.priority]  # type: ignore[union-attr]
                     if not classes:
@@ -243,7 +271,8 @@ class AdmissionQueue:
         if not classes:
             return None
         flows = classes[min(classes)]
-        flow_name = min(flows, key=lambda f: self._flow_counter.get(f, 0.0))
+        held_back = self._held_back
+        flow_name = min(flows, key=lambda f: ((resource, f) in held_back, self._flow_counter.get(f, 0.0)))
         sessions = flows[flow_name].sessions
         session = min(sessions, key=lambda s: self._session_counter.get((flow_name, s), 0.0))
         return sessions[session][0]

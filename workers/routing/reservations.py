@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from workers.admission import capacity
+from workers.admission.headroom import activity
 from workers.admission.queue import notify_freed
 from workers.cluster.instance import GATEWAY_INSTANCE, new_id
 from workers.models import Outcome
@@ -58,17 +59,23 @@ class Reservation:
     outcome: str = ""
     #: Tokens it holds of the endpoint's capacity_tokens (0 on an endpoint without one).
     tokens: int = 0
+    #: Whose slot it is (the admission ticket's flow: the API key), for the pool's headroom.
+    flow: str = ""
 
     @classmethod
-    def take(cls, request_id: str, endpoint: EndpointInfo, stage: str, *, tokens: int = 0, reservation_id: str | None = None) -> Reservation:
+    def take(
+        cls, request_id: str, endpoint: EndpointInfo, stage: str, *, tokens: int = 0, reservation_id: str | None = None, flow: str = ""
+    ) -> Reservation:
         """Hold the endpoint (for a capped one, `reservation_id` names the slot `workers.admission`
-        acquired for it)."""
-        reservation = cls(request_id=request_id, endpoint=endpoint, stage=stage, tokens=tokens)
+        acquired for it, and `flow` whose slot it is)."""
+        reservation = cls(request_id=request_id, endpoint=endpoint, stage=stage, tokens=tokens, flow=flow)
         if reservation_id is not None:
             reservation.reservation_id = reservation_id
         ledger.open_by_endpoint[endpoint.id] += 1
         if tokens:
             ledger.tokens_by_endpoint[endpoint.id] += tokens
+        if endpoint.capped:
+            activity.took((endpoint.pool_name, stage), flow)
         reservation._persist()
         return reservation
 
@@ -90,6 +97,7 @@ class Reservation:
                 del ledger.tokens_by_endpoint[endpoint.id]
         if endpoint.capped:
             capacity.release(endpoint, self.reservation_id)
+            activity.released((endpoint.pool_name, self.stage), self.flow)
             notify_freed((endpoint.pool_name, self.stage))
         self._persist()
         return True

@@ -135,7 +135,9 @@ async def place_generation(
     held = index.held(endpoint.id, prompt, sent=matches[endpoint.id])
     index.record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
-    reservation = Reservation.take(request_id, endpoint, Role.GENERATION, tokens=tokens if endpoint.capped else 0, reservation_id=lease)
+    reservation = Reservation.take(
+        request_id, endpoint, Role.GENERATION, tokens=tokens if endpoint.capped else 0, reservation_id=lease, flow=ticket.flow if ticket else ""
+    )
     return Placement(reservation, held, prompt.size, prompt)
 
 
@@ -249,7 +251,9 @@ async def reserve(
         # Only generation endpoints' conversations are compared (the balance guard).
         get_index().record(endpoint.id, pool.name, prompt.key, conversation=False)
     health.on_routed(endpoint.id)
-    return Reservation.take(request_id, endpoint, role, tokens=tokens if endpoint.capped else 0, reservation_id=lease)
+    return Reservation.take(
+        request_id, endpoint, role, tokens=tokens if endpoint.capped else 0, reservation_id=lease, flow=ticket.flow if ticket else ""
+    )
 
 
 def _held_here(endpoint_id: int) -> tuple[int, int]:

@@ -1,0 +1,111 @@
+"""Headroom: the last free slots of a pool are kept for the keys that need them most.
+
+The admission queue alone is work-conserving: a freed slot goes to whoever waits, and a key
+flooding the pool always waits, so it ends up holding every slot the others are not using at
+that instant. A well-behaved key's next request then waits for a release — its time to first
+token tracks the flood's request length, not its own. (bench/tenants.py measured 20–52 × the
+solo p99 for keys at their fair share while one key flooded at 10 × the pool.)
+
+The rule, SGLang's model gateway's "reserved capacity" made per key: while several keys are
+active on a pool's role, a request must leave `floor(ADMISSION_HEADROOM × capacity)` slots free
+when
+
+- its key already holds its fair share of the pool (capacity ÷ active keys), or
+- a key of a higher class (interactive over standard over batch) is active.
+
+Everyone else — a key under its share, of the highest active class — may take any free slot.
+So a flood fills the pool only up to the headroom, and a quiet key's next request finds a slot
+at once instead of queueing behind the flood. A single active key is never held back, and the
+headroom rounds down (a pool of fewer than 1 / ADMISSION_HEADROOM slots keeps none), so small
+pools and lone tenants lose nothing; the price is up to `ADMISSION_HEADROOM` of a busy,
+multi-tenant pool left idle for arrivals.
+
+A key is *active* while it holds a slot here, waits for one, or asked for one in the last
+`ADMISSION_ACTIVE_FLOW_S`. Like the queue's order, this is each process's own view: holdings and
+activity are counted per process (a key's share across processes is its share in each), while
+the slots themselves stay exact across processes (`workers.admission.capacity`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Hashable, Iterable
+
+from django.conf import settings
+
+from workers.admission.queue import Priority, Ticket
+from workers.cluster.registry import EndpointInfo
+
+__all__ = ["Activity", "activity", "free_slots", "slots_to_keep"]
+
+
+class Activity:
+    """Who asked for each resource lately and what they hold there, in this process."""
+
+    def __init__(self) -> None:
+        # resource → flow → (last asked or released, its class)
+        self._seen: dict[Hashable, dict[str, tuple[float, Priority]]] = {}
+        # resource → flow → capped slots held
+        self._held: dict[Hashable, Counter[str]] = {}
+
+    def asked(self, resource: Hashable, ticket: Ticket, now: float) -> None:
+        self._seen.setdefault(resource, {})[ticket.flow] = (now, ticket.priority)
+
+    def took(self, resource: Hashable, flow: str) -> None:
+        self._held.setdefault(resource, Counter())[flow] += 1
+
+    def released(self, resource: Hashable, flow: str) -> None:
+        held = self._held.get(resource)
+        if held is None or held[flow] <= 0:
+            return
+        held[flow] -= 1
+        if held[flow] <= 0:
+            del held[flow]
+        seen = self._seen.get(resource)
+        if seen is not None and flow in seen:
+            # A holder was active until now: its release keeps it in the window.
+            seen[flow] = (time.monotonic(), seen[flow][1])
+
+    def held(self, resource: Hashable, flow: str) -> int:
+        held = self._held.get(resource)
+        return held[flow] if held is not None else 0
+
+    def active(self, resource: Hashable, now: float, waiting: Iterable[str] = ()) -> dict[str, Priority]:
+        """The active flows with their class; forgets the ones gone quiet."""
+        seen = self._seen.get(resource)
+        if not seen:
+            return {}
+        held = self._held.get(resource, Counter())
+        waiting = set(waiting)
+        horizon = now - settings.ADMISSION_ACTIVE_FLOW_S
+        quiet = [f for f, (t, _) in seen.items() if t < horizon and not held[f] and f not in waiting]
+        for flow in quiet:
+            del seen[flow]
+        return {flow: priority for flow, (_, priority) in seen.items()}
+
+
+activity = Activity()
+
+
+def slots_to_keep(resource: Hashable, ticket: Ticket, capacity: int, now: float, waiting: Iterable[str] = ()) -> int:
+    """How many of the resource's `capacity` slots the request must leave free (0: it may take
+    any free slot)."""
+    reserve = math.floor(settings.ADMISSION_HEADROOM * capacity)
+    if reserve <= 0:
+        return 0
+    active = activity.active(resource, now, waiting)
+    if len(active) < 2 or ticket.flow not in active:
+        return 0
+    if any(priority < ticket.priority for flow, priority in active.items() if flow != ticket.flow):
+        return reserve
+    if activity.held(resource, ticket.flow) + 1 > capacity / len(active):
+        return reserve
+    return 0
+
+
+def free_slots(endpoints: Iterable[EndpointInfo], held_here: Iterable[int]) -> int:
+    """Free slots on capped endpoints as this process sees them (its own plus the others' at the
+    last registry refresh)."""
+    return sum(max(0, e.capacity - held - e.remote_open) for e, held in zip(endpoints, held_here) if e.capacity is not None)
