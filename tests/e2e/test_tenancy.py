@@ -186,6 +186,33 @@ def test_an_interactive_key_goes_before_a_batch_key(gateways: Callable[..., Gate
     assert first.received_at + _ms(first.first_token_ms) < second.received_at + _ms(second.first_token_ms)
 
 
+def test_a_flood_leaves_headroom_for_another_keys_next_request(
+    gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster], transactional_db: Any
+) -> None:
+    gateway = gateways(ADMISSION_HEADROOM="0.25", ADMISSION_ACTIVE_FLOW_S="60", **QUEUE_ENV)
+    cluster = make_cluster(gateway, generation_capacity=8)  # 8 slots, 2 of headroom
+    from messages_api.auth import create_api_key
+
+    _, quiet = create_api_key(f"quiet-{time.monotonic_ns()}")
+    quiet_headers = cluster.headers(**{"x-api-key": quiet})
+    assert httpx.post(gateway.url + "/v1/messages", json=body(cluster, "hello [sim tokens=2]"), headers=quiet_headers, timeout=30).status_code == 200
+    # The quiet key is active: the flood gets its share (4) and more, but not the last 2 slots.
+    flood = [start_stream(gateway, cluster, f"flood {i} {HOLD}") for i in range(8)]
+    for stream in flood:
+        stream.read_head()
+
+    def depth() -> float:
+        return metric_value(httpx.get(gateway.url + "/metrics", timeout=10).text, "gateway_admission_queue_depth", priority="standard")
+
+    wait_until(lambda: depth() == 2, message="the flood did not leave the headroom")
+    answer = httpx.post(gateway.url + "/v1/messages", json=body(cluster, "next [sim tokens=2]"), headers=quiet_headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+    row = audit_row(answer.headers["request-id"])
+    assert row.status == "completed" and not row.queued_ms  # a slot at once, not after the flood's 2 s
+    for stream in flood:
+        assert [f.event for f in stream.read_all() if f.event != "ping"][-1] == "message_stop"
+
+
 def _ms(value: float) -> Any:
     from datetime import timedelta
 
