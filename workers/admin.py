@@ -245,7 +245,7 @@ class WorkerPoolForm(forms.ModelForm[WorkerPool]):
 
     class Meta:
         model = WorkerPool
-        fields = ("name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens", "handoff_signing_key")
+        fields = ("name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens", "cache_scope", "handoff_signing_key")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -280,12 +280,13 @@ class WorkerPoolAdmin(GuardedAdmin[WorkerPool]):
     secret_fields = ("handoff_signing_key",)
     edit_only_fields = ("clear_handoff_signing_key",)
     list_display = (
-        "name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens", "signing_key_set", "endpoint_summary",
+        "name", "model", "protocol", "schedule_style", "routing", "max_local_prefill_tokens", "cache_scope", "signing_key_set",
+        "endpoint_summary",
     )
-    list_filter = ("protocol", "schedule_style", "routing")
+    list_filter = ("protocol", "schedule_style", "routing", "cache_scope")
     search_fields = ("name", "model")
     fieldsets = (
-        (None, {"fields": (("name", "model"), ("protocol", "schedule_style"), ("routing", "max_local_prefill_tokens"))}),
+        (None, {"fields": (("name", "model"), ("protocol", "schedule_style"), ("routing", "max_local_prefill_tokens"), "cache_scope")}),
         ("Handoff signing key", {"fields": ("signing_key_set", "handoff_signing_key", "clear_handoff_signing_key")}),
     )
     readonly_fields = ("signing_key_set",)

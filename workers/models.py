@@ -25,6 +25,18 @@ class RoutingPolicy(models.TextChoices):
     CACHE_AWARE = "cache_aware", "cache aware (prefix cache)"
 
 
+class CacheScope(models.TextChoices):
+    """Whose prompts one request may reuse from the workers' prefix caches (docs/security.md).
+
+    A cache hit is visible to the client (`cache_read_input_tokens`, and a faster first token),
+    so a shared cache tells one key whether another sent a prompt."""
+
+    # Each API key its own cache; keys that name the same cache group share one.
+    KEY = "key", "per key (or cache group)"
+    # Every key reuses every other key's prompts.
+    SHARED = "shared", "shared by every key"
+
+
 class Role(models.TextChoices):
     CONTEXT = "context", "context"
     GENERATION = "generation", "generation"
@@ -71,6 +83,14 @@ class WorkerPool(models.Model):
         default="",
         help_text="Shared secret the pool's workers verify signed handoffs with (TensorRT-LLM's "
         "disaggregated auth key). Write-only: never shown after saving.",
+    )
+    cache_scope = models.CharField(
+        max_length=20,
+        choices=CacheScope.choices,
+        default=CacheScope.KEY,
+        help_text="Whose prompts a request may reuse from the workers' prefix caches. Per key: the engines' "
+        "caches are salted per API key (or cache group), and no key is told of another's cache hit. "
+        "Shared: hits across keys, and a key can tell whether another sent a prompt.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -60,6 +60,8 @@ class PoolInfo:
     # a log line or a traceback.
     signing_key: str = field(default="", repr=False)
     endpoints: tuple[EndpointInfo, ...] = field(default_factory=tuple)
+    #: Whose prompts a request may reuse from the workers' prefix caches (`CacheScope`).
+    cache_scope: str = "key"
 
     def endpoints_for(self, role: str) -> tuple[EndpointInfo, ...]:
         return tuple(e for e in self.endpoints if e.role == role)
@@ -185,6 +187,7 @@ def load_snapshot() -> ClusterSnapshot:
                 created_at=p.created_at,
                 signing_key=p.handoff_signing_key,
                 endpoints=tuple(endpoints_by_pool.get(p.id, ())),
+                cache_scope=p.cache_scope,
             )
             for p in pools
         ),

@@ -63,6 +63,11 @@ class Call:
     conversation_id: str | None = None
     #: The pool's shared secret for signed handoffs ("" when none is set). Never log it.
     signing_key: str = field(default="", repr=False)
+    #: The prefix-cache namespace of the request's tenant, for engines that salt their cache
+    #: (`WorkerProtocol.cache_salt_field`); None when the pool's keys share one cache. Derived from
+    #: the key's identity, never its secret; kept out of logs all the same (with it, a request sent
+    #: to a worker directly would read that tenant's cache).
+    cache_salt: str | None = field(default=None, repr=False)
 
 
 class Handoff(Protocol):
@@ -82,12 +87,18 @@ class Handoff(Protocol):
         """The prompt's token count as the context worker counted it, if it said."""
 
 
+#: Fields only the gateway sets on a worker request, whatever the chat body carries: the engines'
+#: prefix-cache salt (`WorkerProtocol.salted`).
+GATEWAY_FIELDS = frozenset({"cache_salt"})
+
+
 def streamed_request(
     chat: Mapping[str, Any], stream_options: Mapping[str, Any], *, without: Iterable[str] = ()
 ) -> dict[str, Any]:
     """`chat` as a worker streams it: `stream` on with the protocol's `stream_options`, and none of
-    the `without` fields (the protocol's handoff fields, which only the protocol may set)."""
-    dropped = frozenset(without)
+    the `without` fields (the protocol's handoff fields, which only the protocol may set) nor the
+    `GATEWAY_FIELDS`."""
+    dropped = GATEWAY_FIELDS.union(without)
     body = {k: v for k, v in chat.items() if k not in dropped}
     body["stream"] = True
     body["stream_options"] = dict(stream_options)
@@ -104,8 +115,8 @@ def reported_prompt_tokens(answer: Mapping[str, Any]) -> int | None:
 
 def answered_request(chat: Mapping[str, Any], *, without: Iterable[str] = ()) -> dict[str, Any]:
     """`chat` as a worker answers it in one JSON object (a context or prefill request): `stream`
-    off and no `stream_options`, which engines refuse without `stream`."""
-    dropped = frozenset(without) | {"stream_options"}
+    off and no `stream_options`, which engines refuse without `stream`; nor `GATEWAY_FIELDS`."""
+    dropped = GATEWAY_FIELDS.union(without, ("stream_options",))
     body = {k: v for k, v in chat.items() if k not in dropped}
     body["stream"] = False
     return body
@@ -133,6 +144,19 @@ class WorkerProtocol(ABC):
     #: output than the window holds (`workers.wire.error_reading.Wording`): its workers' error
     #: answers are read with them, to tell the client which (Claude Code compacts on one).
     error_wordings: ClassVar[Wordings] = ()
+    #: The request field the engine salts its prefix cache with (vLLM's, SGLang's and
+    #: TensorRT-LLM's `cache_salt`): requests with different salts reuse none of each other's KV
+    #: blocks. None where the engine has no such field: the gateway cannot keep one tenant's
+    #: prompts out of another's cache hits there, and reports no cache hit to a pool that keeps
+    #: keys apart (`workers.schedule.pipeline`).
+    cache_salt_field: ClassVar[str | None] = None
+
+    def salted(self, body: dict[str, Any], call: Call) -> dict[str, Any]:
+        """`body` with the call's cache salt in the engine's field (every leg of a request carries
+        the same one, so a context worker's KV and the generation worker's own cache agree)."""
+        if call.cache_salt is not None and self.cache_salt_field is not None:
+            body[self.cache_salt_field] = call.cache_salt
+        return body
 
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         """Extra HTTP headers a worker request with `body` needs (signatures, request ids)."""

@@ -9,6 +9,10 @@ accept, so the stream ends with a usage chunk (the answer's token counts). vLLM'
 `continuous_usage_stats` is not sent: a plain server of another make has no such option, and
 usage on the last chunk is all the answer's totals need (`message_start` then reports zero input
 tokens, the final `message_delta` the real count).
+
+No cache salt is sent: such servers have no field for one, so the pool's keys share the server's
+prefix cache whatever the pool's `cache_scope`; a pool that keeps keys apart reports no cache hit
+to any of them instead (`WorkerProtocol.cache_salt_field`).
 """
 
 from __future__ import annotations

@@ -145,14 +145,18 @@ class SglangProtocol(WorkerProtocol):
     generation_serves_whole_requests: ClassVar[bool] = False
     schedules: ClassVar[frozenset[str]] = frozenset({GENERATION_FIRST, AGGREGATED})
     error_wordings: ClassVar[Wordings] = WORDINGS
+    # SGLang's OpenAI server joins `cache_salt` and `extra_key` into the request's `extra_key`,
+    # which namespaces its radix cache (`OpenAIServingBase._compute_extra_key`); servers from
+    # before the field drop it (pydantic's default `extra="ignore"`) and share their cache.
+    cache_salt_field: ClassVar[str | None] = "cache_salt"
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
-        return streamed(chat)
+        return self.salted(streamed(chat), call)
 
     def context_request(
         self, chat: dict[str, Any], call: Call, *, pair_id: int, schedule_style: str, context: ContextPeer
     ) -> dict[str, Any]:
-        return prefill_request(chat, context, pair_id)
+        return self.salted(prefill_request(chat, context, pair_id), call)
 
     def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
         return read_prefill_answer(answer)
@@ -160,7 +164,7 @@ class SglangProtocol(WorkerProtocol):
     def generation_request_first(
         self, chat: dict[str, Any], call: Call, *, pair_id: int, context: ContextPeer, schedule_style: str
     ) -> dict[str, Any]:
-        return decode_request(chat, context, pair_id)
+        return self.salted(decode_request(chat, context, pair_id), call)
 
 
 PROTOCOL = SglangProtocol()

@@ -366,6 +366,10 @@ class TrtllmProtocol(WorkerProtocol):
     label: ClassVar[str] = "TensorRT-LLM (disaggregated_params)"
     schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, GENERATION_FIRST, AGGREGATED})
     error_wordings: ClassVar[Wordings] = WORDINGS
+    # trtllm-serve salts the root of the request's KV block chain with it (since PR #7106, v1.1);
+    # its request models forbid unknown fields, so an older server refuses every salted request
+    # (400): a pool of those must share its cache.
+    cache_salt_field: ClassVar[str | None] = "cache_salt"
 
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         if not needs_signature(body):
@@ -397,12 +401,12 @@ class TrtllmProtocol(WorkerProtocol):
         return ContextPeer(url=peer.url, options=peer.options, info=params)
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
-        return streamed(chat)
+        return self.salted(streamed(chat), call)
 
     def context_request(
         self, chat: dict[str, Any], call: Call, *, pair_id: int, schedule_style: str, context: ContextPeer
     ) -> dict[str, Any]:
-        return context_request(chat, pair_id, schedule_style, call.conversation_id)
+        return self.salted(context_request(chat, pair_id, schedule_style, call.conversation_id), call)
 
     def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
         return read_context_response(answer)
@@ -410,12 +414,12 @@ class TrtllmProtocol(WorkerProtocol):
     def generation_request_after_context(self, chat: dict[str, Any], call: Call, handoff: Handoff) -> dict[str, Any]:
         if not isinstance(handoff, ContextResult):
             raise TypeError(f"not a TensorRT-LLM handoff: {type(handoff).__name__}")
-        return generation_request_after_context(chat, handoff, CONTEXT_FIRST, call.conversation_id)
+        return self.salted(generation_request_after_context(chat, handoff, CONTEXT_FIRST, call.conversation_id), call)
 
     def generation_request_first(
         self, chat: dict[str, Any], call: Call, *, pair_id: int, context: ContextPeer, schedule_style: str
     ) -> dict[str, Any]:
-        return generation_request_first(chat, pair_id, context.info, schedule_style, call.conversation_id)
+        return self.salted(generation_request_first(chat, pair_id, context.info, schedule_style, call.conversation_id), call)
 
 
 PROTOCOL = TrtllmProtocol()

@@ -148,18 +148,22 @@ class VllmProtocol(WorkerProtocol):
     label: ClassVar[str] = "vLLM (kv_transfer_params, prefill then decode)"
     schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, AGGREGATED})
     error_wordings: ClassVar[Wordings] = WORDINGS
+    # vLLM (V1 engine) mixes it into the hash of a prompt's first KV block, so every block of a
+    # salted prompt differs from the same prompt's under another salt (vllm/v1/core/
+    # kv_cache_utils.py `generate_block_hash_extra_keys`); the V0 engine refuses the field (400).
+    cache_salt_field: ClassVar[str | None] = "cache_salt"
 
     def headers(self, body: dict[str, Any], call: Call) -> dict[str, str]:
         # vLLM names the request after it (and both legs after the same one, as the routers do).
         return {REQUEST_ID_HEADER: call.request_id}
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
-        return streamed(chat)
+        return self.salted(streamed(chat), call)
 
     def context_request(
         self, chat: dict[str, Any], call: Call, *, pair_id: int, schedule_style: str, context: ContextPeer
     ) -> dict[str, Any]:
-        return prefill_request(chat)
+        return self.salted(prefill_request(chat), call)
 
     def read_context_answer(self, answer: dict[str, Any]) -> Handoff:
         return read_prefill_answer(answer)
@@ -167,7 +171,7 @@ class VllmProtocol(WorkerProtocol):
     def generation_request_after_context(self, chat: dict[str, Any], call: Call, handoff: Handoff) -> dict[str, Any]:
         if not isinstance(handoff, PrefillResult):
             raise TypeError(f"not a vLLM handoff: {type(handoff).__name__}")
-        return decode_request(chat, handoff)
+        return self.salted(decode_request(chat, handoff), call)
 
 
 PROTOCOL = VllmProtocol()

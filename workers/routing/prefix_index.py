@@ -18,6 +18,11 @@ A recorded prompt leaves a few *marks* (digests) per endpoint, not one per part:
   longest first.
 Matches are in bytes; the pipeline scales them to the prompt's estimated token count.
 
+A pool that keeps keys' caches apart (`CacheScope.KEY`) seeds the chain with the tenant's salt
+(`Prompt(..., salt=)`), as the engines mix their `cache_salt` into a prompt's first KV block: one
+tenant's marks never match another's prompt, so another tenant's prompt neither steers routing
+nor lets a request skip its context phase, and the rendezvous root is the tenant's own.
+
 Cost (bench/sessions.py, a 188 KB Claude Code-shaped prompt of 20 messages, 4 generation and 2
 context endpoints, 2-core VM): 16.6-18.2 µs of CPU per request that skips the context phase,
 20.5-21.6 µs with one; the key is 9.5-10.2 µs of that, 3.3 µs of it xxh3 over the bytes. The key
@@ -113,12 +118,13 @@ class Prompt:
 
     __slots__ = ("ends", "digests", "chunk_marks", "chunk_digests", "candidates", "shared", "key")
 
-    def __init__(self, rendered: RenderedChat, chunk_bytes: int) -> None:
+    def __init__(self, rendered: RenderedChat, chunk_bytes: int, *, salt: int = 0) -> None:
+        """`salt` seeds the digest chain: the prompt's tenant (0: the cache every key shares)."""
         # Part 0 is the tools (one part: they all lie in the shared head), then one per message.
         # Not key-sorted: an engine renders the JSON as it is sent, so a reordered schema is
         # another prompt to its cache as well.
         parts = rendered.messages
-        digest = xxh3_64_intdigest(rendered.tools)
+        digest = xxh3_64_intdigest(rendered.tools, salt)
         digests = [digest]
         for part in parts:
             digest = xxh3_64_intdigest(part, digest)

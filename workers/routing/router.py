@@ -109,16 +109,18 @@ class Placement:
 
 
 async def place_generation(
-    pool: PoolInfo, request_id: str, rendered: RenderedChat, *, session: str | None = None, ticket: Ticket | None = None, tokens: int = 0
+    pool: PoolInfo, request_id: str, rendered: RenderedChat, *, session: str | None = None, ticket: Ticket | None = None, tokens: int = 0,
+    cache_salt: int = 0,
 ) -> Placement:
     """Reserve the generation endpoint for a chat request; a `cache_aware` pool also says how
     much of the prompt that endpoint is expected to hold (TensorRT-LLM's `match_length`).
-    `tokens` (prompt + max_tokens) count against capped endpoints' `capacity_tokens`."""
+    `tokens` (prompt + max_tokens) count against capped endpoints' `capacity_tokens`;
+    `cache_salt` is the prompt's tenant in the prefix index (`Prompt`)."""
     if pool.routing != RoutingPolicy.CACHE_AWARE:
         return Placement(await reserve(pool, Role.GENERATION, request_id, session=session, ticket=ticket, tokens=tokens))
     index = get_index()
     index.retain(pool.name, [e.id for e in pool.endpoints if _keeps_cache(e)])
-    prompt = Prompt(rendered, settings.PREFIX_INDEX_CHUNK_BYTES)
+    prompt = Prompt(rendered, settings.PREFIX_INDEX_CHUNK_BYTES, salt=cache_salt)
     matches: dict[int, int] = {}
 
     def usable(fresh: bool) -> list[EndpointInfo]:

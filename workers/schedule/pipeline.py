@@ -44,6 +44,7 @@ from types import TracebackType
 from typing import Any
 
 from django.conf import settings
+from xxhash import xxh3_64_intdigest
 
 from workers.wire import client
 
@@ -57,7 +58,7 @@ from workers.schedule.completion import Completion
 from workers.exceptions import StopRelay, WorkerError, WorkerUnreachable
 from workers.cluster.health import FailureScope, failure_scope, health
 from workers.cluster.metrics import worker_retries
-from workers.models import Outcome, Role, RoutingPolicy, ScheduleStyle, Stage
+from workers.models import CacheScope, Outcome, Role, RoutingPolicy, ScheduleStyle, Stage
 from workers.routing.prefix_index import get_index
 from workers.schedule.prompt_tokens import estimate_prompt_tokens
 from workers.protocols import Call, ContextPeer, Handoff, WorkerProtocol
@@ -88,12 +89,18 @@ class ChatRun:
         tenant: str | None = None,
         priority: Priority = Priority.STANDARD,
         size: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """`session` keeps a conversation on one generation endpoint (session affinity);
         `tenant` names the API key, so a worker failure that may follow this client's request
         content counts against the endpoint only with other keys' (see `workers.cluster.health`).
         `tenant`, `session` and `priority` also order the admission queue when the pool is at
-        capacity (`workers.admission`); `size` is the request's bytes, for the queue's bound."""
+        capacity (`workers.admission`); `size` is the request's bytes, for the queue's bound.
+        `cache_salt` names the tenant's prefix cache (the key's, or its cache group's): a pool
+        whose `cache_scope` keeps keys apart salts the engines' caches and its prefix index with
+        it, and relays no cache hit its engine cannot keep apart (`_hide_cached_tokens`).
+        None in such a pool is a tenant of its own: the unsalted cache, which no salted request
+        reads."""
         self.chat = chat
         self.pool = pool
         self.request_id = request_id
@@ -101,7 +108,14 @@ class ChatRun:
         self.tenant = tenant
         self.priority = priority
         self._size = size
-        self._call = Call(request_id=request_id, conversation_id=session, signing_key=pool.signing_key)
+        isolated = pool.cache_scope != CacheScope.SHARED
+        salt = cache_salt if isolated else None
+        self._call = Call(request_id=request_id, conversation_id=session, signing_key=pool.signing_key, cache_salt=salt)
+        # The prompt's tenant in the prefix index (0: the cache every key shares).
+        self._index_salt = xxh3_64_intdigest(salt.encode()) if salt else 0
+        # The pool keeps keys apart but its engine has no salt: the worker's cached-token count
+        # may be another key's hit, so none is relayed (resolved with the protocol).
+        self._hide_cache_hits = isolated
         # Released once every worker request is sent: a Claude Code prompt is 80-190 KB of JSON,
         # and a stream may last minutes after that.
         self._rendered: RenderedChat | None = RenderedChat(chat)
@@ -231,9 +245,11 @@ class ChatRun:
     async def _send_requests(self) -> None:
         pool = self.pool
         protocol = self._protocol = _protocol_for(pool)
+        self._hide_cache_hits = self._hide_cache_hits and protocol.cache_salt_field is None
         started = time.monotonic()
         placement = self._placement = await router.place_generation(
-            pool, self.request_id, self.rendered, session=self.session, ticket=self.ticket, tokens=self.tokens_in_flight
+            pool, self.request_id, self.rendered, session=self.session, ticket=self.ticket, tokens=self.tokens_in_flight,
+            cache_salt=self._index_salt,
         )
         self._queued(started)
         generation = placement.reservation
@@ -416,6 +432,8 @@ class ChatRun:
             self._note(first_chunk_at=time.monotonic())
             try:
                 for chunk in completion_as_chunks(self._complete_response):
+                    if self._hide_cache_hits:
+                        _hide_cached_tokens(chunk)
                     sink(chunk)
             except StopRelay:
                 pass
@@ -425,8 +443,12 @@ class ChatRun:
         assert stream is not None, "relay() before stream_ready()"
         seen = self._seen
 
+        hide = self._hide_cache_hits
+
         def on_chunk(chunk: dict[str, Any]) -> None:
-            seen(chunk)
+            seen(chunk)  # first: the index checks what the worker really reported
+            if hide:
+                _hide_cached_tokens(chunk)
             sink(chunk)
 
         try:
@@ -546,6 +568,15 @@ class ChatRun:
 
     def _release_handoff_later(self, generation_open: asyncio.Task[ChunkStream]) -> None:
         _detach(_close_when_taken(generation_open, settings.WORKER_HANDOFF_RELEASE_TIMEOUT_S))
+
+
+def _hide_cached_tokens(chunk: dict[str, Any]) -> None:
+    """Report no prompt token as read from the worker's cache: in a pool that keeps keys apart on
+    an engine without a cache salt, the hit may have been earned by another key's prompt."""
+    usage = chunk.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if isinstance(details, dict) and details.get("cached_tokens"):
+        details["cached_tokens"] = 0
 
 
 def _detach(cleanup: Coroutine[Any, Any, None], name: str | None = None) -> asyncio.Task[None]:

@@ -13,6 +13,7 @@ from workers import protocols
 from workers.management.arguments import limit_argument
 from workers.management.changes import log_change
 from workers.models import (
+    CacheScope,
     Role,
     RoutingPolicy,
     ScheduleStyle,
@@ -45,6 +46,11 @@ class Command(BaseCommand):
         parser.add_argument("--routing", choices=RoutingPolicy.values, help="Set the pool's routing policy.")
         parser.add_argument(
             "--max-local-prefill-tokens", type=int, help="Set the pool's conditional disaggregation threshold."
+        )
+        parser.add_argument(
+            "--cache-scope", choices=CacheScope.values,
+            help="Set whose prompts a request may reuse from the workers' prefix caches: each key's own "
+            "(or its cache group's; the default), or every key's.",
         )
         # A file, not a value: an argument shows in the process list and the shell's history.
         key = parser.add_mutually_exclusive_group()
@@ -94,6 +100,7 @@ class Command(BaseCommand):
             ("schedule_style", "schedule_style"),
             ("routing", "routing"),
             ("max_local_prefill_tokens", "max_local_prefill_tokens"),
+            ("cache_scope", "cache_scope"),
         ):
             if options.get(option) is not None and getattr(pool, field) != options[option]:
                 changes.append(f"{field} {getattr(pool, field)!r} → {options[option]!r}")
