@@ -12,7 +12,7 @@ Routes:
                                {"body", "headers"} each, with the recorded headers)
     POST /sim/kv/take          context workers only: hand a KV handoff to a generation worker
     GET  /sim/prefix_cache     the prefix cache's size and counters (prefix_cache.py)
-    POST /sim/prefix_cache/match   {"messages", "tools"} -> {"cached_tokens"}, without touching it
+    POST /sim/prefix_cache/match   {"messages", "tools", "cache_salt"?} -> {"cached_tokens"}, without touching it
     GET  /sim/kv_events?after=N    stored/removed block hashes since event N (KV-event publisher)
 """
 
@@ -243,7 +243,9 @@ class SimApp:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             raise SimError(400, "match needs messages (a list)")
         tokens = tokenize_chat(body["messages"], body.get("tools"))
-        await send_json(send, 200, {"cached_tokens": self.chat.cache.match(tokens, touch=False), "prompt_tokens": len(tokens)})
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        cached = self.chat.cache.match(tokens, touch=False, salt=salt)
+        await send_json(send, 200, {"cached_tokens": cached, "prompt_tokens": len(tokens)})
 
     async def _kv_events(self, scope: Scope, receive: Receive, send: Send) -> None:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))

@@ -64,7 +64,9 @@ class ChatCompletions:
             raise SimError(400, "request body is not valid JSON") from None
         self.log.append(payload, headers)
         try:
-            request = parse_chat_request(payload, lambda body: self.dialect.parse(body, headers, self.config))
+            request = parse_chat_request(
+                payload, lambda body: self.dialect.parse(body, headers, self.config), salt_field=self.dialect.cache_salt_field
+            )
         except SimError as error:
             if (context_id := self.dialect.context_id_of(payload)) is not None:
                 self.handoffs.fail(context_id, f"{error.message} (HTTP {error.status})")
@@ -96,7 +98,7 @@ class ChatCompletions:
         """Prefill the prompt's uncached tokens (their time only) and keep its KV in the cache;
         returns how many tokens came from the cache."""
         cache = self.cache
-        blocks = cache.hashes(prompt_ids)
+        blocks = cache.hashes(prompt_ids, request.cache_salt)
         if self._prefill_slots is None:
             cached = await self._compute(prompt_ids, blocks, local)
         else:
@@ -179,7 +181,7 @@ class ChatCompletions:
         # The transferred KV now lives here too: a later turn sent without a context phase
         # reuses it. What was already held before the transfer is what this worker reports as
         # cached (it need not have been pulled).
-        blocks = self.cache.hashes(prompt_ids)
+        blocks = self.cache.hashes(prompt_ids, request.cache_salt)
         held = self.cache.match_blocks(blocks)
         self.cache.store_blocks(blocks)
         await self._generate(request, prompt_ids, kv_tokens, send, cached_tokens=held)

@@ -7,6 +7,9 @@ block of a prompt is never shared. Eviction is least recently used; a prompt's b
 last-block-first, so that under pressure a conversation loses its tail before its shared head
 (vLLM frees a request's blocks in reverse order for the same reason).
 
+A request's `cache_salt` is mixed into its first block's hash, as vLLM does (and TensorRT-LLM into
+the root of its block chain): the same prompt under two salts shares no block.
+
 The cache also counts what it saved, and keeps a bounded log of stored/removed block hashes in
 the shape of the engines' KV-event publishers, so a router can follow it (`GET /sim/kv_events`).
 """
@@ -24,8 +27,9 @@ from typing import Any
 EVENT_LOG_LIMIT = 10000
 
 
-def block_hashes(token_ids: Sequence[int], block_tokens: int) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids`: block i's hash covers blocks 0..i."""
+def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str | None = None) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids`: block i's hash covers blocks 0..i (and
+    the `salt`, through block 0)."""
     try:
         data = array("q", token_ids).tobytes()
     except (OverflowError, TypeError):
@@ -33,7 +37,7 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int) -> list[int]:
     width = 8 * block_tokens
     blake2b = hashlib.blake2b
     hashes: list[int] = []
-    previous = b""
+    previous = b"" if not salt else blake2b(b"cache_salt:" + salt.encode(), digest_size=8).digest()
     for start in range(0, len(data) - width + 1, width):
         previous = blake2b(previous + data[start : start + width], digest_size=8).digest()
         hashes.append(int.from_bytes(previous, "little"))
@@ -74,12 +78,12 @@ class PrefixCache:
     def blocks_held(self) -> int:
         return len(self._blocks)
 
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        return block_hashes(token_ids, self.block_tokens) if self.enabled else []
+    def hashes(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        return block_hashes(token_ids, self.block_tokens, salt) if self.enabled else []
 
-    def match(self, token_ids: Sequence[int], *, touch: bool = True) -> int:
+    def match(self, token_ids: Sequence[int], *, touch: bool = True, salt: str | None = None) -> int:
         """How many leading tokens of the prompt are cached (a multiple of the block size)."""
-        return self.match_blocks(self.hashes(token_ids), touch=touch)
+        return self.match_blocks(self.hashes(token_ids, salt), touch=touch)
 
     def match_blocks(self, hashes: list[int], *, touch: bool = True) -> int:
         """`match` for a prompt's block hashes (`hashes()`), computed once per request."""
@@ -92,9 +96,9 @@ class PrefixCache:
             self._touch(hashes[:matched])
         return matched * self.block_tokens
 
-    def store(self, token_ids: Sequence[int]) -> None:
+    def store(self, token_ids: Sequence[int], salt: str | None = None) -> None:
         """The prompt's KV is now held here: add its full blocks, evicting the least recent."""
-        self.store_blocks(self.hashes(token_ids))
+        self.store_blocks(self.hashes(token_ids, salt))
 
     def store_blocks(self, hashes: list[int]) -> None:
         """`store` for a prompt's block hashes."""

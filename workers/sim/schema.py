@@ -48,6 +48,9 @@ class ChatRequest:
     disagg: DisaggParams | None
     prompt_token_ids: list[int] | None
     directives: Directives
+    #: The engine's prefix-cache salt (`Dialect.cache_salt_field`): its KV blocks are apart from
+    #: other salts'.
+    cache_salt: str | None = None
 
     @property
     def request_type(self) -> RequestType:
@@ -81,11 +84,12 @@ def _stop_strings(raw: Any) -> tuple[str, ...]:
 
 
 def parse_chat_request(
-    body: Any, disagg: Callable[[Mapping[str, Any]], DisaggParams | None] | None = None
+    body: Any, disagg: Callable[[Mapping[str, Any]], DisaggParams | None] | None = None, *, salt_field: str | None = None
 ) -> ChatRequest:
     """Validate a /v1/chat/completions body; raises SimError(400) on a malformed one.
 
-    `disagg` reads the body's disaggregation in the worker's dialect (None: read none)."""
+    `disagg` reads the body's disaggregation in the worker's dialect (None: read none);
+    `salt_field` names its prefix-cache salt (None: the engine has none, and ignores the field)."""
     if not isinstance(body, Mapping):
         raise _bad("request body must be a JSON object")
     messages = body.get("messages")
@@ -116,4 +120,15 @@ def parse_chat_request(
         disagg=disagg(body) if disagg is not None else None,
         prompt_token_ids=prompt_token_ids,
         directives=parse_messages(messages),
+        cache_salt=_cache_salt(body, salt_field) if salt_field else None,
     )
+
+
+def _cache_salt(body: Mapping[str, Any], field: str) -> str | None:
+    salt = body.get(field)
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt.strip():
+        # vLLM's (and TensorRT-LLM's) words for it.
+        raise _bad(f"Parameter '{field}' must be a non-empty string if provided.", field)
+    return salt

@@ -29,6 +29,8 @@ class Dialect:
     """One engine's disaggregation wire format. Stateless; one instance serves every request."""
 
     name: ClassVar[str]
+    #: The request field the engine salts its prefix cache with (None: it has none).
+    cache_salt_field: ClassVar[str | None] = "cache_salt"
 
     def parse(
         self, payload: Mapping[str, Any], headers: Mapping[str, str], config: SimConfig

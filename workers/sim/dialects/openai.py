@@ -20,6 +20,8 @@ from .base import ContextIssue, Dialect
 
 class OpenAIDialect(Dialect):
     name: ClassVar[str] = "openai"
+    # A plain server has no cache salt: `cache_salt` is an unknown field, ignored.
+    cache_salt_field: ClassVar[str | None] = None
 
     def parse(
         self, payload: Mapping[str, Any], headers: Mapping[str, str], config: SimConfig
