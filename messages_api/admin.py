@@ -277,9 +277,9 @@ class ApiKeyAdmin(GuardedAdmin[ApiKey], KeyUsagePages):  # a ModelAdmin, with th
     secret_fields = ("key_hash",)
     list_display = ("name", "prefix", "active", "priority", "max_concurrency", "requests_per_minute", "tokens_per_day", "last_used_at")
     list_filter = ("active", "priority")
-    search_fields = ("name", "prefix")
+    search_fields = ("name", "prefix", "cache_group")
     fieldsets = (
-        (None, {"fields": ("name", "active", "prefix", "created_at", "last_used_at")}),
+        (None, {"fields": ("name", "active", "prefix", "created_at", "last_used_at", "cache_group")}),
         (
             "Limits (empty: none)",
             {

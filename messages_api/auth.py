@@ -12,18 +12,21 @@ Under daphne the key is checked while the request's headers are parsed, before i
 from __future__ import annotations
 
 import asyncio
+import base64
 import enum
 import hashlib
+import hmac
 import logging
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from fnmatch import fnmatchcase
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import close_old_connections
 
 from messages_api.limits.policy import NO_LIMITS, KeyLimits
@@ -62,9 +65,23 @@ class Principal:
     priority: str = "standard"
     #: Model names or fnmatch patterns the key may use; empty: any.
     allowed_models: tuple[str, ...] = ()
+    #: The key's prefix-cache namespace (`cache_salt`): the workers' caches keep it apart from
+    #: other keys' where the pool says so. Kept out of repr (and so out of logs).
+    cache_salt: str = field(default="", repr=False)
 
     def may_use(self, model: str) -> bool:
         return not self.allowed_models or any(fnmatchcase(model, pattern) for pattern in self.allowed_models)
+
+
+def cache_salt(key_id: int, cache_group: str = "") -> str:
+    """The prefix-cache salt of a key: the same for every key of a cache group, else the key's
+    own. An HMAC of the key's id (or group name) under SECRET_KEY, never of its secret, so a
+    worker's logs tell nothing of the key; 256 bits in unpadded base64url (43 characters), as vLLM
+    asks of a salt. Stable across processes and restarts; rotating SECRET_KEY starts every
+    cache afresh."""
+    scope = f"group:{cache_group}" if cache_group else f"key:{key_id}"
+    digest = hmac.new(settings.SECRET_KEY.encode(), b"prefix-cache-salt:" + scope.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
 
 def generate_key() -> str:
@@ -75,10 +92,10 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_api_key(name: str) -> tuple[ApiKey, str]:
+def create_api_key(name: str, *, cache_group: str = "") -> tuple[ApiKey, str]:
     """Create a key; the plain key is returned once and never stored."""
     key = generate_key()
-    api_key = ApiKey.objects.create(name=name, key_hash=hash_key(key), prefix=key[: len(KEY_PREFIX) + 6])
+    api_key = ApiKey.objects.create(name=name, key_hash=hash_key(key), prefix=key[: len(KEY_PREFIX) + 6], cache_group=cache_group)
     return api_key, key
 
 
@@ -242,7 +259,7 @@ def _touch_last_used(digest: str) -> None:
 
 _PRINCIPAL_FIELDS = (
     "id", "name", "priority", "allowed_models", "max_concurrency", "requests_per_minute", "input_tokens_per_minute",
-    "output_tokens_per_minute", "tokens_per_day", "tokens_per_month",
+    "output_tokens_per_minute", "tokens_per_day", "tokens_per_month", "cache_group",
 )
 
 
@@ -267,6 +284,7 @@ def _lookup(digest: str) -> Principal | None:
         ),
         priority=row["priority"],
         allowed_models=tuple(m for m in row["allowed_models"] or () if isinstance(m, str)),
+        cache_salt=cache_salt(row["id"], row["cache_group"]),
     )
 
 

@@ -383,6 +383,7 @@ class MessagesConsumer(ApiConsumer):
         run = ChatRun(
             chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request),
             tenant=record.api_key_name, priority=Priority[principal.priority.upper()], size=len(body),
+            cache_salt=principal.cache_salt or None,
         )
         # Over a limit: 429 before the request is accepted (its row is `rejected`).
         lease = await check_limits(principal.key_hash, principal.limits, Usage(run.estimated_prompt_tokens, request["max_tokens"]))

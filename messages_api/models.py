@@ -40,6 +40,13 @@ class ApiKey(models.Model):
         default=list, blank=True,
         help_text='Model names the key may use: exact, or patterns such as "claude-sonnet-*". Empty: every model.',
     )
+    # Pools whose cache scope is per key (workers.models.CacheScope.KEY) give each key its own
+    # prefix cache; keys with the same group share one (a team's keys reuse each other's prompts).
+    cache_group = models.CharField(
+        max_length=100, blank=True, default="",
+        help_text="Keys with the same cache group share the workers' prefix cache where a pool keeps keys apart "
+        "(and can tell whether another of the group sent a prompt). Empty: the key's cache is its own.",
+    )
 
     class Meta:
         verbose_name = "API key"
