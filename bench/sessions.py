@@ -208,8 +208,10 @@ def create_pools(stack: h.Stack, pools: list[dict[str, Any]]) -> None:
         "import json\n"
         "from workers.models import WorkerPool, WorkerEndpoint\n"
         f"for spec in json.loads({json.dumps(json.dumps(pools))}):\n"
+        # Shared caches: the oracle probes the sims' caches unsalted (`/sim/prefix_cache/match`),
+        # and a per-key pool would salt every prompt of the run's key.
         "    pool = WorkerPool.objects.create(name=spec['name'], model=spec['name'], routing=spec['routing'],\n"
-        "        schedule_style='context_first', max_local_prefill_tokens=spec['limit'])\n"
+        "        schedule_style='context_first', max_local_prefill_tokens=spec['limit'], cache_scope='shared')\n"
         "    for role, url in spec['endpoints']:\n"
         "        WorkerEndpoint.objects.create(pool=pool, role=role, url=url)\n"
     )

@@ -436,7 +436,7 @@ def test_admin_never_shows_the_key_keeps_it_when_blank_and_clears_it_on_request(
     assert "very-secret-key" not in browser.get("/admin/workers/workerpool/").content.decode()
 
     form = {"name": "kp", "model": "km", "protocol": "trtllm", "schedule_style": "context_first", "routing": pool.routing,
-            "max_local_prefill_tokens": "0", "handoff_signing_key": "",
+            "max_local_prefill_tokens": "0", "cache_scope": "key", "handoff_signing_key": "",
             "endpoints-TOTAL_FORMS": "0", "endpoints-INITIAL_FORMS": "0", "endpoints-MIN_NUM_FORMS": "0",
             "endpoints-MAX_NUM_FORMS": "1000"}
     assert browser.post(url, form).status_code == 302

@@ -54,6 +54,7 @@ def register_cluster(
     signing_key: str = SIGNING_KEY,
     context_options: dict[str, Any] | None = None,
     generation_capacity: int | None = None,
+    cache_scope: str = "key",
 ) -> Cluster:
     from messages_api.auth import create_api_key
     from workers.models import WorkerEndpoint, WorkerPool
@@ -65,6 +66,7 @@ def register_cluster(
         max_local_prefill_tokens=max_local_prefill_tokens,
         protocol=protocol,
         handoff_signing_key=signing_key,
+        cache_scope=cache_scope,
     )
     WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url, options=context_options or {})
     WorkerEndpoint.objects.create(pool=pool, role="generation", url=generation.url, capacity=generation_capacity)
