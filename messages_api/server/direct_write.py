@@ -8,6 +8,13 @@ the socket's buffer is almost always empty. `DirectWriteServer` sends at once wh
 transport's own queue is empty, and falls back to Twisted's queue for whatever the kernel did not
 take (a slow client) or when anything is already queued (so bytes never overtake each other).
 
+What comes through `writeSequence` is held until the next `write` or the end of the loop's current
+callback, whichever is first, and goes out with it in one send: Twisted writes a response's head
+(`HTTPChannel.writeHeaders`) and the chunks `Request.write` frames that way, then the body or the
+last chunk's terminator with `write`. A small answer was two or three sends (head, body, `0\r\n\r\n`),
+each a TCP segment the client wakes up for; now it is one. The per-token frames of a stream
+(`write`, messages_api/server/body_writer.py) are never held.
+
 Installed by `install()` (from `disagg_project.asgi`, under daphne) as the transport class of
 every accepted TCP connection (`tcp.Port.transport`). `GATEWAY_DIRECT_WRITES=0` turns it off. The
 Twisted internals it relies on are listed in disagg_project/relied_on.py (tests/unit/test_relied_on.py
@@ -16,6 +23,7 @@ checks them).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 from twisted.internet import tcp
@@ -24,8 +32,13 @@ from twisted.internet import tcp
 class DirectWriteServer(tcp.Server):
     """An accepted TCP connection that writes through when its send queue is empty."""
 
+    #: Bytes from `writeSequence` not yet sent: they go first in the next send.
+    _held = b""
+
     def write(self, data: bytes) -> None:
         # Runs once per relayed token: the checks and the send are inline, not calls.
+        if self._held:
+            data, self._held = self._held + data, b""
         if (
             data
             and self.connected
@@ -49,7 +62,29 @@ class DirectWriteServer(tcp.Server):
         super().write(data)  # type: ignore[no-untyped-call]
 
     def writeSequence(self, iovec: Iterable[bytes]) -> None:
-        self.write(b"".join(iovec))
+        data = b"".join(iovec)
+        if self._held:
+            self._held += data
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the reactor's loop (tests): no callback to send it from
+            self.write(data)
+            return
+        self._held = data
+        loop.call_soon(self._send_held)
+
+    def _send_held(self) -> None:
+        if self._held:
+            self.write(b"")
+
+    def loseConnection(self) -> None:
+        self._send_held()
+        super().loseConnection()  # type: ignore[no-untyped-call]
+
+    def loseWriteConnection(self) -> None:
+        self._send_held()
+        super().loseWriteConnection()  # type: ignore[no-untyped-call]
 
 
 def install() -> None:

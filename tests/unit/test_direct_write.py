@@ -3,6 +3,7 @@ through Twisted's queue (in order) otherwise."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -117,3 +118,43 @@ def test_install_makes_accepted_connections_direct_writers() -> None:
 def test_the_overridden_methods_are_the_ones_twisted_defines() -> None:
     # That every Twisted name used still exists: tests/unit/test_relied_on.py.
     assert "write" in vars(abstract.FileDescriptor) and "writeSequence" in vars(abstract.FileDescriptor)
+
+
+def test_a_head_and_its_body_go_out_in_one_send(pair: Any) -> None:
+    transport, client, reactor = pair
+    sends: list[bytes] = []
+    real = transport.socket
+
+    class Counting:
+        def send(self, data: bytes) -> int:
+            sends.append(bytes(data))
+            sent: int = real.send(data)
+            return sent
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    transport.socket = Counting()
+
+    async def respond() -> None:
+        transport.writeSequence([b"HTTP/1.1 200 OK\r\n", b"\r\n"])  # HTTPChannel.writeHeaders
+        transport.writeSequence([b"5\r\n", b"hello", b"\r\n"])  # Request.write, chunked
+        transport.write(b"0\r\n\r\n")  # Request.finish
+        transport.writeSequence([b"held alone"])  # nothing follows: sent once the callback ends
+        assert len(sends) == 1
+        await asyncio.sleep(0)
+
+    asyncio.run(respond())
+    assert sends == [b"HTTP/1.1 200 OK\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"held alone"]
+    assert received(client, sum(map(len, sends))) == b"".join(sends)
+
+
+def test_held_bytes_go_out_before_the_connection_is_closed(pair: Any) -> None:
+    transport, client, reactor = pair
+
+    async def respond() -> None:
+        transport.writeSequence([b"HTTP/1.1 200 OK\r\n\r\n"])
+        transport.loseConnection()
+
+    asyncio.run(respond())
+    assert received(client, 19) == b"HTTP/1.1 200 OK\r\n\r\n"
