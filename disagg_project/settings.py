@@ -350,8 +350,9 @@ GATEWAY_DIRECT_WRITES = env_bool("GATEWAY_DIRECT_WRITES", True)
 REDIS_URL = os.environ.get("REDIS_URL", "")
 REDIS_TIMEOUT_S = env_float("REDIS_TIMEOUT_S", 0.25)
 REDIS_RETRY_S = env_float("REDIS_RETRY_S", 5.0)
-# Connections to Redis per process; a check waits (up to REDIS_TIMEOUT_S) for a free one.
-REDIS_MAX_CONNECTIONS = env_int("REDIS_MAX_CONNECTIONS", 256)
+# Scripts in flight at once on an event loop's one connection to Redis (it is pipelined); a check
+# past it waits for a reply to make room (bounded by REDIS_TIMEOUT_S: a late reply closes it).
+REDIS_MAX_IN_FLIGHT = env_int("REDIS_MAX_IN_FLIGHT", 256)
 # Every key the gateway writes starts with this (several deployments may share one Redis).
 REDIS_KEY_PREFIX = os.environ.get("REDIS_KEY_PREFIX", "gw:")
 # A capacity slot held through Redis expires unless its process renews it: a process that dies

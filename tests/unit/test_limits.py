@@ -4,7 +4,6 @@ sequences (hypothesis drives both and compares every decision)."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import uuid
@@ -186,7 +185,7 @@ async def test_the_redis_script_decides_as_the_process_does(redis_limits: None, 
 async def _settled(key: str, limits: KeyLimits, estimate: Usage, actual: Usage, lease: str, now: float) -> None:
     """`shared.settle`, waited for (it runs in the background in production)."""
     shared_limits.settle(key, limits, estimate, actual, lease, now)
-    await asyncio.gather(*get_shared_state()._background)
+    await get_shared_state().drain()
 
 
 async def test_a_refused_key_is_refused_again_early_until_its_wait_ends(monkeypatch: pytest.MonkeyPatch) -> None:
