@@ -4,12 +4,13 @@ the request when it ends. The rules are `messages_api.limits.local`'s, line for 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from django.conf import settings
 
 from messages_api.limits.policy import BucketState, Decision, KeyLimits, Usage, bucket_state, costs, window_end, window_id
-from workers import Script, get_shared_state
+from workers import Script, get_shared_state, shared_leases
 
 # KEYS: buckets (hash), leases (zset), day usage, month usage
 # ARGV: now, lease, lease expiry, concurrency,
@@ -106,9 +107,17 @@ return 1
 )
 
 
-def _keys(key: str, now: float) -> list[str]:
+@functools.lru_cache(maxsize=4)
+def _windows(day: int) -> tuple[str, float, str, float]:
+    """The UTC day's and month's window ids and ends for the day `day` (epoch days: a Unix day is
+    86,400 s, and months start on days), computed once a day instead of on every request."""
+    now = day * 86400.0
+    return window_id("day", now), window_end("day", now), window_id("month", now), window_end("month", now)
+
+
+def _keys(key: str, windows: tuple[str, float, str, float]) -> list[str]:
     prefix = f"{settings.REDIS_KEY_PREFIX}key:{key}:"
-    return [prefix + "b", prefix + "c", prefix + "d:" + window_id("day", now), prefix + "m:" + window_id("month", now)]
+    return [prefix + "b", prefix + "c", prefix + "d:" + windows[0], prefix + "m:" + windows[2]]
 
 
 def _limit(value: int | None) -> int:
@@ -118,11 +127,14 @@ def _limit(value: int | None) -> int:
 async def check(key: str, limits: KeyLimits, estimate: Usage, lease: str, lease_expiry: float, now: float) -> Decision | None:
     """The decision, or None when Redis cannot be asked (the caller falls back to its own state)."""
     wanted = costs(estimate)
+    windows = _windows(int(now // 86400))
+    day_end, month_end = windows[1], windows[3]
     args: list[Any] = [now, lease, lease_expiry, _limit(limits.concurrency)]
     for name, limit in limits.buckets:
         args += [_limit(limit), wanted[name]]
-    args += [_limit(limits.tokens_per_day), window_end("day", now), _limit(limits.tokens_per_month), window_end("month", now)]
-    result = await get_shared_state().run(_CHECK, _keys(key, now), args)
+    args += [_limit(limits.tokens_per_day), day_end, _limit(limits.tokens_per_month), month_end]
+    keys = _keys(key, windows)
+    result = await get_shared_state().run(_CHECK, keys, args)
     if result is None:
         return None
     admitted, refused_by, wait, *levels = (v.decode() if isinstance(v, bytes) else v for v in result)
@@ -130,27 +142,24 @@ async def check(key: str, limits: KeyLimits, estimate: Usage, lease: str, lease_
     for (name, limit), level in zip(limits.buckets, levels[:3]):
         if limit is not None:
             states[name] = bucket_state(float(level), limit, now)
-    for kind, budget, used in (("day", limits.tokens_per_day, levels[3]), ("month", limits.tokens_per_month, levels[4])):
+    for kind, budget, used, end in (("day", limits.tokens_per_day, levels[3], day_end), ("month", limits.tokens_per_month, levels[4], month_end)):
         if budget is not None:
-            states[f"tokens_per_{kind}"] = BucketState(budget, max(0, budget - int(float(used))), window_end(kind, now))
+            states[f"tokens_per_{kind}"] = BucketState(budget, max(0, budget - int(float(used))), end)
     if admitted and limits.concurrency is not None:
-        from workers import shared_leases
-
-        shared_leases.hold(_keys(key, now)[1], lease)
+        shared_leases.hold(keys[1], lease)
     return Decision(bool(int(admitted)), states, str(refused_by), float(wait))
 
 
 def settle(key: str, limits: KeyLimits, estimate: Usage, actual: Usage, lease: str, now: float) -> None:
     """Correct the estimate and count the tokens, in the background."""
-    from workers import shared_leases
-
-    keys = _keys(key, now)
+    windows = _windows(int(now // 86400))
+    keys = _keys(key, windows)
     shared_leases.drop(keys[1], lease)
     args = [
         now, lease,
         _limit(limits.input_tokens_per_minute), actual.input_tokens - estimate.input_tokens,
         _limit(limits.output_tokens_per_minute), actual.output_tokens - estimate.output_tokens,
         actual.input_tokens + actual.output_tokens,
-        _limit(limits.tokens_per_day), window_end("day", now), _limit(limits.tokens_per_month), window_end("month", now),
+        _limit(limits.tokens_per_day), windows[1], _limit(limits.tokens_per_month), windows[3],
     ]
     get_shared_state().spawn(_SETTLE, keys, args)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from datetime import datetime, timezone
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,7 +19,7 @@ from messages_api.errors import AnthropicError
 from messages_api.limits import check_limits, local_limits, rate_limit_headers
 from messages_api.limits import shared as shared_limits
 from messages_api.limits.local import LocalLimits
-from messages_api.limits.policy import KeyLimits, Usage, window_end
+from messages_api.limits.policy import KeyLimits, Usage, window_end, window_id
 from tests.support.redis import redis_url_or_skip
 from workers.cluster.shared_state import get_shared_state
 
@@ -180,6 +181,14 @@ async def test_the_redis_script_decides_as_the_process_does(redis_limits: None, 
             actual = Usage(input_tokens, output_tokens)
             local.settle(key, limits, estimate, actual, lease, now)
             await _settled(key, limits, estimate, actual, lease, now)
+
+
+@pytest.mark.parametrize("moment", ["2026-12-31T23:59:59.999", "2027-01-01T00:00:00", "2028-02-29T12:00:00", "2026-03-31T23:59:59"])
+def test_the_windows_computed_once_a_day_are_the_requests_own(moment: str) -> None:
+    now = datetime.fromisoformat(moment).replace(tzinfo=timezone.utc).timestamp()
+    for t in (now, now - 1e-3, now + 1e-3):
+        expected = (window_id("day", t), window_end("day", t), window_id("month", t), window_end("month", t))
+        assert shared_limits._windows(int(t // 86400)) == expected
 
 
 async def _settled(key: str, limits: KeyLimits, estimate: Usage, actual: Usage, lease: str, now: float) -> None:
