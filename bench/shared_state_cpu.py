@@ -9,7 +9,8 @@ Per request: bench/tenants.py's admission-path measurement (`--micro-child`: `ch
 `admit`, the slot's release and the key's settle, as the gateway runs them; four scripts with
 Redis), run by the checkout under test. Per call: the client alone, a one-line script
 (`return 1`) awaited one after another (`run`), and sent in the background (`spawn`) with one
-awaited call after each, as a request's end and the next request's check go. CPU is
+awaited call after each, as a request's end and the next request's check go; and awaited by 16
+callers at once (a loaded gateway: what one turn of the loop gives leaves in one write). CPU is
 time.process_time of the child (user + system: the kernel's loopback work on send counts), not
 the Redis server's. Each round is a fresh child; printed: median and spread over rounds. Writes
 bench/results/shared_state_cpu.json.
@@ -63,6 +64,14 @@ async def main():
     else:
         await asyncio.gather(*shared._background)
     out["spawn + run"] = (time.process_time() - cpu) / n * 1e6
+
+    async def caller():
+        for _ in range(n // 16):
+            await shared.run(one, keys, [1])
+
+    cpu = time.process_time()
+    await asyncio.gather(*(caller() for _ in range(16)))
+    out["run, 16 callers at once"] = (time.process_time() - cpu) / (n // 16 * 16) * 1e6
     print("CALLS " + json.dumps(out), flush=True)
 
 asyncio.run(main())

@@ -18,7 +18,7 @@ import time
 from django.conf import settings
 
 from workers.cluster.registry import EndpointInfo
-from workers.cluster.shared_state import Script, get_shared_state, lease_expiry, leases
+from workers.cluster.shared_state import Script, get_shared_state, leases
 
 # KEYS: leases (zset lease → expiry), tokens (hash lease → tokens)
 # ARGV: now, expiry, lease, tokens, capacity (-1: none), capacity_tokens (-1: none)
@@ -74,16 +74,17 @@ async def acquire(endpoint: EndpointInfo, lease: str, tokens: int, open_here: in
     shared = get_shared_state()
     if shared.available:
         now = time.time()
+        keys = _keys(endpoint.id)
         result = await shared.run(
             _ACQUIRE,
-            _keys(endpoint.id),
-            [now, lease_expiry(), lease, tokens,
+            keys,
+            [now, now + settings.CAPACITY_LEASE_S, lease, tokens,
              -1 if endpoint.capacity is None else endpoint.capacity,
              -1 if endpoint.capacity_tokens is None else endpoint.capacity_tokens],
         )
         if result is not None:
             if result:
-                leases.hold(_keys(endpoint.id)[0], lease)
+                leases.hold(keys[0], lease)
             return bool(result)
     return fits_here(endpoint, open_here, tokens_here, tokens)
 
