@@ -366,7 +366,7 @@ class TrtllmProtocol(WorkerProtocol):
     label: ClassVar[str] = "TensorRT-LLM (disaggregated_params)"
     schedules: ClassVar[frozenset[str]] = frozenset({CONTEXT_FIRST, GENERATION_FIRST, AGGREGATED})
     error_wordings: ClassVar[Wordings] = WORDINGS
-    # trtllm-serve salts the root of the request's KV block chain with it (since PR #7106, v1.1);
+    # trtllm-serve salts the root of the request's KV block chain with it (since PR #7106, merged 2025-08);
     # its request models forbid unknown fields, so an older server refuses every salted request
     # (400): a pool of those must share its cache.
     cache_salt_field: ClassVar[str | None] = "cache_salt"
