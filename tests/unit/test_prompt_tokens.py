@@ -89,3 +89,21 @@ def test_claude_codes_request_is_estimated_as_the_regex_counted_it() -> None:
     estimate = estimate_prompt_tokens(chat)
     assert by_regex > 15_000
     assert abs(estimate - by_regex) <= by_regex // 100
+
+
+def test_a_tool_list_seen_before_is_counted_from_its_hash_and_a_changed_one_anew() -> None:
+    import orjson
+
+    from workers.schedule import prompt_tokens
+
+    def chat(description: str) -> dict[str, object]:
+        return {"messages": [], "tools": [{"type": "function", "function": {"name": "t", "description": description}}]}
+
+    first, changed = chat("reads a file"), chat("reads a file, or writes it")
+    expected = estimate_prompt_tokens(first)  # counted tool by tool, no cache involved
+    prompt_tokens._tools_pieces_by_hash.clear()
+    assert estimate_prompt_tokens(first, tools_json=orjson.dumps(first["tools"])) == expected
+    assert len(prompt_tokens._tools_pieces_by_hash) == 1
+    assert estimate_prompt_tokens(first, tools_json=orjson.dumps(first["tools"])) == expected  # from the cache
+    assert estimate_prompt_tokens(changed, tools_json=orjson.dumps(changed["tools"])) == estimate_prompt_tokens(changed) == expected + 4
+    assert len(prompt_tokens._tools_pieces_by_hash) == 2

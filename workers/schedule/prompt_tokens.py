@@ -16,6 +16,9 @@ counts it, while a non-ASCII symbol or space joins the words beside it ("a—b" 
 three): the count differs from the regex's by at most 2 per non-ASCII character. Tools are
 counted over their JSON, as chat templates render them (over Claude Code's 23 tools, 0.8 % more
 pieces than their Python repr, counted before: JSON escapes `"` in strings where repr had `'`).
+
+A client sends the same tools every turn (Claude Code: 24 tools, 64 KB of JSON, ~210 µs to count),
+so their count is kept by a 128-bit hash of their JSON (~5 µs over those 64 KB).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import re
 from typing import Any
 
 import orjson
+from xxhash import xxh3_128_intdigest
 
 from workers.wire import client
 from workers.exceptions import WorkerError
@@ -47,6 +51,9 @@ _CLASS = bytes.maketrans(bytes(range(256)), bytes(ord("a") if b in _WORD else or
 _PER_MESSAGE = 4
 # An image costs a roughly fixed number of tokens in vision models.
 _PER_IMAGE = 256
+# Tool lists whose pieces are kept (by their JSON's hash); emptied when full.
+_TOOLS_CACHED = 256
+_tools_pieces_by_hash: dict[int, int] = {}
 
 
 async def count_prompt_tokens(pool: PoolInfo, chat: dict[str, Any]) -> int:
@@ -84,7 +91,7 @@ def estimate_prompt_tokens(chat: dict[str, Any], *, tools_json: bytes | None = N
     if tools and tools_json is not None:
         # The list's brackets and commas are a piece each, and never join a tool's own pieces
         # (every element follows one of them): the tools' pieces are the list's less n + 1.
-        total += _pieces(tools_json) - len(tools) - 1
+        total += _tools_pieces(tools_json) - len(tools) - 1
     else:
         for tool in tools:
             total += _pieces(_tool_json(tool))
@@ -95,6 +102,17 @@ def _text_tokens(text: str) -> int:
     # surrogatepass: a lone surrogate (possible in a str built outside the JSON parser) is counted
     # as the non-ASCII character it is rather than failing the request.
     return _pieces(text.encode("utf-8", "surrogatepass"))
+
+
+def _tools_pieces(tools_json: bytes) -> int:
+    key = xxh3_128_intdigest(tools_json)
+    pieces = _tools_pieces_by_hash.get(key)
+    if pieces is None:
+        pieces = _pieces(tools_json)
+        if len(_tools_pieces_by_hash) >= _TOOLS_CACHED:
+            _tools_pieces_by_hash.clear()
+        _tools_pieces_by_hash[key] = pieces
+    return pieces
 
 
 def _pieces(data: bytes) -> int:
