@@ -35,11 +35,14 @@ _large_bodies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="large-bodi
 
 
 def parse_json(body: bytes) -> Any:
-    objects = body.count(b'{"')
-    if objects > settings.MESSAGES_MAX_JSON_OBJECTS:
+    limit = settings.MESSAGES_MAX_JSON_OBJECTS
+    # Each object opens with the two bytes `{"`: a body of at most 2 × limit bytes cannot hold too
+    # many, and is not searched (a Claude Code turn, 80-190 KB: 30-140 µs of the request's CPU).
+    objects = body.count(b'{"') if len(body) > 2 * limit else 0
+    if objects > limit:
         raise AnthropicError(
             413,
-            f"The request body holds {objects:,} JSON objects; the limit is {settings.MESSAGES_MAX_JSON_OBJECTS:,}",
+            f"The request body holds {objects:,} JSON objects; the limit is {limit:,}",
             "request_too_large",
         )
     try:
