@@ -214,8 +214,10 @@ class ChatRun:
         if task is not None and not task.done():
             task.cancel()
         if task is not None:
-            # Let the child finish its own cleanup; a shutdown arriving meanwhile still wins.
-            await asyncio.wait({task})
+            if not task.done():
+                # Let the child finish its own cleanup; a shutdown arriving meanwhile still wins.
+                # (Only then: waiting on a finished task still costs a future and a loop turn.)
+                await asyncio.wait({task})
             if not task.cancelled():
                 task.exception()  # retrieved here so asyncio does not log it as never retrieved
         generation_open = self._generation_open
