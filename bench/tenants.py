@@ -117,6 +117,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--noisy-concurrency", type=int, help="the noisy key's concurrency limit in `limited` and `redis` (default: one share)")
     parser.add_argument("--noisy-rpm", type=int, default=1200, help="the noisy key's requests per minute in `redis`")
     parser.add_argument("--batch-concurrency", type=int, help="the batch key's clients (default: one share)")
+    parser.add_argument("--headroom", type=float, help="the gateways' ADMISSION_HEADROOM (default: theirs, 0.125)")
     parser.add_argument("--queue-timeout", type=float, help="the gateways' ADMISSION_QUEUE_TIMEOUT_S (default 5; --quick 3)")
     parser.add_argument("--fair-outstanding", type=float, default=1.5,
                         help="in `fair`, each equal key keeps this many × C / equal keys requests outstanding")
@@ -333,6 +334,8 @@ def configure(stack: h.Stack, capacity: int | None, concurrency: int | None = No
 
 def gateway_settings(args: argparse.Namespace, redis: Redis | None = None, prefix: str = "") -> dict[str, Any]:
     settings: dict[str, Any] = {"ADMISSION_QUEUE_TIMEOUT_S": args.queue_timeout, "REDIS_URL": ""}
+    if args.headroom is not None:
+        settings["ADMISSION_HEADROOM"] = args.headroom
     if redis is not None:
         settings |= {"REDIS_URL": redis.url, "REDIS_KEY_PREFIX": prefix, "REDIS_RETRY_S": 2}
     return settings

@@ -144,6 +144,20 @@ async def test_a_key_under_its_share_takes_any_free_slot() -> None:
 
 
 @override_settings(**SETTINGS)
+async def test_only_the_largest_holder_gives_way() -> None:
+    pool = Pool()
+    now = asyncio.get_running_loop().time()
+    for flow in ("quiet", "flood"):
+        activity.asked(pool.resource, Ticket(flow), now)
+    for _ in range(5):
+        activity.took(pool.resource, "quiet")  # over its share of 4 for a moment (a burst)
+    for _ in range(6):
+        activity.took(pool.resource, "flood")
+    assert slots_to_keep(pool.resource, Ticket("quiet"), 8, now) == 0  # the flood holds more
+    assert slots_to_keep(pool.resource, Ticket("flood"), 8, now) == 2
+
+
+@override_settings(**SETTINGS)
 async def test_a_lower_class_leaves_the_headroom_to_a_higher_one() -> None:
     pool = Pool()
     await pool.take("interactive", Priority.INTERACTIVE)  # active, holding one slot
