@@ -14,7 +14,7 @@ outage therefore loosens limits to per-process ones; it never fails a request.
 
 Each event loop has one pipelined connection (`redis_pipe.RedisPipe`): every script of the loop's
 requests shares it, and those given in the same turn of the loop leave in one write. redis-py's
-pool cost ~100 µs of CPU per call here, the connection ~15 (bench/shared_state_cpu.py).
+pooled client cost ~96 µs of CPU per script awaited here, this ~30 (bench/shared_state_cpu.py).
 """
 
 from __future__ import annotations
