@@ -42,7 +42,7 @@ class RedisPipe(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._reader = hiredis.Reader()
-        # The future or callback of each command written, in the order written.
+        # The future or callback of each command given (waiting to leave or sent), in order.
         self._pending: deque[asyncio.Future[Any] | OnReply] = deque()
         # Commands written and replies read since the connection opened, and (commands written,
         # when) per write: a reply is late `timeout` after its command left, not after it was given.

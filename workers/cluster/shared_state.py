@@ -48,7 +48,7 @@ class Script:
 
     def __init__(self, source: str) -> None:
         self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
 
 class SharedState:
@@ -60,7 +60,7 @@ class SharedState:
         self._connecting: dict[asyncio.AbstractEventLoop, asyncio.Task[RedisPipe]] = {}
         self._down_until = 0.0
         self._up = False
-        # Background calls that had to wait for room on the connection (`spawn`).
+        # Background calls that could not be written at once (no connection yet, or no room).
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
