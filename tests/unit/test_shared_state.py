@@ -149,11 +149,15 @@ async def test_a_full_connection_holds_background_calls_in_tasks() -> None:
             assert len(shared._background) == 2  # one fitted, two wait for room
             await asyncio.sleep(0.01)
             assert len(held) == 2
-            while not first.done() or shared._background:
+            for _ in range(100):
+                if first.done() and not shared._background:
+                    break
                 server.writers[0].write(b"".join(encode(c[-1]) for c in held))
                 held.clear()
                 await asyncio.sleep(0.01)
             assert first.result() == b"1"
+            assert not shared._background
+            assert [c[-1] for c in server.commands] == [b"1", b"bg0", b"bg1", b"bg2"]
             await shared.aclose()
 
 
