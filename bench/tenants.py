@@ -48,7 +48,9 @@ Phases (`--phases`, in this order; a fresh gateway for each):
                free port), the `limited` configuration plus `--noisy-rpm` requests per minute on
                the noisy key, clients spread over both gateways; Redis shut down half-way
 
-In each flood phase the noisy and batch keys start first and the window opens `--warmup` s later;
+In each flood phase the noisy and batch keys start first and the window opens `--warmup` s later
+(the equal keys arrive from the start too, unmeasured until the window: `--no-equal-warm` keeps
+them out of the warm-up, and the flood then has the pool to itself until they come);
 the figures are the requests sent in the window (`--window` s), and the flood goes on until the
 last of them is answered. Per key: requests sent, completed, 429, 529 (a status, by message: a
 queue timeout, or "Overloaded" shed for event-loop lag; "529 in stream" if a stream's wait
@@ -117,6 +119,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--noisy-concurrency", type=int, help="the noisy key's concurrency limit in `limited` and `redis` (default: one share)")
     parser.add_argument("--noisy-rpm", type=int, default=1200, help="the noisy key's requests per minute in `redis`")
     parser.add_argument("--batch-concurrency", type=int, help="the batch key's clients (default: one share)")
+    parser.add_argument("--equal-warm", action=argparse.BooleanOptionalAction, default=True,
+                        help="the equal keys arrive during the flood's warm-up too (default), so they are active when the window opens")
     parser.add_argument("--headroom", type=float, help="the gateways' ADMISSION_HEADROOM (default: theirs, 0.125)")
     parser.add_argument("--queue-timeout", type=float, help="the gateways' ADMISSION_QUEUE_TIMEOUT_S (default 5; --quick 3)")
     parser.add_argument("--fair-outstanding", type=float, default=1.5,
@@ -478,18 +482,24 @@ class Load:
                 body = equal_body(name, args, stream=True)
                 wires = {p: self.wire(name, p, body) for p in self.ports}
                 flood += [loop.create_task(self.closed_loop(name, i, wires, True)) for i in range(args.fair_clients)]
-        if flood:
-            await asyncio.sleep(self.warmup)
-        await self._mark("window")
-        self.window_start = time.perf_counter()
-        self.window_end = self.window_start + self.window
         pools = Pools(self.ports)
         arrivals: list[asyncio.Task[None]] = []
+        started = time.perf_counter()
+        self.window_start = started + (self.warmup if flood else 0.0)
+        self.window_end = self.window_start + self.window
+        # With --equal-warm the equal keys arrive from the start, so they are working (active)
+        # when the window opens: a flood joining a team at work. Without, the flood has the pool
+        # to itself during the warm-up, and each equal key's first request waits for a release.
+        opening = started if (flood and args.equal_warm and not self.equal_closed) else self.window_start
+        arriving = None if self.equal_closed else loop.create_task(self.open_loop(pools, arrivals, opening))
+        if flood:
+            await asyncio.sleep(max(0.0, self.window_start - time.perf_counter()))
+        await self._mark("window")
         half = loop.create_task(self._half()) if self.on_window_half else None
-        if self.equal_closed:
+        if arriving is None:
             await asyncio.sleep(self.window)
         else:
-            await self.open_loop(pools, arrivals)
+            await arriving
         await self._mark("drain")
         # Every answer to a request of the window, the flood going on meanwhile.
         if arrivals:
@@ -520,7 +530,7 @@ class Load:
         await asyncio.sleep(max(0.0, self.window_start + self.window / 2 - time.perf_counter()))
         await asyncio.get_running_loop().run_in_executor(None, self.on_window_half)
 
-    async def open_loop(self, pools: Pools, tasks: list[asyncio.Task[None]]) -> None:
+    async def open_loop(self, pools: Pools, tasks: list[asyncio.Task[None]], opening: float) -> None:
         """Poisson arrivals at the equal keys' total rate, dealt to the keys in turn: in aggregate
         the arrivals of independent keys, and each key offers the same load (Jain's index then
         measures what they got, not the luck of their draws)."""
@@ -528,7 +538,7 @@ class Load:
         rate = self.args.equal_rate * n
         rng = random.Random(self.args.seed)
         wires = {(name, p): self.wire(name, p, equal_body(name, self.args, stream=True)) for name in self.equal for p in self.ports}
-        at = self.window_start + rng.expovariate(rate)
+        at = opening + rng.expovariate(rate)
         i = 0
         loop = asyncio.get_running_loop()
         while at < self.window_end:
@@ -542,7 +552,8 @@ class Load:
             at += rng.expovariate(rate)
 
     async def one(self, name: str, port: int, wire: bytes, pools: Pools) -> None:
-        rec = Rec(name, time.perf_counter(), True, gateway=self.ports.index(port))
+        now = time.perf_counter()
+        rec = Rec(name, now, now >= self.window_start, gateway=self.ports.index(port))
         self.recs.append(rec)
         try:
             conn = await pools.get(port)
