@@ -1,5 +1,5 @@
 """System checks of the registered cluster: every pool's protocol exists and can run its schedule
-(and its conditional disaggregation, where it sets one).
+(and its conditional disaggregation, where it sets one); and settings that no longer do anything.
 
 Pools live in the database, so this check reads it; before `migrate` (no table yet) or without a
 reachable database there is nothing to check and it says nothing.
@@ -7,9 +7,10 @@ reachable database there is nothing to check and it says nothing.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from django.core.checks import CheckMessage, Error
+from django.core.checks import CheckMessage, Error, Warning
 from django.db import DatabaseError
 
 from workers import protocols
@@ -37,3 +38,19 @@ def check_pool_protocols(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
                 )
             )
     return errors
+
+
+# Environment settings that once had an effect, with what replaced them.
+RETIRED_SETTINGS = {
+    "REDIS_MAX_CONNECTIONS": "the shared state now talks to Redis over one pipelined connection per "
+    "event loop (workers/cluster/redis_pipe.py); REDIS_MAX_IN_FLIGHT bounds the scripts in flight on it",
+}
+
+
+def check_retired_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """An operator who still sets a retired variable is told, rather than left believing it works."""
+    return [
+        Warning(f"{name} is set but no longer has any effect", hint=instead, id="workers.W001")
+        for name, instead in RETIRED_SETTINGS.items()
+        if name in os.environ
+    ]
