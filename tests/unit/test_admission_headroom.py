@@ -147,14 +147,26 @@ async def test_a_key_under_its_share_takes_any_free_slot() -> None:
 async def test_only_the_largest_holder_gives_way() -> None:
     pool = Pool()
     now = asyncio.get_running_loop().time()
-    for flow in ("quiet", "flood"):
+    for flow in ("quiet", "flood", "idle"):
         activity.asked(pool.resource, Ticket(flow), now)
     for _ in range(5):
         activity.took(pool.resource, "quiet")  # over its share of 4 for a moment (a burst)
     for _ in range(6):
         activity.took(pool.resource, "flood")
-    assert slots_to_keep(pool.resource, Ticket("quiet"), 8, now) == 0  # the flood holds more
-    assert slots_to_keep(pool.resource, Ticket("flood"), 8, now) == 2
+    assert slots_to_keep(pool.resource, Ticket("quiet"), 12, now) == 0  # the flood holds more
+    # The flood leaves the idle key's unused share (4), capped at the headroom (25 % of 12).
+    assert slots_to_keep(pool.resource, Ticket("flood"), 12, now) == 3
+
+
+@override_settings(**SETTINGS)
+async def test_keys_using_their_whole_share_leave_nothing_to_keep() -> None:
+    pool = Pool()
+    now = asyncio.get_running_loop().time()
+    for flow in ("a", "b"):
+        activity.asked(pool.resource, Ticket(flow), now)
+        for _ in range(4):
+            activity.took(pool.resource, flow)
+    assert slots_to_keep(pool.resource, Ticket("b"), 8, now) == 0  # a claims its whole share: nothing idles for it
 
 
 @override_settings(**SETTINGS)

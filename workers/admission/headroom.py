@@ -7,8 +7,9 @@ token tracks the flood's request length, not its own. (bench/tenants.py measured
 solo p99 for keys at their fair share while one key flooded at 10 × the pool.)
 
 The rule, SGLang's model gateway's "reserved capacity" made per key: while several keys are
-active on a pool's role, a request must leave `floor(ADMISSION_HEADROOM × capacity)` slots free
-when
+active on a pool's role, a request must leave free the part of their fair shares (capacity ÷
+active keys) the other active keys are not using — at most `floor(ADMISSION_HEADROOM ×
+capacity)` slots — when
 
 - its key already holds its fair share of the pool (capacity ÷ active keys) and more than any
   other key holds there, or
@@ -20,11 +21,12 @@ flood: only the largest holder gives way. bench/tenants.py: keys at half a share
 p90 0.27–0.34 s with the share alone.)
 
 Everyone else — a key under its share, of the highest active class — may take any free slot.
-So a flood fills the pool only up to the headroom, and a quiet key's next request finds a slot
-at once instead of queueing behind the flood. A single active key is never held back, and the
-headroom rounds down (a pool of fewer than 1 / ADMISSION_HEADROOM slots keeps none), so small
-pools and lone tenants lose nothing; the price is up to `ADMISSION_HEADROOM` of a busy,
-multi-tenant pool left idle for arrivals.
+So a flood fills the pool only up to what the other keys may claim at once, and a quiet key's
+next request finds a slot instead of queueing behind the flood. Keys that use their whole share
+leave nothing to keep (the pool is then shared by the queue's order alone), a single active key
+is never held back, and the cap rounds down (a pool of fewer than 1 / ADMISSION_HEADROOM slots
+keeps none), so small pools and lone tenants lose nothing; the price is up to
+`ADMISSION_HEADROOM` of a busy multi-tenant pool left idle for arrivals.
 
 A key is *active* while it holds a slot here, waits for one, or asked for one in the last
 `ADMISSION_ACTIVE_FLOW_S`. Like the queue's order, this is each process's own view: holdings and
@@ -101,19 +103,21 @@ activity = Activity()
 
 def slots_to_keep(resource: Hashable, ticket: Ticket, capacity: int, now: float, waiting: Iterable[str] = ()) -> int:
     """How many of the resource's `capacity` slots the request must leave free (0: it may take
-    any free slot)."""
-    reserve = math.floor(settings.ADMISSION_HEADROOM * capacity)
-    if reserve <= 0:
+    any free slot): the part of their shares the other active keys are not using, up to the
+    headroom."""
+    most = math.floor(settings.ADMISSION_HEADROOM * capacity)
+    if most <= 0:
         return 0
     active = activity.active(resource, now, waiting)
     if len(active) < 2 or ticket.flow not in active:
         return 0
-    if any(priority < ticket.priority for flow, priority in active.items() if flow != ticket.flow):
-        return reserve
+    share = capacity / len(active)
+    outranked = any(priority < ticket.priority for flow, priority in active.items() if flow != ticket.flow)
     after = activity.held(resource, ticket.flow) + 1
-    if after > capacity / len(active) and after > activity.most_held_by_others(resource, ticket.flow):
-        return reserve
-    return 0
+    if not outranked and not (after > share and after > activity.most_held_by_others(resource, ticket.flow)):
+        return 0
+    unclaimed = sum(max(0.0, share - activity.held(resource, flow)) for flow in active if flow != ticket.flow)
+    return min(most, math.ceil(unclaimed - 1e-9))
 
 
 def free_slots(endpoints: Iterable[EndpointInfo], held_here: Iterable[int]) -> int:
