@@ -29,6 +29,8 @@ from typing import Any
 
 from twisted.web import http
 
+from messages_api.server.direct_write import DirectWriteServer
+
 BodyWriter = Callable[[bytes], None]
 
 
@@ -68,7 +70,17 @@ def body_writer(send: Any) -> BodyWriter | None:
             request.sentLength += len(body)
             request.channel.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
             return
-        write(request, body)  # the first frame (it writes the head), HTTP/1.0, the rare rest
+        # The first frame (it writes the head), HTTP/1.0, the rare rest; the head and the frame
+        # in one send (messages_api/server/direct_write.py).
+        transport = request.channel.transport
+        if not isinstance(transport, DirectWriteServer):
+            write(request, body)
+            return
+        transport.hold()
+        try:
+            write(request, body)
+        finally:
+            transport.release()
 
     return write_body
 

@@ -8,12 +8,12 @@ the socket's buffer is almost always empty. `DirectWriteServer` sends at once wh
 transport's own queue is empty, and falls back to Twisted's queue for whatever the kernel did not
 take (a slow client) or when anything is already queued (so bytes never overtake each other).
 
-What comes through `writeSequence` is held until the next `write` or the end of the loop's current
-callback, whichever is first, and goes out with it in one send: Twisted writes a response's head
-(`HTTPChannel.writeHeaders`) and the chunks `Request.write` frames that way, then the body or the
-last chunk's terminator with `write`. A small answer was two or three sends (head, body, `0\r\n\r\n`),
-each a TCP segment the client wakes up for; now it is one. The per-token frames of a stream
-(`write`, messages_api/server/body_writer.py) are never held.
+While daphne answers one ASGI message (`GuardedRequest.handle_reply`, messages_api/server/http_guard.py)
+the connection is held (`hold()`/`release()`): what that message writes goes out in one send at
+its end. Twisted writes a response's head (`HTTPChannel.writeHeaders`), then the body or its first
+chunk, and `Request.finish` the last chunk's terminator, each on its own: a small answer was two
+or three sends (head, body, `0\r\n\r\n`), each a TCP segment the client wakes up for; now one. The
+per-token frames of a stream (messages_api/server/body_writer.py) are never held.
 
 Installed by `install()` (from `disagg_project.asgi`, under daphne) as the transport class of
 every accepted TCP connection (`tcp.Port.transport`). `GATEWAY_DIRECT_WRITES=0` turns it off. The
@@ -23,7 +23,6 @@ checks them).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 
 from twisted.internet import tcp
@@ -32,13 +31,15 @@ from twisted.internet import tcp
 class DirectWriteServer(tcp.Server):
     """An accepted TCP connection that writes through when its send queue is empty."""
 
-    #: Bytes from `writeSequence` not yet sent: they go first in the next send.
+    #: Between `hold()` and `release()`: writes gather in `_held` and go out together.
+    _holding = False
     _held = b""
 
     def write(self, data: bytes) -> None:
         # Runs once per relayed token: the checks and the send are inline, not calls.
-        if self._held:
-            data, self._held = self._held + data, b""
+        if self._holding:
+            self._held += data
+            return
         if (
             data
             and self.connected
@@ -62,28 +63,25 @@ class DirectWriteServer(tcp.Server):
         super().write(data)  # type: ignore[no-untyped-call]
 
     def writeSequence(self, iovec: Iterable[bytes]) -> None:
-        data = b"".join(iovec)
-        if self._held:
-            self._held += data
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not on the reactor's loop (tests): no callback to send it from
-            self.write(data)
-            return
-        self._held = data
-        loop.call_soon(self._send_held)
+        self.write(b"".join(iovec))
 
-    def _send_held(self) -> None:
+    def hold(self) -> None:
+        """Gather what is written from now until `release()`."""
+        self._holding = True
+
+    def release(self) -> None:
+        """Send what was gathered since `hold()`, in one piece; later writes go through at once."""
+        self._holding = False
         if self._held:
-            self.write(b"")
+            data, self._held = self._held, b""
+            self.write(data)
 
     def loseConnection(self) -> None:
-        self._send_held()
+        self.release()
         super().loseConnection()  # type: ignore[no-untyped-call]
 
     def loseWriteConnection(self) -> None:
-        self._send_held()
+        self.release()
         super().loseWriteConnection()  # type: ignore[no-untyped-call]
 
 

@@ -84,6 +84,7 @@ from messages_api.errors import error_body, error_type_for_status
 from messages_api.models import RequestStatus
 from messages_api.request_context import loggable
 from messages_api.server import header_gate
+from messages_api.server.direct_write import DirectWriteServer
 
 __all__ = ["GuardedChannel", "GuardedHTTPFactory", "GuardedRequest", "install", "refusal_bytes"]
 
@@ -324,6 +325,19 @@ class GuardedRequest(WebRequest):  # type: ignore[misc]  # daphne is untyped: We
         super().__init__(channel, *args, **kwargs)
         self.body_bytes = 0
         self.body_limit: int = settings.MESSAGES_MAX_BODY_BYTES  # the channel sets this request's own
+
+    def handle_reply(self, message: dict[str, Any]) -> None:
+        # What one message writes (a head and its first chunk, a last chunk and the terminator, a
+        # whole small answer) leaves in one send (messages_api/server/direct_write.py).
+        transport = self.channel.transport if self.channel is not None else None
+        if not isinstance(transport, DirectWriteServer):
+            super().handle_reply(message)
+            return
+        transport.hold()
+        try:
+            super().handle_reply(message)
+        finally:
+            transport.release()
 
     def handleContentChunk(self, data: bytes) -> None:
         self.body_bytes += len(data)

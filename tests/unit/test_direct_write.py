@@ -3,7 +3,6 @@ through Twisted's queue (in order) otherwise."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -120,7 +119,7 @@ def test_the_overridden_methods_are_the_ones_twisted_defines() -> None:
     assert "write" in vars(abstract.FileDescriptor) and "writeSequence" in vars(abstract.FileDescriptor)
 
 
-def test_a_head_and_its_body_go_out_in_one_send(pair: Any) -> None:
+def test_what_is_written_while_held_goes_out_in_one_send(pair: Any) -> None:
     transport, client, reactor = pair
     sends: list[bytes] = []
     real = transport.socket
@@ -135,26 +134,21 @@ def test_a_head_and_its_body_go_out_in_one_send(pair: Any) -> None:
             return getattr(real, name)
 
     transport.socket = Counting()
-
-    async def respond() -> None:
-        transport.writeSequence([b"HTTP/1.1 200 OK\r\n", b"\r\n"])  # HTTPChannel.writeHeaders
-        transport.writeSequence([b"5\r\n", b"hello", b"\r\n"])  # Request.write, chunked
-        transport.write(b"0\r\n\r\n")  # Request.finish
-        transport.writeSequence([b"held alone"])  # nothing follows: sent once the callback ends
-        assert len(sends) == 1
-        await asyncio.sleep(0)
-
-    asyncio.run(respond())
-    assert sends == [b"HTTP/1.1 200 OK\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"held alone"]
+    transport.hold()  # daphne answering one message (GuardedRequest.handle_reply)
+    transport.writeSequence([b"HTTP/1.1 200 OK\r\n", b"\r\n"])  # HTTPChannel.writeHeaders
+    transport.writeSequence([b"5\r\n", b"hello", b"\r\n"])  # Request.write, chunked
+    transport.write(b"0\r\n\r\n")  # Request.finish
+    assert sends == []
+    transport.release()
+    transport.write(b"after")  # not held: at once
+    assert sends == [b"HTTP/1.1 200 OK\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"after"]
     assert received(client, sum(map(len, sends))) == b"".join(sends)
 
 
 def test_held_bytes_go_out_before_the_connection_is_closed(pair: Any) -> None:
     transport, client, reactor = pair
-
-    async def respond() -> None:
-        transport.writeSequence([b"HTTP/1.1 200 OK\r\n\r\n"])
-        transport.loseConnection()
-
-    asyncio.run(respond())
+    transport.hold()
+    transport.writeSequence([b"HTTP/1.1 200 OK\r\n\r\n"])
+    transport.loseConnection()
+    transport.release()
     assert received(client, 19) == b"HTTP/1.1 200 OK\r\n\r\n"
