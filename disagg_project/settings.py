@@ -370,11 +370,14 @@ ADMISSION_RETRY_AFTER_S = min(59.0, env_float("ADMISSION_RETRY_AFTER_S", 5.0))
 # How often the head of a queue looks for a slot freed elsewhere (another process, a capacity
 # raised in the admin); slots freed in this process wake it at once.
 ADMISSION_POLL_INTERVAL_S = env_float("ADMISSION_POLL_INTERVAL_S", 0.05)
-# Headroom (workers/admission/headroom.py): while several keys use a capped pool, a key holding
-# its share of it (or of a lower class than another active key) must leave this fraction of the
-# pool's slots free, for the others' next requests (rounded down: 0 disables it). A key is active
-# while it holds or waits for a slot, and ADMISSION_ACTIVE_FLOW_S after it last asked.
-ADMISSION_HEADROOM = env_float("ADMISSION_HEADROOM", 0.125)
+# Headroom (workers/admission/headroom.py): while several keys use a capped pool, the largest
+# holder over its fair share (or a key of a lower class than another active one) must leave free
+# what the other active keys' shares leave unused, at most this fraction of the pool's slots
+# (rounded down: 0 disables it). A key is active while it holds or waits for a slot, and
+# ADMISSION_ACTIVE_FLOW_S after it last asked. bench/tenants.py (docs/tenancy.md): 0.25 keeps
+# well-behaved keys out of the queue behind a flood at p90; 0.5 at p99, for half the pool's
+# throughput to the flood.
+ADMISSION_HEADROOM = env_float("ADMISSION_HEADROOM", 0.25)
 ADMISSION_ACTIVE_FLOW_S = env_float("ADMISSION_ACTIVE_FLOW_S", 10.0)
 
 # How often each process re-reads pools and endpoints from the database.
