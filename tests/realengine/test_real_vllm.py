@@ -462,3 +462,41 @@ def test_forced_tool_choice_is_honoured_by_the_engine(gateway: Gateway, cluster:
         text = "".join(block.get("text", "") for block in content)
         assert text.startswith('<tool_call>{"name": "get_weather"'), text
 
+
+
+# --- per-key prefix caches ------------------------------------------------------------------------
+
+
+def engine_prefix_hits(engine: RealVllm) -> float:
+    """Prompt tokens vLLM served from its prefix cache so far (its own counter)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(engine.url + "/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:prefix_cache_hits_total"
+    )
+
+
+def test_keys_do_not_share_the_engines_prefix_cache(gateway: Gateway, transactional_db: Any, engine: RealVllm) -> None:
+    """The engine's own cache, not the gateway's report: under another key's cache_salt the same
+    prompt hits nothing of it; under the same key it hits the whole of it."""
+    from messages_api.auth import create_api_key
+
+    cluster = register_engine(engine, protocol="vllm")  # cache_scope: key, the default
+    wait_registered(gateway, cluster)  # type: ignore[arg-type]
+    _, other_key = create_api_key(f"real-vllm-other-{time.monotonic_ns()}")
+    # A prompt no earlier test sent (the engine is shared), long enough for many cache blocks.
+    words = " ".join(f"w{time.monotonic_ns() % 100_000}x{i}" for i in range(400))
+    payload = body(messages=[{"role": "user", "content": words}], max_tokens=1)
+    prompt_tokens = engine_count(engine, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": words}])
+    assert post(gateway, cluster, payload).status_code == 200
+    before = engine_prefix_hits(engine)
+    other = httpx.post(gateway.url + "/v1/messages", json=payload, headers={**cluster.headers(), "x-api-key": other_key}, timeout=120)
+    assert other.status_code == 200, other.text
+    assert post(gateway, cluster, payload).status_code == 200  # the first key again: a hit
+    wait_until(lambda: engine_prefix_hits(engine) - before >= 0.8 * prompt_tokens, message="the same key's prompt missed the engine's cache")
+    # Had the other key shared the cache, both requests would have hit (~2 × the prompt).
+    assert engine_prefix_hits(engine) - before < 1.5 * prompt_tokens
