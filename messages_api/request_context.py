@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextvars
 import logging
 
+from disagg_project import loggable
+
 current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
@@ -16,20 +18,5 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-# C0 and C1 control characters, DEL, and the Unicode line and paragraph separators: each would let
-# a client's text end a log line (and forge the next) or drive the reader's terminal (ANSI escapes).
-# Backslashes are doubled, so an escape in the log is never the client's own.
-_LOG_ESCAPES = {
-    **{code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))},
-    ord("\n"): "\\n",
-    ord("\r"): "\\r",
-    ord("\t"): "\\t",
-    ord("\\"): "\\\\",
-    0x2028: "\\u2028",
-    0x2029: "\\u2029",
-}
-
-
-def loggable(text: str) -> str:
-    """`text` (the client's: a model name, an error message quoting a request) safe in one log line."""
-    return text.translate(_LOG_ESCAPES)
+# Re-exported: the API's modules escape a client's text with it (the workers' code, a worker's).
+__all__ = ["RequestIdFilter", "current_request_id", "loggable"]

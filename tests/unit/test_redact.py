@@ -30,9 +30,16 @@ def test_the_audit_keeps_addresses_and_paths_and_masks_the_key() -> None:
     assert "sk-internal-123" not in text and "api_key=<redacted>" in text
 
 
-def test_the_log_keeps_the_raw_text_bounded() -> None:
-    assert log_text(PROBE) == PROBE
+def test_the_log_keeps_the_raw_text_bounded_on_one_line() -> None:
+    assert log_text(PROBE) == PROBE.replace("\n", "\\n")
     assert len(log_text("x" * 100_000)) == 4096
+
+
+def test_a_worker_cannot_forge_a_log_line_or_drive_the_terminal() -> None:
+    forged = "bad gateway\n2026-12-05 06:00:00,000 INFO messages_api.access [req_x] ok\x1b[2J\u2028"
+    line = log_text(forged)
+    assert "\n" not in line and "\x1b" not in line and "\u2028" not in line
+    assert line == "bad gateway\\n2026-12-05 06:00:00,000 INFO messages_api.access [req_x] ok\\x1b[2J\\u2028"
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from disagg_project import loggable
+
 CLIENT_LIMIT = 500
 AUDIT_LIMIT = 4000
 LOG_LIMIT = 4096
@@ -89,8 +91,9 @@ def audit_text(raw: str, limit: int = AUDIT_LIMIT) -> str:
 
 
 def log_text(raw: str, limit: int = LOG_LIMIT) -> str:
-    """The worker's raw error for the log, bounded."""
-    return _bounded(raw, limit)
+    """The worker's raw error for the log, bounded and on one line (a worker is untrusted: its
+    newlines would forge log lines, its escapes drive the reader's terminal)."""
+    return loggable(_bounded(raw, limit))
 
 
 def _last_exception_message(text: str) -> str:
