@@ -347,24 +347,27 @@ class WorkerEndpointAdmin(GuardedAdmin[WorkerEndpoint]):
 
     @admin.action(description="Drain: finish in-flight requests, take no new ones")
     def drain(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
-        for endpoint in queryset:  # save() per row so updated_at moves and every process reloads
-            endpoint.draining = True
-            endpoint.save(update_fields=["draining", "updated_at"])
+        self._apply(request, queryset, {"draining": True}, "Drained (admin action)")
         self.message_user(request, f"{len(queryset)} endpoint(s) draining: in-flight requests finish, no new ones arrive (within ~2 s).")
 
     @admin.action(description="Enable (and stop draining)")
     def enable(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
-        for endpoint in queryset:
-            endpoint.enabled, endpoint.draining = True, False
-            endpoint.save(update_fields=["enabled", "draining", "updated_at"])
+        self._apply(request, queryset, {"enabled": True, "draining": False}, "Enabled (admin action)")
         self.message_user(request, f"{len(queryset)} endpoint(s) enabled.")
 
     @admin.action(description="Disable")
     def disable(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint]) -> None:
-        for endpoint in queryset:
-            endpoint.enabled = False
-            endpoint.save(update_fields=["enabled", "updated_at"])
+        self._apply(request, queryset, {"enabled": False}, "Disabled (admin action)")
         self.message_user(request, f"{len(queryset)} endpoint(s) disabled: no new requests (within ~2 s).")
+
+    def _apply(self, request: HttpRequest, queryset: QuerySet[WorkerEndpoint], values: dict[str, bool], message: str) -> None:
+        """Set `values` on each endpoint and record who did it in the admin's history, as a change
+        through the form would be."""
+        for endpoint in queryset:  # save() per row so updated_at moves and every process reloads
+            for field_name, value in values.items():
+                setattr(endpoint, field_name, value)
+            endpoint.save(update_fields=[*values, "updated_at"])
+            self.log_change(request, endpoint, message)
 
 
 @admin.register(Reservation)

@@ -100,3 +100,17 @@ def test_an_api_key_changed_in_the_admin_is_in_its_history(root: Any) -> None:
     entry = LogEntry.objects.get(object_id=str(api_key.pk), content_type__model="apikey")
     assert entry.user == root and entry.action_flag == CHANGE
     assert "Active" in entry.get_change_message() and "Requests per minute" in entry.get_change_message()
+
+
+@pytest.mark.parametrize(("action", "message"), [("drain", "Drained"), ("disable", "Disabled"), ("enable", "Enabled")])
+def test_an_endpoint_action_is_in_the_endpoints_history(root: Any, action: str, message: str) -> None:
+    from workers.models import WorkerEndpoint, WorkerPool
+
+    pool = WorkerPool.objects.create(name=f"history-{action}", model="m")
+    endpoint = WorkerEndpoint.objects.create(pool=pool, role="generation", url="http://10.0.0.5:8001")
+    response = client_for(root).post(
+        f"{ADMIN}workers/workerendpoint/", {"action": action, "_selected_action": [str(endpoint.pk)]}
+    )
+    assert response.status_code == 302, response.content[:3000]
+    entry = LogEntry.objects.get(object_id=str(endpoint.pk), content_type__model="workerendpoint")
+    assert entry.user == root and entry.action_flag == CHANGE and message in entry.get_change_message()
