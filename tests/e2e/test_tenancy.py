@@ -208,7 +208,8 @@ def test_a_flood_leaves_headroom_for_another_keys_next_request(
     answer = httpx.post(gateway.url + "/v1/messages", json=body(cluster, "next [sim tokens=2]"), headers=quiet_headers, timeout=30)
     assert answer.status_code == 200, answer.text
     row = audit_row(answer.headers["request-id"])
-    assert row.status == "completed" and not row.queued_ms  # a slot at once, not after the flood's 2 s
+    # A slot at once (it may pass through the queue, first in its order), not after the flood's 2 s.
+    assert row.status == "completed" and (row.queued_ms or 0) < 500, row.queued_ms
     for stream in flood:
         assert [f.event for f in stream.read_all() if f.event != "ping"][-1] == "message_stop"
 
