@@ -105,6 +105,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--settle", type=float, default=3.0, help="seconds after a phase before its RSS 'after' is read")
     parser.add_argument("--no-solo-end", action="store_true", help="skip the closing solo window")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for the gateway (e.g. PYTHON_SWITCH_INTERVAL_S=0.0005); repeatable")
     parser.add_argument("--report", type=Path, help="print the tables and targets of a saved result file, run nothing")
     # The heavy key's child process (internal).
     parser.add_argument("--heavy-child", action="store_true", help=argparse.SUPPRESS)
@@ -609,7 +611,7 @@ def main() -> None:
         secrets_by_name = json.loads(out.strip().splitlines()[-1])
         keys = {n: secrets_by_name[n] for n in equal_names}
         heavy_key = secrets_by_name["heavy"]
-        gateway = stack.start_gateway({})  # ready: /ready 200, both (aggregated) pools routable
+        gateway = stack.start_gateway(dict(item.split("=", 1) for item in args.gateway_env))  # ready: /ready 200, both (aggregated) pools routable
         stack_pids = {"gateway": gateway.pid, "sim-equal": sim_equal.pid, "sim-heavy": sim_heavy.pid}
         print("checking that each largest body is accepted and one step over a cap refused ...", flush=True)
         results["checks"] = checks(gateway.port, heavy_key, limits, args.shapes, args.huge_text)

@@ -32,6 +32,13 @@ def _start_services_with_daphne() -> None:
     loop.call_soon(lambda: loop.create_task(_start()))
     from messages_api import install_loop_monitor, install_memory_return, install_state_dump
 
+    # A large body is parsed, validated and converted on a thread, which holds the GIL for up to
+    # the switch interval each time the loop thread wants it back (after every select, send and
+    # recv): at the default 5 ms a 20,000-block request kept /health waiting 0.6 s at p50
+    # (bench/large_requests.py). A shorter interval bounds each wait.
+    from django.conf import settings
+
+    sys.setswitchinterval(settings.PYTHON_SWITCH_INTERVAL_S)
     install_state_dump(loop)  # kill -USR1: thread and task stacks to the log
     install_loop_monitor(loop)  # new API requests are shed while the loop lags
     install_memory_return()  # large requests' memory goes back to the system
