@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 # Public name → its module.
 _HOMES = {
     "ChatRun": "workers.schedule.pipeline",
+    "RenderedChat": "workers.schedule.rendered_chat",
     "RunTrace": "workers.schedule.trace",
     "Traced": "workers.schedule.trace",
     "count_prompt_tokens": "workers.schedule.prompt_tokens",
@@ -61,6 +62,7 @@ _HOMES = {
 __all__ = [
     "AGGREGATED",
     "ChatRun",
+    "RenderedChat",
     "ContextLengthExceeded",
     "GATEWAY_INSTANCE",
     "GuardedAdmin",
@@ -109,6 +111,7 @@ if TYPE_CHECKING:
     from workers.protocols.base import AGGREGATED
     from workers.routing.router import candidates, choose_pool
     from workers.schedule.pipeline import ChatRun
+    from workers.schedule.rendered_chat import RenderedChat
     from workers.schedule.prompt_tokens import count_prompt_tokens
     from workers.schedule.trace import RunTrace, Traced
     from workers.wire.client import close_transport

@@ -90,6 +90,7 @@ class ChatRun:
         priority: Priority = Priority.STANDARD,
         size: int = 0,
         cache_salt: str | None = None,
+        rendered: RenderedChat | None = None,
     ) -> None:
         """`session` keeps a conversation on one generation endpoint (session affinity);
         `tenant` names the API key, so a worker failure that may follow this client's request
@@ -100,7 +101,8 @@ class ChatRun:
         whose `cache_scope` keeps keys apart salts the engines' caches and its prefix index with
         it, and relays no cache hit its engine cannot keep apart (`_hide_cached_tokens`).
         None in such a pool is a tenant of its own: the unsalted cache, which no salted request
-        reads."""
+        reads. `rendered` is `chat` already rendered (`RenderedChat.prepared`, e.g. off the event
+        loop for a large request)."""
         self.chat = chat
         self.pool = pool
         self.request_id = request_id
@@ -118,7 +120,8 @@ class ChatRun:
         self._hide_cache_hits = isolated
         # Released once every worker request is sent: a Claude Code prompt is 80-190 KB of JSON,
         # and a stream may last minutes after that.
-        self._rendered: RenderedChat | None = RenderedChat(chat)
+        self._rendered: RenderedChat | None = rendered if rendered is not None else RenderedChat(chat)
+        self._estimate = self._rendered.estimated_prompt_tokens() if rendered is not None else None
         self._trace = RunTrace(stage=Stage.RECEIVED)
         self._generation_url = ""
 
@@ -151,8 +154,10 @@ class ChatRun:
     def estimated_prompt_tokens(self) -> int:
         """The prompt's token count as estimated before any worker tokenized it (computed once:
         conditional disaggregation and the front door's message_start both use it)."""
+        if self._estimate is not None:
+            return self._estimate
         rendered = self._rendered
-        return estimate_prompt_tokens(self.chat, tools_json=rendered.tools if rendered is not None else None)
+        return rendered.estimated_prompt_tokens() if rendered is not None else estimate_prompt_tokens(self.chat)
 
     @property
     def trace(self) -> RunTrace:

@@ -22,7 +22,7 @@ import orjson
 class RenderedChat:
     """One chat request (the OpenAI chat body the converter made) with its prompt serialized."""
 
-    __slots__ = ("chat", "messages", "tools", "_fragments")
+    __slots__ = ("chat", "messages", "tools", "_fragments", "_estimate")
 
     def __init__(self, chat: Mapping[str, Any]) -> None:
         dumps = orjson.dumps
@@ -33,6 +33,23 @@ class RenderedChat:
         #: Each message as JSON, in order, as it goes to the workers.
         self.messages: list[bytes] = [dumps(message) for message in messages] if isinstance(messages, list) else []
         self._fragments: list[orjson.Fragment] | None = None
+        self._estimate: int | None = None
+
+    @classmethod
+    def prepared(cls, chat: Mapping[str, Any]) -> RenderedChat:
+        """Rendered with its prompt estimated: all of a request's CPU work before the workers
+        see it, done at once, so a large one can be done off the event loop (`messages_api.intake`)."""
+        rendered = cls(chat)
+        rendered.estimated_prompt_tokens()
+        return rendered
+
+    def estimated_prompt_tokens(self) -> int:
+        """The prompt's token count as estimated before any worker tokenized it (computed once)."""
+        if self._estimate is None:
+            from workers.schedule.prompt_tokens import estimate_prompt_tokens
+
+            self._estimate = estimate_prompt_tokens(self.chat, tools_json=self.tools)  # type: ignore[arg-type]
+        return self._estimate
 
     def dumps(self, body: Mapping[str, Any]) -> bytes:
         """`body` as JSON, as `orjson.dumps(body)` writes it; its tools and messages, where they
