@@ -107,3 +107,16 @@ def test_a_tool_list_seen_before_is_counted_from_its_hash_and_a_changed_one_anew
     assert estimate_prompt_tokens(first, tools_json=orjson.dumps(first["tools"])) == expected  # from the cache
     assert estimate_prompt_tokens(changed, tools_json=orjson.dumps(changed["tools"])) == estimate_prompt_tokens(changed) == expected + 4
     assert len(prompt_tokens._tools_pieces_by_hash) == 2
+
+
+@given(st.text(alphabet=st.sampled_from(list("ab c\n.é😀,\t-\\")), max_size=200), st.integers(min_value=1, max_value=17))
+def test_a_long_text_counted_in_slices_counts_as_in_one(text: str, slice_chars: int) -> None:
+    from workers.schedule import prompt_tokens
+
+    whole = prompt_tokens._pieces(text.encode("utf-8"))
+    original = prompt_tokens._TEXT_SLICE
+    prompt_tokens._TEXT_SLICE = slice_chars
+    try:
+        assert prompt_tokens._text_tokens(text) == whole
+    finally:
+        prompt_tokens._TEXT_SLICE = original

@@ -98,10 +98,26 @@ def estimate_prompt_tokens(chat: dict[str, Any], *, tools_json: bytes | None = N
     return total
 
 
+# Characters counted per step of a long text: each step's C calls (encode, translate, count)
+# hold the interpreter for a few milliseconds, not for the whole text (a 32 MiB text in one call
+# held it ~100 ms, from the large-bodies thread, while the event loop waited for it).
+_TEXT_SLICE = 1 << 20
+
+
 def _text_tokens(text: str) -> int:
     # surrogatepass: a lone surrogate (possible in a str built outside the JSON parser) is counted
     # as the non-ASCII character it is rather than failing the request.
-    return _pieces(text.encode("utf-8", "surrogatepass"))
+    if len(text) <= _TEXT_SLICE:
+        return _pieces(text.encode("utf-8", "surrogatepass"))
+    total, word_before = 0, False
+    for start in range(0, len(text), _TEXT_SLICE):
+        data = text[start : start + _TEXT_SLICE].encode("utf-8", "surrogatepass")
+        total += _pieces(data)
+        classes_first = data[:1].translate(_CLASS)
+        if word_before and classes_first == b"a":
+            total -= 1  # a word that runs on from the previous slice was counted as a new one
+        word_before = data[-1:].translate(_CLASS) == b"a"
+    return total
 
 
 def _tools_pieces(tools_json: bytes) -> int:
