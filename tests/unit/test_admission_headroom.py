@@ -211,3 +211,15 @@ async def test_a_held_back_wait_still_ends_in_a_refusal() -> None:
     with pytest.raises(AdmissionRefused):
         await asyncio.gather(*flood.tasks)
     flood.stop()
+
+
+@override_settings(**SETTINGS)
+async def test_a_lower_classs_unused_share_is_not_kept_from_a_higher_one() -> None:
+    pool = Pool()
+    now = asyncio.get_running_loop().time()
+    activity.asked(pool.resource, Ticket("standard"), now)
+    activity.asked(pool.resource, Ticket("batch", priority=Priority.BATCH), now)
+    for _ in range(4):
+        activity.took(pool.resource, "standard")  # at its share; the batch key holds nothing
+    assert slots_to_keep(pool.resource, Ticket("standard"), 8, now) == 0
+    assert slots_to_keep(pool.resource, Ticket("batch", priority=Priority.BATCH), 8, now) == 0  # nothing unused above it

@@ -116,7 +116,12 @@ def slots_to_keep(resource: Hashable, ticket: Ticket, capacity: int, now: float,
     after = activity.held(resource, ticket.flow) + 1
     if not outranked and not (after > share and after > activity.most_held_by_others(resource, ticket.flow)):
         return 0
-    unclaimed = sum(max(0.0, share - activity.held(resource, flow)) for flow in active if flow != ticket.flow)
+    # A lower class's unused share is not kept from a higher one (strict priority across classes).
+    unclaimed = sum(
+        max(0.0, share - activity.held(resource, flow))
+        for flow, priority in active.items()
+        if flow != ticket.flow and priority <= ticket.priority
+    )
     return min(most, math.ceil(unclaimed - 1e-9))
 
 
