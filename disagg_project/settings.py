@@ -297,6 +297,9 @@ MESSAGES_MAX_MESSAGES = env_int("MESSAGES_MAX_MESSAGES", 10_000)
 MESSAGES_MAX_CONTENT_BLOCKS = env_int("MESSAGES_MAX_CONTENT_BLOCKS", 20_000)
 MESSAGES_MAX_JSON_OBJECTS = env_int("MESSAGES_MAX_JSON_OBJECTS", 100_000)
 MESSAGES_OFFLOAD_BYTES = env_int("MESSAGES_OFFLOAD_BYTES", 512 * 1024)
+# ...and one of at least MESSAGES_ISOLATE_BYTES in a process of its own (0: never), where its
+# single C calls over one huge string do not hold this process's interpreter.
+MESSAGES_ISOLATE_BYTES = env_int("MESSAGES_ISOLATE_BYTES", 4 * 1024 * 1024)
 # New API requests are answered 529 while the event loop runs this late (seconds; 0: never):
 # the requests already running recover instead of everyone slowing down together.
 GATEWAY_SHED_LOOP_LAG_S = env_float("GATEWAY_SHED_LOOP_LAG_S", 0.5)

@@ -52,7 +52,7 @@ from messages_api.reframe import StreamReframer
 from messages_api.revocation import KeyRevoked, open_requests
 from messages_api.framing import PING_FRAME, encode_events
 from messages_api.limits import Usage, check_limits, refuse_early
-from workers import ChatRun, PoolInfo, Priority, RenderedChat, WorkerError, choose_pool, count_prompt_tokens, get_registry
+from workers import ChatRun, PoolInfo, Priority, WorkerError, choose_pool, count_prompt_tokens, get_registry
 
 if TYPE_CHECKING:
     from asgiref.typing import HTTPDisconnectEvent, HTTPRequestEvent
@@ -374,7 +374,7 @@ class MessagesConsumer(ApiConsumer):
         open_requests.add(principal.key_hash, self)  # revoking the key ends the request
         # A key this process already knows is over its limits is refused before its body is parsed.
         refuse_early(principal.key_hash, principal.limits)
-        request, chat = await intake.messages_request(body)
+        request, chat, rendered = await intake.messages_request(body)
         record.model = request["model"]
         record.stream = bool(request.get("stream"))
         pool = await pool_for_model(request["model"], principal, chat)
@@ -383,7 +383,7 @@ class MessagesConsumer(ApiConsumer):
         run = ChatRun(
             chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request),
             tenant=record.api_key_name, priority=Priority[principal.priority.upper()], size=len(body),
-            cache_salt=principal.cache_salt or None, rendered=await intake.off_loop(len(body), RenderedChat.prepared, chat),
+            cache_salt=principal.cache_salt or None, rendered=rendered,
         )
         # Over a limit: 429 before the request is accepted (its row is `rejected`).
         lease = await check_limits(principal.key_hash, principal.limits, Usage(run.estimated_prompt_tokens, request["max_tokens"]))

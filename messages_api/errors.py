@@ -76,6 +76,11 @@ class AnthropicError(Exception):
         self.retry_after = retry_after
         self.headers = headers
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (its attributes, not its constructor's arguments): a large body's
+        # validation runs in a process of its own and raises these across (messages_api.intake).
+        return (_rebuilt, (type(self), dict(self.__dict__)))
+
     def body(self, request_id: str | None = None) -> dict[str, Any]:
         return error_body(self.error_type, self.message, request_id)
 
@@ -178,3 +183,10 @@ def operator_detail(exc: BaseException, error: AnthropicError) -> str:
     if not isinstance(exc, (AnthropicError, WorkerError)):
         return f"{error.message} ({type(exc).__name__})"
     return error.message
+
+
+def _rebuilt(cls: type[AnthropicError], state: dict[str, Any]) -> AnthropicError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, state.get("message", ""))
+    error.__dict__.update(state)
+    return error

@@ -10,15 +10,26 @@ the raw body's objects are counted (`{"` cannot occur inside a JSON string, wher
 escaped), so a body of a million tiny content blocks is refused without building them; after
 parsing, validation bounds messages and content blocks exactly (`validation.check_counts`).
 
+A body of `MESSAGES_ISOLATE_BYTES` or more goes further: to a process of its own (one, started at
+the first such body). On a thread, each C call over one huge string — orjson's parse, the
+rendering of the message for the workers — holds the interpreter from start to end, ~0.5 s of
+`/health` waiting for a 32 MiB text (bench/large_requests.py); a process holds only its own. What
+comes back (the request, its chat and their rendering) is unpickled by the executor's thread in
+short copies. If that process dies, the next large body starts another, and this body is
+prepared on the thread instead.
+
 When a large request ends, the memory it took is given back (`server.memory.trim`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
 import orjson
 from django.conf import settings
@@ -27,12 +38,16 @@ from messages_api.convert import to_chat_request
 from messages_api.errors import AnthropicError, invalid_request
 from messages_api.server import memory
 from messages_api.validation import validate_count_tokens_request, validate_messages_request
+from workers import RenderedChat
+
+logger = logging.getLogger(__name__)
 
 Validator = Callable[[object], dict[str, Any]]
-T = TypeVar("T")
 
 # One thread: large bodies are handled one after another.
 _large_bodies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="large-bodies")
+# The process for the largest (started at the first one; replaced if it dies).
+_isolated: ProcessPoolExecutor | None = None
 
 
 def parse_json(body: bytes) -> Any:
@@ -64,19 +79,48 @@ async def _prepared(body: bytes, validate: Validator, max_tokens: int | None = N
     return await asyncio.get_running_loop().run_in_executor(_large_bodies, _prepare, body, validate, max_tokens)
 
 
-async def off_loop(body_size: int, work: Callable[..., T], *args: Any) -> T:
-    """`work(*args)` for a request of `body_size` bytes: in place for a small one, on the large
-    bodies' thread (after its parse) for a large one, whose every CPU-bound step before the
-    workers (rendering the worker requests' JSON, the prompt estimate) would otherwise hold the
-    loop: ~200 ms for a 32 MiB body (bench/large_requests.py)."""
-    if body_size < settings.MESSAGES_OFFLOAD_BYTES:
-        return work(*args)
-    return await asyncio.get_running_loop().run_in_executor(_large_bodies, work, *args)
+Prepared = tuple[dict[str, Any], dict[str, Any], RenderedChat]
 
 
-async def messages_request(body: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`POST /v1/messages`: the validated request and its chat request for the workers."""
-    return await _prepared(body, validate_messages_request)
+def _prepare_message(body: bytes) -> Prepared:
+    request, chat = _prepare(body, validate_messages_request, None)
+    return request, chat, RenderedChat.prepared(chat)
+
+
+def _prepare_message_isolated(body: bytes) -> Prepared:
+    """In the isolated process: the same work, and its memory given back before the next body."""
+    try:
+        return _prepare_message(body)
+    finally:
+        memory.trim()
+
+
+def _start_isolated() -> None:
+    import django
+
+    django.setup()
+
+
+async def messages_request(body: bytes) -> Prepared:
+    """`POST /v1/messages`: the validated request, its chat request for the workers, and that
+    chat rendered (with its prompt estimated)."""
+    size = len(body)
+    if size < settings.MESSAGES_OFFLOAD_BYTES:
+        return _prepare_message(body)
+    loop = asyncio.get_running_loop()
+    if 0 < settings.MESSAGES_ISOLATE_BYTES <= size:
+        global _isolated
+        if _isolated is None:
+            # spawn, not fork: daphne's threads may hold locks a forked child would inherit held.
+            _isolated = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_isolated
+            )
+        try:
+            return await loop.run_in_executor(_isolated, _prepare_message_isolated, body)
+        except BrokenProcessPool:
+            logger.error("the process that prepares large request bodies died; starting another")
+            _isolated = None
+    return await loop.run_in_executor(_large_bodies, _prepare_message, body)
 
 
 async def count_tokens_request(body: bytes) -> tuple[dict[str, Any], dict[str, Any]]:

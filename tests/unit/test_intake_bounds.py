@@ -5,6 +5,7 @@ threshold."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import orjson
@@ -30,8 +31,8 @@ async def thread_of(raw: bytes, monkeypatch: pytest.MonkeyPatch) -> str:
         return validate(parsed)
 
     monkeypatch.setattr(intake, "validate_messages_request", recording)
-    request, chat = await intake.messages_request(raw)
-    assert request["model"] == "m" and chat["messages"]
+    request, chat, rendered = await intake.messages_request(raw)
+    assert request["model"] == "m" and chat["messages"] and rendered.estimated_prompt_tokens() > 0
     return seen[0]
 
 
@@ -39,6 +40,34 @@ async def thread_of(raw: bytes, monkeypatch: pytest.MonkeyPatch) -> str:
 async def test_a_large_body_is_handled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (await thread_of(body(2), monkeypatch)) == threading.current_thread().name
     assert (await thread_of(body(20, "y" * 1000), monkeypatch)).startswith("large-bodies")
+
+
+@override_settings(MESSAGES_OFFLOAD_BYTES=10_000, MESSAGES_ISOLATE_BYTES=100_000)
+async def test_the_largest_bodies_are_prepared_in_a_process_of_their_own() -> None:
+    """Its answer is the thread's, errors come back as themselves, and a dead process is replaced
+    (that body prepared on the thread meanwhile)."""
+    raw = body(20, "z" * 10_000)
+    expected = intake._prepare_message(raw)
+    request, chat, rendered = await intake.messages_request(raw)
+    assert (request, chat) == expected[:2]
+    assert rendered.messages == expected[2].messages and rendered.estimated_prompt_tokens() == expected[2].estimated_prompt_tokens()
+    assert intake._isolated is not None
+    [child] = intake._isolated._processes.values()  # type: ignore[attr-defined]
+    assert child.pid != os.getpid()
+
+    bad = orjson.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "robot", "content": "x" * 200_000}]})
+    with pytest.raises(AnthropicError) as refused:
+        await intake.messages_request(bad)
+    assert refused.value.status == 400 and "messages.0.role" in refused.value.message
+
+    child.kill()
+    child.join()
+    request, _, _ = await intake.messages_request(raw)  # the broken pool: the thread answers
+    assert request == expected[0] and intake._isolated is None
+    await intake.messages_request(raw)  # and the next large body starts another process
+    assert intake._isolated is not None
+    intake._isolated.shutdown()
+    intake._isolated = None
 
 
 @override_settings(MESSAGES_MAX_JSON_OBJECTS=10)
