@@ -29,15 +29,9 @@ OTHERS = 20  # non-streamed, and rejected
 
 def objects_collected(gateway: Gateway) -> float:
     """What the gateway's cyclic garbage collector has freed so far, all generations."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from tests.support.prometheus import metric_total
 
-    text = httpx.get(gateway.url + "/metrics", timeout=10).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "python_gc_objects_collected_total"
-    )
+    return metric_total(httpx.get(gateway.url + "/metrics", timeout=10).text, "python_gc_objects_collected_total")
 
 
 @pytest.fixture

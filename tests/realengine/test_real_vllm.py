@@ -469,15 +469,9 @@ def test_forced_tool_choice_is_honoured_by_the_engine(gateway: Gateway, cluster:
 
 def engine_prefix_hits(engine: RealVllm) -> float:
     """Prompt tokens vLLM served from its prefix cache so far (its own counter)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from tests.support.prometheus import metric_total
 
-    text = httpx.get(engine.url + "/metrics", timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "vllm:prefix_cache_hits_total"
-    )
+    return metric_total(httpx.get(engine.url + "/metrics", timeout=30).text, "vllm:prefix_cache_hits_total")
 
 
 def test_keys_do_not_share_the_engines_prefix_cache(gateway: Gateway, transactional_db: Any, engine: RealVllm) -> None:
