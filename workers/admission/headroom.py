@@ -8,17 +8,17 @@ solo p99 for keys at their fair share while one key flooded at 10 × the pool.)
 
 The rule, SGLang's model gateway's "reserved capacity" made per key: while several keys are
 active on a pool's role, a request must leave free the part of their fair shares (capacity ÷
-active keys) the other active keys are not using — at most `floor(ADMISSION_HEADROOM ×
-capacity)` slots — when
+active keys) that the other active keys of its class or a higher one are not using — at most
+`floor(ADMISSION_HEADROOM × capacity)` slots — when
 
-- its key already holds its fair share of the pool (capacity ÷ active keys) and more than any
-  other key holds there, or
+- its key already holds its fair share of the pool and more than any other key holds there, or
 - a key of a higher class (interactive over standard over batch) is active.
 
-(The second condition keeps a well-behaved key whose arrivals bunched up for a moment — a
-Poisson stream at its fair share is over it a seventh of the time — from being treated like the
+("More than any other key" keeps a well-behaved key whose arrivals bunched up for a moment — a
+Poisson stream at half its share is over it a seventh of the time — from being treated like the
 flood: only the largest holder gives way. bench/tenants.py: keys at half a share each queued at
-p90 0.27–0.34 s with the share alone.)
+p90 0.27–0.34 s with the share alone. And a lower class's unused share is not kept from a higher
+class: strict priority across classes stands.)
 
 Everyone else — a key under its share, of the highest active class — may take any free slot.
 So a flood fills the pool only up to what the other keys may claim at once, and a quiet key's
