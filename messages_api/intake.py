@@ -112,6 +112,9 @@ async def messages_request(body: bytes) -> Prepared:
         global _isolated
         if _isolated is None:
             # spawn, not fork: daphne's threads may hold locks a forked child would inherit held.
+            # A spawned child imports the launcher's main module again unless it is a package's
+            # __main__ (`python -m daphne`); a launching script must guard its start with
+            # `if __name__ == "__main__"`, as manage.py and pip's `daphne` script do.
             _isolated = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_isolated
             )
