@@ -12,7 +12,6 @@ stream and as an SSE error frame after it), and through a real gateway to an Ant
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ import orjson
 import pytest
 
 from messages_api.errors import client_error
-from tests.support.cluster import Cluster, audit_row, wait_registered
+from tests.support.cluster import Cluster, audit_row, register_cluster, wait_registered
 from tests.support.gateway import Gateway
 from tests.support.rawclient import RawStream
 from tests.support.scripted import Request, ScriptedServer, answering, response
@@ -284,6 +283,9 @@ class ErrorWorker:
             return response(200, b"data: " + orjson.dumps(self.body) + b"\n\n", content_type="text/event-stream", headers=closing)
         return response(self.status, orjson.dumps(self.body), content_type="application/json", headers=closing)
 
+    def reset(self) -> None:
+        self.answer({})
+
     def answer(self, body: dict[str, Any], *, status: int = 400, frame: bool = False) -> None:
         # In a stream, vLLM and SGLang wrap their flat error object: {"error": {..., "code": 400}}.
         self.body = {"error": body} if frame and "error" not in body else body
@@ -346,14 +348,7 @@ MODEL = "overlength-model"
 def error_cluster(transactional_db: Any, patient_gateway: Gateway, context_worker: SimWorker, error_worker: ErrorWorker) -> Cluster:
     """A pool whose prompts all skip the context phase, so each request goes straight to the
     error worker as its generation endpoint."""
-    from messages_api.auth import create_api_key
-    from workers.models import WorkerEndpoint, WorkerPool
-
-    pool = WorkerPool.objects.create(name=f"pool-{MODEL}", model=MODEL, max_local_prefill_tokens=100_000)
-    WorkerEndpoint.objects.create(pool=pool, role="context", url=context_worker.url)
-    WorkerEndpoint.objects.create(pool=pool, role="generation", url=error_worker.url)
-    _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
-    cluster = Cluster(pool=pool, key=key, model=MODEL, context=context_worker, generation=error_worker)  # type: ignore[arg-type]
+    cluster = register_cluster(context_worker, error_worker, model=MODEL, max_local_prefill_tokens=100_000)
     wait_registered(patient_gateway, cluster)
     return cluster
 

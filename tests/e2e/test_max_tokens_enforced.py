@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from messages_api.reframe import CHARS_PER_TOKEN  # a piece counts a token per 16 characters at least
-from tests.support.cluster import Cluster, audit_row, reservations_closed, wait_registered, wait_until
+from tests.support.cluster import Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.support.fakeworker import HEALTH_ANSWER, chunk
 from tests.support.gateway import Gateway
 from tests.support.rawclient import RawStream
@@ -52,6 +51,10 @@ class FloodingWorker:
     @property
     def url(self) -> str:
         return self._server.url
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.hung_up = 0
 
     def __enter__(self) -> FloodingWorker:
         self._server.start_thread()
@@ -103,14 +106,7 @@ def flooding_worker() -> Iterator[FloodingWorker]:
 def register(gateway: Gateway, context: SimWorker, generation: FloodingWorker) -> Cluster:
     """A pool whose prompts all skip the context phase, so each request goes straight to the
     flooding generation worker."""
-    from messages_api.auth import create_api_key
-    from workers.models import WorkerEndpoint, WorkerPool
-
-    pool = WorkerPool.objects.create(name=f"pool-{MODEL}", model=MODEL, max_local_prefill_tokens=100_000)
-    WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url)
-    WorkerEndpoint.objects.create(pool=pool, role="generation", url=generation.url)
-    _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
-    cluster = Cluster(pool=pool, key=key, model=MODEL, context=context, generation=generation)  # type: ignore[arg-type]
+    cluster = register_cluster(context, generation, model=MODEL, max_local_prefill_tokens=100_000)
     wait_registered(gateway, cluster)
     return cluster
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -29,9 +29,20 @@ def sim_worker(role: str) -> Iterator[SimWorker]:
     worker.stop()
 
 
+class Worker(Protocol):
+    """What a pool needs of a test's worker: its address, and a fresh record for each test (a
+    sim worker, or a scripted one standing in for a misbehaving engine)."""
+
+    @property
+    def url(self) -> str: ...
+
+    def reset(self) -> None: ...
+
+
 @dataclass
 class Cluster:
-    """A registered pool of one sim context and one sim generation worker, and an API key."""
+    """A registered pool of one context and one generation worker (sim workers unless a test
+    brings its own), and an API key."""
 
     pool: Any
     key: str
@@ -44,8 +55,8 @@ class Cluster:
 
 
 def register_cluster(
-    context: SimWorker,
-    generation: SimWorker,
+    context: Worker,
+    generation: Worker,
     *,
     schedule_style: str = "context_first",
     max_local_prefill_tokens: int = 0,
@@ -73,7 +84,7 @@ def register_cluster(
     _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
     context.reset()
     generation.reset()
-    return Cluster(pool=pool, key=key, model=model, context=context, generation=generation)
+    return Cluster(pool=pool, key=key, model=model, context=context, generation=generation)  # type: ignore[arg-type]
 
 
 def wait_registered(gateway: Gateway, cluster: Cluster) -> None:

@@ -129,15 +129,21 @@ async def test_a_flood_leaves_the_headroom_to_an_active_key() -> None:
     flood.stop()
 
 
+def active_keys(pool: Pool, holdings: dict[str, int]) -> float:
+    """Each key active on the pool (it asked a moment ago) and holding so many slots; the time."""
+    now = asyncio.get_running_loop().time()
+    for flow, held in holdings.items():
+        activity.asked(pool.resource, Ticket(flow), now)
+        for _ in range(held):
+            activity.took(pool.resource, flow)
+    return now
+
+
 @override_settings(**SETTINGS)
 async def test_a_key_under_its_share_takes_any_free_slot() -> None:
     pool = Pool()
-    now = asyncio.get_running_loop().time()
-    for flow in ("a", "b"):
-        activity.asked(pool.resource, Ticket(flow), now)
     # Two active keys: a share is 4 slots; holding 3, a fourth is within it.
-    for _ in range(3):
-        activity.took(pool.resource, "a")
+    now = active_keys(pool, {"a": 3, "b": 0})
     assert slots_to_keep(pool.resource, Ticket("a"), 8, now) == 0
     activity.took(pool.resource, "a")
     assert slots_to_keep(pool.resource, Ticket("a"), 8, now) == 2
@@ -146,14 +152,9 @@ async def test_a_key_under_its_share_takes_any_free_slot() -> None:
 @override_settings(**SETTINGS)
 async def test_only_the_largest_holder_gives_way() -> None:
     pool = Pool()
-    now = asyncio.get_running_loop().time()
-    for flow in ("quiet", "flood", "idle"):
-        activity.asked(pool.resource, Ticket(flow), now)
-    for _ in range(5):
-        activity.took(pool.resource, "quiet")  # over its share of 4 for a moment (a burst)
-    for _ in range(6):
-        activity.took(pool.resource, "flood")
-    assert slots_to_keep(pool.resource, Ticket("quiet"), 12, now) == 0  # the flood holds more
+    # The quiet key is over its share of 4 for a moment (a burst); the flood holds more.
+    now = active_keys(pool, {"quiet": 5, "flood": 6, "idle": 0})
+    assert slots_to_keep(pool.resource, Ticket("quiet"), 12, now) == 0
     # The flood leaves the idle key's unused share (4), capped at the headroom (25 % of 12).
     assert slots_to_keep(pool.resource, Ticket("flood"), 12, now) == 3
 
@@ -161,11 +162,7 @@ async def test_only_the_largest_holder_gives_way() -> None:
 @override_settings(**SETTINGS)
 async def test_keys_using_their_whole_share_leave_nothing_to_keep() -> None:
     pool = Pool()
-    now = asyncio.get_running_loop().time()
-    for flow in ("a", "b"):
-        activity.asked(pool.resource, Ticket(flow), now)
-        for _ in range(4):
-            activity.took(pool.resource, flow)
+    now = active_keys(pool, {"a": 4, "b": 4})
     assert slots_to_keep(pool.resource, Ticket("b"), 8, now) == 0  # a claims its whole share: nothing idles for it
 
 

@@ -121,7 +121,6 @@ class ChatRun:
         # Released once every worker request is sent: a Claude Code prompt is 80-190 KB of JSON,
         # and a stream may last minutes after that.
         self._rendered: RenderedChat | None = rendered if rendered is not None else RenderedChat(chat)
-        self._estimate = self._rendered.estimated_prompt_tokens() if rendered is not None else None
         self._trace = RunTrace(stage=Stage.RECEIVED)
         self._generation_url = ""
 
@@ -154,8 +153,6 @@ class ChatRun:
     def estimated_prompt_tokens(self) -> int:
         """The prompt's token count as estimated before any worker tokenized it (computed once:
         conditional disaggregation and the front door's message_start both use it)."""
-        if self._estimate is not None:
-            return self._estimate
         rendered = self._rendered
         return rendered.estimated_prompt_tokens() if rendered is not None else estimate_prompt_tokens(self.chat)
 

@@ -46,6 +46,8 @@ class RenderedChat:
     def estimated_prompt_tokens(self) -> int:
         """The prompt's token count as estimated before any worker tokenized it (computed once)."""
         if self._estimate is None:
+            # Imported here: prompt_tokens loads the wire client and the cluster's state, which
+            # this leaf module (the router's and the prefix index's import) must not pull in.
             from workers.schedule.prompt_tokens import estimate_prompt_tokens
 
             self._estimate = estimate_prompt_tokens(self.chat, tools_json=self.tools)  # type: ignore[arg-type]
