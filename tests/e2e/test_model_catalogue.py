@@ -85,6 +85,12 @@ def two_pools(
     route("claude-sonnet-4-6", pool=[first.pool.name, second.name])
     wait_registered(gateway, first)
     wait_until(lambda: "spare" in httpx.get(gateway.url + "/ready", timeout=5).json()["pools"], message="second pool unseen")
+    # The route is a row of its own: a snapshot loaded between the pools and the route has both
+    # pools and no route yet (a request would get 404), so wait for the route too.
+    wait_until(
+        lambda: httpx.get(gateway.url + "/v1/models/claude-sonnet-4-6", headers=first.headers(), timeout=5).status_code == 200,
+        message="route unseen",
+    )
     return gateway, first, second
 
 
