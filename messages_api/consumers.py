@@ -29,6 +29,7 @@ from channels.generic.http import AsyncHttpConsumer
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from disagg_project import drop_tracebacks
 from messages_api import intake, metrics
 from messages_api.server import loop_lag
 from messages_api.accumulate import accumulate_message
@@ -246,7 +247,10 @@ class ApiConsumer(AsyncHttpConsumer):
                 self.record.end(RequestStatus.CANCELLED, http_status=self.sent_status or 499)
             raise
         except Exception as exc:
-            await self._answer_error(exc)
+            try:
+                await self._answer_error(exc)
+            finally:
+                drop_tracebacks(exc)  # answered and logged: the request's frames can go now
 
     # --- the error boundary ----------------------------------------------------------------------
 

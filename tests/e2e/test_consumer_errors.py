@@ -5,6 +5,8 @@ closes it, stops the heartbeat and writes one `failed` row. Real sim workers, re
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from typing import Any
 
 import orjson
@@ -16,6 +18,7 @@ from messages_api.consumers import MessagesConsumer
 from messages_api.reframe import StreamReframer
 from tests.support.cluster import Cluster, audit_row, consumer_scope, reservations_closed
 from workers.cluster.registry import get_registry
+from workers.schedule.pipeline import ChatRun
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -86,3 +89,40 @@ async def test_a_bug_mid_stream_ends_the_stream(
     rows = await sync_to_async(reservations_closed)(request_id)
     assert {r.stage: r.outcome for r in rows}["generation"] == "failure"
     await asyncio.to_thread(cluster.generation.wait_for, lambda s: s["active"] == 0)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_an_answered_error_frees_its_request_without_the_garbage_collector(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """An error's traceback keeps the frames it passed through, and they keep the request (its
+    parsed body, its run, its consumer): once answered, the request must be freed by reference
+    counting, not left in a cycle for the collector's next full pass (under a flood of refused
+    requests those cycles were most of the heap, and each full pass stalled the loop ~100 ms)."""
+    await get_registry().refresh()
+    runs: list[weakref.ref[ChatRun]] = []
+    chat_run_init = ChatRun.__init__
+
+    def tracked(self: ChatRun, *args: Any, **kwargs: Any) -> None:
+        chat_run_init(self, *args, **kwargs)
+        runs.append(weakref.ref(self))
+
+    monkeypatch.setattr(ChatRun, "__init__", tracked)
+    gc.collect()
+    gc.disable()
+    try:
+        communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), consumer_scope(cluster))
+        body = {"model": cluster.model, "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "x [sim gen_status=503]"}]}
+        await communicator.send_input({"type": "http.request", "body": orjson.dumps(body)})
+        status, headers, raw = await read_response(communicator)
+        assert (status, raw.count(b'"error"')) != (200, 0)  # an error answer, in either form
+        await communicator.wait(5)
+        del communicator
+        assert len(runs) == 1
+        for _ in range(50):  # the run's close and the writer's hand-off take a few loop turns
+            if runs[0]() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert runs[0]() is None, [type(r).__name__ for r in gc.get_referrers(runs[0]())]
+    finally:
+        gc.enable()

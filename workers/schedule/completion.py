@@ -59,7 +59,9 @@ class Completion(Generic[T]):
         try:
             result = await work
         except BaseException as exc:
-            self.set_exception(exc)
+            # A cancellation is kept bare (`result()` raises a fresh one anyway): the caught one's
+            # traceback holds this frame and the work's, a reference cycle through this completion.
+            self.set_exception(asyncio.CancelledError() if isinstance(exc, asyncio.CancelledError) else exc)
             raise
         self.set_result(result)
         return result

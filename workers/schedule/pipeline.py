@@ -182,7 +182,7 @@ class ChatRun:
 
     def start(self) -> None:
         """Run the pipeline up to an open generation stream, as a child task."""
-        if self._open_task is None:
+        if self._open_task is None and self._closing is None:
             self._open_task = self._settled.start(self._open(), name=f"chat-run-{self.request_id}")
 
     async def wait_settled(self, timeout: float | None) -> bool:
@@ -222,6 +222,10 @@ class ChatRun:
                 await asyncio.wait({task})
             if not task.cancelled():
                 task.exception()  # retrieved here so asyncio does not log it as never retrieved
+            # A failed task keeps its traceback, whose frames keep this run: without the task,
+            # the run and the request's body are freed when the request ends, not at the garbage
+            # collector's next full pass (disagg_project/tracebacks.py).
+            self._open_task = None
         generation_open = self._generation_open
         if generation_open is not None:
             self._generation_open = None
