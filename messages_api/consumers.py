@@ -236,21 +236,24 @@ class ApiConsumer(AsyncHttpConsumer):
                 if not deadline.expired():
                     raise  # someone else's timeout: a bug, answered as one
                 raise DeadlineExceeded(deadline_s) from exc
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if self._revoked and task is not None and task.uncancel() == 0:  # revoked, and the client is still here
                 await self._answer_error(KeyRevoked())
                 return
-            if self._send_queue is not None:
-                self._send_queue.close()  # the client is gone: nothing more is sent to it
             if self.record.begun:
                 self.record.end(RequestStatus.CANCELLED, http_status=self.sent_status or 499)
+            drop_tracebacks(exc)  # no one reads a cancellation's frames: they can go now
             raise
         except Exception as exc:
             try:
                 await self._answer_error(exc)
             finally:
                 drop_tracebacks(exc)  # answered and logged: the request's frames can go now
+        finally:
+            if self._send_queue is not None:
+                # The response is over (ended, failed, or its client gone): nothing more is sent.
+                self._send_queue.close()
 
     # --- the error boundary ----------------------------------------------------------------------
 

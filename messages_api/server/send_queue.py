@@ -22,6 +22,10 @@ from collections.abc import Awaitable, Callable
 LIMIT_BYTES = 64 * 1024
 
 
+async def _closed(body: bytes) -> None:
+    """`send` once the queue is closed: the response is over, nothing more goes out."""
+
+
 def _nothing() -> None:
     pass
 
@@ -66,11 +70,15 @@ class SendQueue:
             raise self._error
 
     def close(self) -> None:
-        """Drop what still waits (the response is over: its request ended, or was cancelled)."""
+        """Drop what still waits (the response is over: its request ended, or was cancelled),
+        and the callables it was given: they are the consumer's and the run's bound methods, and
+        holding them kept the request in a reference cycle after its end."""
         self._frames.clear()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
+        self._send = _closed
+        self._pause = self._resume = _nothing
 
     async def _send_all(self) -> None:
         try:

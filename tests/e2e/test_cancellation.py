@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import weakref
 from datetime import datetime, timezone
 from typing import Any
 
@@ -137,3 +139,42 @@ async def test_the_server_giving_up_during_the_cleanup_does_not_cut_it_short(
     assert outcomes["generation"] == "cancelled" and outcomes["context"] == ("cancelled" if phase == "context" else "success")
     row = await sync_to_async(audit_row)(request_id)
     assert row.status == "cancelled" and row.stage == phase
+
+
+@pytest.mark.parametrize("phase", ["context", "generation"])
+async def test_a_client_leaving_frees_its_request_without_the_garbage_collector(cluster: Cluster, phase: str) -> None:
+    """A cancellation's traceback keeps the frames it passed through and their locals (the run,
+    the consumer, the body): once the request is cleaned up they must be freed by reference
+    counting, not wait in a cycle for the collector's full pass (Claude Code cancels a request
+    whenever its user interrupts a turn)."""
+    await get_registry().refresh()
+    runs: list[weakref.ref[pipeline.ChatRun]] = []
+    original_init = pipeline.ChatRun.__init__
+
+    def tracked(self: pipeline.ChatRun, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        runs.append(weakref.ref(self))
+
+    directive = "[sim context_delay=30]" if phase == "context" else "[sim tokens=100000]"
+    body = {"model": cluster.model, "max_tokens": 100000, "stream": True, "messages": [{"role": "user", "content": f"x {directive}"}]}
+    worker = cluster.context if phase == "context" else cluster.generation
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(pipeline.ChatRun, "__init__", tracked)
+            communicator = ApplicationCommunicator(MessagesConsumer.as_asgi(), consumer_scope(cluster))
+            await communicator.send_input({"type": "http.request", "body": orjson.dumps(body)})
+            await asyncio.to_thread(worker.wait_for, lambda s: s["active"] == 1)
+            await communicator.send_input({"type": "http.disconnect"})
+            await communicator.wait(10)
+            del communicator
+        await asyncio.to_thread(worker.wait_for, lambda s: s["aborted"] == 1 and s["active"] == 0)
+        assert len(runs) == 1
+        for _ in range(100):
+            if runs[0]() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert runs[0]() is None
+    finally:
+        gc.enable()
