@@ -1,20 +1,18 @@
 """ASGI entry point: the API routes go to the Channels consumers, everything else to Django."""
 
 import asyncio
-import gc
 import os
 import socket
 import sys
 
 from django.core.asgi import get_asgi_application
-from prometheus_client import Gauge
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "disagg_project.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
-from disagg_project import login_guard  # noqa: E402
+from disagg_project import gc_tuning, login_guard  # noqa: E402
 from messages_api import http_application  # noqa: E402
 from workers import start_services  # noqa: E402
 
@@ -74,22 +72,7 @@ def _no_delay_on_listening_sockets(reactor: object) -> None:
 
 async def _start() -> None:
     start_services()
-    _freeze_startup_heap()
-
-
-def _freeze_startup_heap() -> None:
-    """Move everything loaded at start-up (Django, the app, their modules: ~80 MB of objects)
-    out of the garbage collector's reach. Every full collection used to walk all of it: a ~30 ms
-    stall of the event loop that landed in the middle of request bursts (bench/stream_start.py:
-    the last tenth of 200 simultaneous requests parsed 30 ms late, their status lines with them).
-    Objects made later are collected as usual."""
-    gc.collect()
-    gc.freeze()
-
-
-Gauge("gateway_gc_frozen_objects", "Objects loaded at start-up that the garbage collector no longer walks.").set_function(
-    gc.get_freeze_count
-)
+    gc_tuning.install()
 
 
 def _guard_http_intake() -> None:

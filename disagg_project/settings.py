@@ -386,6 +386,11 @@ ADMISSION_HEADROOM = env_float("ADMISSION_HEADROOM", 0.25)
 # bodies (disagg_project/asgi.py): bench/large_requests.py, 20,000-block bodies in a loop, /health
 # p99 111 ms at 0.005, 53 ms at 0.0005.
 PYTHON_SWITCH_INTERVAL_S = env_float("PYTHON_SWITCH_INTERVAL_S", 0.0005)
+# The garbage collector's thresholds (gc.set_threshold: allocations before a young pass, young
+# passes before a middle one, middle passes before a full one), as "a,b,c"; Python's are
+# 700,10,10. A full pass walks every live object made since start-up: under a flood that is the
+# requests waiting in the admission queue, 30-65 ms a pass (bench/results/2026-12-05-gc-cycles.md).
+GATEWAY_GC_THRESHOLDS = tuple(int(n) for n in os.environ.get("GATEWAY_GC_THRESHOLDS", "700,10,10").split(","))
 ADMISSION_ACTIVE_FLOW_S = env_float("ADMISSION_ACTIVE_FLOW_S", 10.0)
 
 # How often each process re-reads pools and endpoints from the database.

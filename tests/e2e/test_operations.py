@@ -263,6 +263,7 @@ def test_metrics_and_readiness(gateway: Gateway, make_cluster: Callable[..., Clu
         "gateway_context_phase_seconds_count",
         "gateway_open_streams",
         "gateway_open_reservations",
+        'gateway_gc_pause_seconds_count{generation="2"}',
     ):
         assert name in text, name
     # Every reservation of the request above was released once: none a second time.
