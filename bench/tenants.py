@@ -652,6 +652,10 @@ def gateway_metrics(gateways: list[h.GatewayProc]) -> dict[str, float]:
                     keys = [name]
                 elif name == "gateway_event_loop_lag_seconds":
                     keys = [f"{name} (gateway {i}, last probe)"]
+                elif name in ("gateway_gc_pause_seconds_count", "gateway_gc_pause_seconds_sum") and labels.get("generation") == "2":
+                    keys = [f"{name}{{generation=2}}"]  # full passes: each stops the loop while it walks the heap
+                elif name == "gateway_gc_pause_seconds_bucket" and labels.get("generation") == "2" and labels.get("le") == "0.025":
+                    keys = ["gateway_gc_pause_seconds{generation=2} <= 25 ms"]
                 else:
                     continue
                 for key in keys:
