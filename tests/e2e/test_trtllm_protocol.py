@@ -499,3 +499,21 @@ def _answers(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code < 500
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.parametrize("schedule_style", ["context_first"])
+def test_a_long_prompts_token_ids_reach_the_generation_worker_unchanged(gateway: Gateway, cluster: Cluster) -> None:
+    """Thousands of ids are relayed as the context worker wrote them (workers.wire.raw_ints),
+    never parsed into ints: the generation worker gets the same prompt, so the sim's answer (seeded
+    by the prompt's ids) is the one it gives the same chat sent whole."""
+    text = " ".join(f"w{i}" for i in range(3000)) + " [sim tokens=6]"
+    response = post(gateway, cluster, text)
+    assert response.status_code == 200, response.text
+    context_body = cluster.context.requests()[-1]
+    relayed = cluster.generation.requests()[-1]["prompt_token_ids"]
+    assert len(relayed) > 3000 and all(type(i) is int for i in relayed)
+    whole = {k: v for k, v in context_body.items() if k not in ("disaggregated_params", "stream_options")}
+    whole.update(stream=False)
+    direct = httpx.post(cluster.generation.url + "/v1/chat/completions", json=whole, timeout=30).json()
+    said = "".join(block["text"] for block in response.json()["content"] if block["type"] == "text")
+    assert said == direct["choices"][0]["message"]["content"]

@@ -150,6 +150,10 @@ class WorkerProtocol(ABC):
     #: prompts out of another's cache hits there, and reports no cache hit to a pool that keeps
     #: keys apart (`workers.schedule.pipeline`).
     cache_salt_field: ClassVar[str | None] = None
+    #: A field of the context answer holding a large array of ints the gateway only relays to the
+    #: generation worker (TensorRT-LLM's `prompt_token_ids`): read as its JSON text, never as
+    #: Python ints (`workers.wire.raw_ints`). None: the answer is parsed whole.
+    relayed_ints_field: ClassVar[str | None] = None
 
     def salted(self, body: dict[str, Any], call: Call) -> dict[str, Any]:
         """`body` with the call's cache salt in the engine's field (every leg of a request carries

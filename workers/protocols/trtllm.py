@@ -109,7 +109,8 @@ class ContextResult:
     """What the context phase handed over (a `Handoff`)."""
 
     disaggregated_params: dict[str, Any] | None
-    prompt_token_ids: list[int] | None
+    #: As the context worker sent them: a list, or their JSON text (`workers.wire.raw_ints`).
+    prompt_token_ids: list[int] | orjson.Fragment | None
     prompt_tokens: int | None
     # The context phase already produced the whole answer (EOS or max_tokens reached on the
     # first token): there is nothing for a generation worker to do.
@@ -227,7 +228,8 @@ def read_context_response(response: dict[str, Any]) -> ContextResult:
     if b64 is not None and not isinstance(b64, str):
         raise _bad_answer("has a prompt_token_ids_b64 that is not a string")
     ids = response.get("prompt_token_ids")
-    if ids is not None and not (isinstance(ids, list) and _all_ints(ids)):
+    # A Fragment was checked when it was read: a compact array of ints (workers.wire.raw_ints).
+    if ids is not None and not isinstance(ids, orjson.Fragment) and not (isinstance(ids, list) and _all_ints(ids)):
         raise _bad_answer("has a prompt_token_ids that is not a list of integers")
     return ContextResult(
         params, None if b64 is not None else ids, prompt_tokens, complete_response=None, prompt_token_ids_b64=b64, usage=usage
@@ -370,6 +372,7 @@ class TrtllmProtocol(WorkerProtocol):
     # its request models forbid unknown fields, so an older server refuses every salted request
     # (400): a pool of those must share its cache.
     cache_salt_field: ClassVar[str | None] = "cache_salt"
+    relayed_ints_field: ClassVar[str | None] = "prompt_token_ids"
 
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         if not needs_signature(body):

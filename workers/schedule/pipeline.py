@@ -362,6 +362,7 @@ class ChatRun:
                     stage=Stage.CONTEXT,
                     headers=self._headers(body),
                     wordings=protocols.error_wordings(),
+                    relayed_ints=protocol.relayed_ints_field,
                 )
             except WorkerError as exc:
                 self._report(reservation.endpoint.id, exc)

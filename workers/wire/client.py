@@ -34,6 +34,7 @@ from workers.exceptions import AnswerTooLarge
 from workers.wire.boundary import boundary
 from workers.wire.chat_stream import ChunkStream
 from workers.wire.error_reading import Wordings, worker_error
+from workers.wire.raw_ints import loads_keeping_ints
 from workers.wire.shapes import ShapeError, check_completion
 from workers.wire.transport import WorkerTransport
 
@@ -165,27 +166,44 @@ async def _fetch(
 
 
 async def post_json(
-    url: str, body: JsonBody, *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None, wordings: Wordings = ()
+    url: str,
+    body: JsonBody,
+    *,
+    stage: str,
+    timeout: float | None = None,
+    headers: Mapping[str, str] | None = None,
+    wordings: Wordings = (),
+    relayed_ints: str | None = None,
 ) -> dict[str, Any]:
     """POST a JSON body and return the JSON object answered, all within `timeout` (default
-    WORKER_REQUEST_TIMEOUT_S); anything else raises WorkerError. `headers` add to the JSON ones."""
+    WORKER_REQUEST_TIMEOUT_S); anything else raises WorkerError. `headers` add to the JSON ones.
+    A top-level `relayed_ints` field holding a large array of ints comes back as its JSON text
+    (an `orjson.Fragment`: workers.wire.raw_ints)."""
     sent = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
     content = await _fetch("POST", url, _encoded(body), sent, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage, wordings)
     with boundary(stage):
-        data = orjson.loads(content)
+        data = orjson.loads(content) if relayed_ints is None else loads_keeping_ints(content, relayed_ints)
         if not isinstance(data, dict):
             raise ShapeError("the answer", "is not an object")
     return data
 
 
 async def post_completion(
-    url: str, body: JsonBody, *, stage: str, timeout: float | None = None, headers: Mapping[str, str] | None = None, wordings: Wordings = ()
+    url: str,
+    body: JsonBody,
+    *,
+    stage: str,
+    timeout: float | None = None,
+    headers: Mapping[str, str] | None = None,
+    wordings: Wordings = (),
+    relayed_ints: str | None = None,
 ) -> dict[str, Any]:
     """POST a non-streamed chat request and return its chat completion, checked against the
     documented shape (workers.wire.shapes), all within `timeout` (default WORKER_CONTEXT_TIMEOUT_S);
-    an error answer is read with the engine's `wordings`."""
+    an error answer is read with the engine's `wordings`; `relayed_ints` as in `post_json`."""
     completion = await post_json(
-        url, body, stage=stage, timeout=timeout or settings.WORKER_CONTEXT_TIMEOUT_S, headers=headers, wordings=wordings
+        url, body, stage=stage, timeout=timeout or settings.WORKER_CONTEXT_TIMEOUT_S, headers=headers, wordings=wordings,
+        relayed_ints=relayed_ints,
     )
     with boundary(stage):
         return check_completion(completion)
