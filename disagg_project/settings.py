@@ -47,6 +47,17 @@ def env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
+def env_gc_thresholds(name: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Three non-negative ints, as "a,b,c" (gc.set_threshold's arguments)."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    parts = value.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ImproperlyConfigured(f"{name} must be three non-negative integers like 700,10,10 (got {value!r})")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
 DEBUG = env_bool("DEBUG", False)
 
 SECRET_KEY = os.environ.get("SECRET_KEY", "")
@@ -390,7 +401,7 @@ PYTHON_SWITCH_INTERVAL_S = env_float("PYTHON_SWITCH_INTERVAL_S", 0.0005)
 # passes before a middle one, middle passes before a full one), as "a,b,c"; Python's are
 # 700,10,10. A full pass walks every live object made since start-up: under a flood that is the
 # requests waiting in the admission queue, 30-65 ms a pass (bench/results/2026-12-05-gc-cycles.md).
-GATEWAY_GC_THRESHOLDS = tuple(int(n) for n in os.environ.get("GATEWAY_GC_THRESHOLDS", "700,10,10").split(","))
+GATEWAY_GC_THRESHOLDS = env_gc_thresholds("GATEWAY_GC_THRESHOLDS", (700, 10, 10))
 ADMISSION_ACTIVE_FLOW_S = env_float("ADMISSION_ACTIVE_FLOW_S", 10.0)
 
 # How often each process re-reads pools and endpoints from the database.

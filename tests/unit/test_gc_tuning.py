@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import pytest
+from django.core.exceptions import ImproperlyConfigured
 from prometheus_client import REGISTRY
 
 from disagg_project import gc_tuning
@@ -32,3 +34,16 @@ def test_the_thresholds_are_set_and_every_pass_is_timed_once(settings: Any) -> N
         gc.set_threshold(*thresholds)
         gc.callbacks.remove(gc_tuning._time_pass)
         gc.unfreeze()
+
+
+def test_the_thresholds_setting_is_three_non_negative_ints(monkeypatch: pytest.MonkeyPatch) -> None:
+    from disagg_project.settings import env_gc_thresholds
+
+    monkeypatch.delenv("GC_TEST", raising=False)
+    assert env_gc_thresholds("GC_TEST", (700, 10, 10)) == (700, 10, 10)
+    monkeypatch.setenv("GC_TEST", "1000, 10,20")
+    assert env_gc_thresholds("GC_TEST", (700, 10, 10)) == (1000, 10, 20)
+    for bad in ("1,2", "a,b,c", "-1,2,3", "1,2,3,4"):
+        monkeypatch.setenv("GC_TEST", bad)
+        with pytest.raises(ImproperlyConfigured, match="GC_TEST must be three non-negative integers"):
+            env_gc_thresholds("GC_TEST", (700, 10, 10))

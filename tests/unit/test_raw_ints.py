@@ -46,6 +46,9 @@ def test_a_context_answer_keeps_its_ids_as_text_and_writes_them_back_unchanged()
         {KEY: [*IDS, 10**19]},
         {KEY: [*IDS, "x"]},
         {KEY: IDS, "other": [KEY]},
+        # The placeholder's own value at the top, the array nested: not mistaken for each other.
+        {KEY: 0, "x": {KEY: IDS}},
+        {"x": {KEY: IDS}, KEY: 0},
     ],
 )
 def test_other_shapes_read_as_orjson_reads_them(body: dict[str, Any]) -> None:

@@ -55,9 +55,12 @@ def loads_keeping_ints(content: bytes, key: str) -> Any:
 
 
 def _array_span(content: bytes, key: bytes) -> tuple[int, int] | None:
-    """Where the array after the last `"key":` starts and ends, if one follows it."""
-    at = content.rfind(b'"' + key + b'"')
-    if at < 0:
+    """Where the array after `"key":` starts and ends, if the key is written once and an array
+    follows it. (Written twice, the placeholder could come back from another place than the one
+    cut out: `{"k": 0, "x": {"k": [...]}}`.)"""
+    quoted = b'"' + key + b'"'
+    at = content.find(quoted)
+    if at < 0 or content.find(quoted, at + 1) >= 0:
         return None
     i = at + len(key) + 2
     n = len(content)
