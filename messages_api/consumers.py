@@ -246,10 +246,7 @@ class ApiConsumer(AsyncHttpConsumer):
             drop_tracebacks(exc)  # no one reads a cancellation's frames: they can go now
             raise
         except Exception as exc:
-            try:
-                await self._answer_error(exc)
-            finally:
-                drop_tracebacks(exc)  # answered and logged: the request's frames can go now
+            await self._answer_error(exc)
         finally:
             if self._send_queue is not None:
                 # The response is over (ended, failed, or its client gone): nothing more is sent.
@@ -262,17 +259,25 @@ class ApiConsumer(AsyncHttpConsumer):
         whenever: an HTTP error before the response started, `send_late_error` after."""
         current_request_id.set(self.record.request_id)
         error = client_error(exc)
-        if error is not exc and not isinstance(exc, WorkerError):
+        unexpected = error is not exc and not isinstance(exc, WorkerError)
+        if unexpected:
             logger.error("unhandled error", exc_info=exc)
-        await self._record_error(exc, error)
         try:
-            if not self.response_started:
-                await self.send_error(error)
-            elif not self.response_finished:
-                await self.send_late_error(error)
-        except Exception:
-            # The client is gone, or the answer itself failed: the row is written either way.
-            logger.warning("could not send the error answer", exc_info=True)
+            await self._record_error(exc, error)
+            try:
+                if not self.response_started:
+                    await self.send_error(error)
+                elif not self.response_finished:
+                    await self.send_late_error(error)
+            except Exception:
+                # The client is gone, or the answer itself failed: the row is written either way.
+                logger.warning("could not send the error answer", exc_info=True)
+        finally:
+            if not unexpected:
+                # An expected error's frames are read by no one: dropped, the request is freed at
+                # once. A bug's stay with it: its log line is written on another thread, later,
+                # and prints the tracebacks of the errors chained to it.
+                drop_tracebacks(exc)
 
     async def _record_error(self, exc: Exception, error: AnthropicError) -> None:
         """End the audit row: `rejected` for the client's own fault before any worker was asked,
