@@ -266,7 +266,12 @@ def test_claude_code_print_mode(gateway: Gateway, cc_cluster: Cluster, tmp_path:
         message="no completed streamed audit row with the 8 tokens",
     )
     rows = [audit_row(row.request_id) for row in MessageRequest.objects.order_by("id")]
-    assert all(row.status == "completed" for row in rows), [(r.status, r.http_status, r.error_message) for r in rows]
+    described = [(r.status, r.http_status, r.error_type, r.finished_ms) for r in rows]
+    # Claude Code retries a stream on its own (a stale kept-alive connection, its stream
+    # watchdog): an attempt it abandoned ends `cancelled` (CI, once, under load: a cancelled
+    # attempt, then the completed one). Nothing may fail, and the last attempt completes.
+    assert all(row.status in ("completed", "cancelled") and not row.error_type for row in rows), described
+    assert rows[-1].status == "completed" and sum(row.status == "cancelled" for row in rows) <= 1, described
 
     # What the workers got for it: the attribution block dropped, the tools as OpenAI functions.
     context_requests = requests_with(cc_cluster.context, "Say hello [sim tokens=8]")
