@@ -11,6 +11,7 @@ import pytest
 from django.db import connection, models
 
 from messages_api.models import MessageRequest
+from workers import GATEWAY_INSTANCE
 from workers.models import Reservation
 from workers.cluster.writer import PASSED_THROUGH, SLICE_ROWS, RowWriter, _column_field, prepare_row
 
@@ -56,10 +57,13 @@ def test_a_value_of_another_type_or_a_field_subclass_is_prepared_by_django(db: A
 
 
 def reservation_row(reservation_id: str, outcome: str = "") -> dict[str, Any]:
-    """A reservation's columns, as the gateway hands them to the writer."""
+    """A reservation's columns, as the gateway hands them to the writer. Held by this (live)
+    process: an open row of an unknown instance, reserved long ago, is what a gateway left
+    running by an earlier test sweeps as abandoned (CI's PostgreSQL run: rows read back
+    `abandoned` between the flush and the read)."""
     return {
         "reservation_id": reservation_id, "request_id": f"req_{reservation_id}", "endpoint_id": 1,
-        "endpoint_url": "http://w", "pool_name": "p", "stage": "generation", "gateway_instance": "gw",
+        "endpoint_url": "http://w", "pool_name": "p", "stage": "generation", "gateway_instance": GATEWAY_INSTANCE,
         "reserved_at": NOW, "released_at": None, "outcome": outcome,
     }  # fmt: skip
 
