@@ -392,6 +392,10 @@ ADMISSION_POLL_INTERVAL_S = env_float("ADMISSION_POLL_INTERVAL_S", 0.05)
 # well-behaved keys out of the queue behind a flood at p90 (their p99 still waits 0.3-0.4 s for a
 # release); 0.5 at p99, for about 30 % less throughput to the flood.
 ADMISSION_HEADROOM = env_float("ADMISSION_HEADROOM", 0.5)
+# Slots of that headroom each lower class (below the highest class active on the pool) may hold
+# at once, so that a batch key is not starved while the headroom sits idle beside a higher
+# class's flood; 0: strict priority (a lower class gets only what no higher one is kept from).
+ADMISSION_LOWER_CLASS_FLOOR = env_int("ADMISSION_LOWER_CLASS_FLOOR", 1)
 # How long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval;
 # Python's default 0.005). Daphne's loop thread waits for it behind the thread that parses large
 # bodies (disagg_project/asgi.py): bench/large_requests.py, 20,000-block bodies in a loop, /health

@@ -220,3 +220,59 @@ async def test_a_lower_classs_unused_share_is_not_kept_from_a_higher_one() -> No
         activity.took(pool.resource, "standard")  # at its share; the batch key holds nothing
     assert slots_to_keep(pool.resource, Ticket("standard"), 8, now) == 0
     assert slots_to_keep(pool.resource, Ticket("batch", priority=Priority.BATCH), 8, now) == 0  # nothing unused above it
+
+
+@override_settings(**SETTINGS)
+async def test_a_lower_class_takes_its_floor_out_of_the_idle_headroom() -> None:
+    pool = Pool()  # 8 slots, headroom 2
+    await pool.take("quiet")  # a standard key, active, holding one slot
+    noisy = Flood(pool, "noisy", 20)
+    await settle()
+    assert pool.held["noisy"] == 5  # 8 - 1 - the quiet key's unused share (2)
+    batch = Flood(pool, "batch", 20, Priority.BATCH)
+    await settle()
+    # Beside the standard flood the only free capacity is the headroom: the batch class takes
+    # its floor of it (one slot), not more.
+    assert pool.held["batch"] == 1
+    # The batch key's slot frees: the standard flood, first in order, is held back and passes
+    # the turn; the batch key's next request takes the slot again.
+    batch.finish_one()
+    await settle()
+    assert pool.held == Counter({"noisy": 5, "batch": 1, "quiet": 1})
+    # The flood's own slot frees: the flood must leave the headroom whole again, so the batch
+    # class's floor comes out of the flood's part, not the quiet key's.
+    noisy.finish_one()
+    await settle()
+    assert pool.held == Counter({"noisy": 4, "batch": 1, "quiet": 1})
+    assert await admitted_at_once(pool, "quiet") is not None
+    assert await admitted_at_once(pool, "quiet") is not None
+    noisy.stop()
+    batch.stop()
+
+
+@override_settings(**{**SETTINGS, "ADMISSION_LOWER_CLASS_FLOOR": 0})
+async def test_without_a_floor_a_lower_class_waits_behind_a_higher_ones_flood() -> None:
+    pool = Pool()
+    await pool.take("quiet")
+    noisy = Flood(pool, "noisy", 20)
+    await settle()
+    batch = Flood(pool, "batch", 20, Priority.BATCH)
+    await settle()
+    assert pool.held["batch"] == 0 and pool.held["noisy"] == 5
+    noisy.finish_one()
+    await settle()
+    assert pool.held["batch"] == 0 and pool.held["noisy"] == 5
+    noisy.stop()
+    batch.stop()
+
+
+@override_settings(**{**SETTINGS, "ADMISSION_LOWER_CLASS_FLOOR": 2})
+async def test_the_floor_is_per_class_not_per_key() -> None:
+    pool = Pool(endpoints=4)  # 16 slots, headroom 4
+    now = active_keys(pool, {"standard": 1, "b1": 1, "b2": 0})
+    for flow in ("b1", "b2"):
+        activity.asked(pool.resource, Ticket(flow, priority=Priority.BATCH), now)
+    b2 = Ticket("b2", priority=Priority.BATCH)
+    assert slots_to_keep(pool.resource, b2, 16, now) == 0  # the batch class holds 1 of its 2
+    activity.took(pool.resource, "b1")
+    assert slots_to_keep(pool.resource, b2, 16, now) == 4  # 2 of 2: b2 leaves the headroom like any outranked key

@@ -12,13 +12,19 @@ active keys) that the other active keys of its class or a higher one are not usi
 `floor(ADMISSION_HEADROOM × capacity)` slots — when
 
 - its key already holds its fair share of the pool and more than any other key holds there, or
-- a key of a higher class (interactive over standard over batch) is active.
+- a key of a higher class (interactive over standard over batch) is active — except while its
+  class holds fewer than `ADMISSION_LOWER_CLASS_FLOOR` slots of the pool: then it may take any
+  free slot, headroom included.
 
 ("More than any other key" keeps a well-behaved key whose arrivals bunched up for a moment — a
 Poisson stream at half its share is over it a seventh of the time — from being treated like the
 flood: only the largest holder gives way. bench/tenants.py: keys at half a share each queued at
 p90 0.27–0.34 s with the share alone. And a lower class's unused share is not kept from a higher
-class: strict priority across classes stands.)
+class: strict priority across classes stands. But the headroom is capacity left idle, and a
+lower class must not starve while capacity sits idle: beside a flood of a higher class, the
+headroom was the only free capacity there was, and bench/tenants.py's batch key got 0 of 20
+requests. So each lower class may hold `ADMISSION_LOWER_CLASS_FLOOR` slots (default 1) of it: at
+most that much of the higher keys' reserve, whatever the number of lower-class keys.)
 
 Everyone else — a key under its share, of the highest active class — may take any free slot.
 So a flood fills the pool only up to what the other keys may claim at once, and a quiet key's
@@ -80,6 +86,13 @@ class Activity:
         held = self._held.get(resource)
         return held[flow] if held is not None else 0
 
+    def held_by_class(self, resource: Hashable, priority: Priority) -> int:
+        held = self._held.get(resource)
+        if not held:
+            return 0
+        seen = self._seen.get(resource, {})
+        return sum(n for flow, n in held.items() if flow in seen and seen[flow][1] == priority)
+
     def most_held_by_others(self, resource: Hashable, flow: str) -> int:
         held = self._held.get(resource)
         return max((n for f, n in held.items() if f != flow), default=0) if held else 0
@@ -113,6 +126,8 @@ def slots_to_keep(resource: Hashable, ticket: Ticket, capacity: int, now: float,
         return 0
     share = capacity / len(active)
     outranked = any(priority < ticket.priority for flow, priority in active.items() if flow != ticket.flow)
+    if outranked and activity.held_by_class(resource, ticket.priority) < settings.ADMISSION_LOWER_CLASS_FLOOR:
+        return 0  # the lower class's floor: idle headroom is not kept from it
     after = activity.held(resource, ticket.flow) + 1
     if not outranked and not (after > share and after > activity.most_held_by_others(resource, ticket.flow)):
         return 0

@@ -6,7 +6,9 @@ Order, when a slot frees on a resource (a pool's role):
 
 1. **Strict priority** across classes (`Priority`: interactive, standard, batch). The queue is
    work-conserving: a slot never stays idle while anyone waits for it, so a lower class waits
-   only while a higher one is waiting for the same slots.
+   only while a higher one is waiting for the same slots. (The headroom keeps some slots idle for
+   quiet keys; a lower class holds `ADMISSION_LOWER_CLASS_FLOOR` of them, so it never starves
+   while they sit idle: `workers.admission.headroom`.)
 2. **Fair share in tokens** inside a class, across keys (flows) and, inside a key, across its
    sessions: the Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language
    Models", OSDI 2024), as AIBrix uses it. Each flow has a counter of the tokens it was served
@@ -117,8 +119,14 @@ class AdmissionQueue:
         self._order = itertools.count()
         self._pollers: dict[Hashable, asyncio.TimerHandle] = {}
         # (resource, flow) whose last try was refused only to keep the headroom
-        # (`workers.admission.headroom`): they go after the flows a free slot can serve.
+        # (`workers.admission.headroom`): they go after the flows of their class a free slot can
+        # serve.
         self._held_back: set[tuple[Hashable, str]] = set()
+        # resource → flows that tried since the last `notify` there. A try refused for the
+        # headroom passes the turn to the next flow in order that has not tried (each flow tries
+        # at most once per freed slot, so held-back flows cannot wake each other in turn for
+        # nothing, and a lower class still gets its try when every flow above it is held back).
+        self._tried: dict[Hashable, set[str]] = {}
 
     # --- what callers use --------------------------------------------------------------------
 
@@ -131,15 +139,16 @@ class AdmissionQueue:
         return [flow for flows in self._waiting.get(resource, {}).values() for flow in flows]
 
     def hold_back(self, resource: Hashable, flow: str, held_back: bool) -> None:
-        """Whether the flow's last try was refused only to keep the headroom: while it is, the
-        flow's waiters go after the others of their class."""
+        """The flow tried for a slot; `held_back`: it was refused only to keep the headroom. While
+        it is, the flow's waiters go after the others of their class."""
+        if resource in self._waiting:
+            self._tried.setdefault(resource, set()).add(flow)
         if held_back:
             self._held_back.add((resource, flow))
-            # The turn passes to the next waiter a free slot can serve, if any (never to another
-            # held-back one: they would wake each other in turn for nothing).
-            waiter = self._next(resource)
-            if waiter is not None and (resource, waiter.ticket.flow) not in self._held_back:
-                self.notify(resource)
+            # The turn passes to the next waiter in order that has not tried for this slot.
+            waiter = self._next(resource, untried=True)
+            if waiter is not None:
+                self._wake(waiter)
         else:
             self._held_back.discard((resource, flow))
 
@@ -164,9 +173,11 @@ class AdmissionQueue:
             raise _refused("the gateway's admission queue is full")
         waiter = _Waiter(ticket, resource, asyncio.get_running_loop().create_future())
         self._enqueue(waiter)
-        if self._next(resource) is waiter:
-            # First in order (a key that was served less, or ahead of held-back flows): it tries
-            # now rather than at the next release; a free slot may be one the others must leave.
+        if self._next(resource, untried=True) is waiter:
+            # First in order among the flows that have not tried since the last release (a key
+            # that was served less, one ahead of held-back flows, a lower class whose betters
+            # were all held back): it tries now rather than at the next release; a free slot may
+            # be one the others must leave.
             # (Its turn is marked taken, so a release during the try re-wakes it.)
             waiter.future.set_result(None)
             return waiter
@@ -208,6 +219,7 @@ class AdmissionQueue:
                     del classes[waiter.ticket.priority]  # type: ignore[union-attr]
                     if not classes:
                         del self._waiting[waiter.resource]
+                        self._tried.pop(waiter.resource, None)
         self._count -= 1
         self._bytes -= waiter.ticket.size
         place = (waiter.resource, waiter.ticket.priority)
@@ -233,9 +245,12 @@ class AdmissionQueue:
 
     def notify(self, resource: Hashable) -> None:
         """A slot may have freed on `resource`: wake the next waiter in order to try for it."""
+        self._tried.pop(resource, None)
         waiter = self._next(resource)
-        if waiter is None:
-            return
+        if waiter is not None:
+            self._wake(waiter)
+
+    def _wake(self, waiter: _Waiter) -> None:
         if waiter.future.done():
             waiter.rewoken = True  # it is trying now; a failed try must not wait for the next poll
         else:
@@ -266,13 +281,24 @@ class AdmissionQueue:
         self.waiting[(waiter.resource, ticket.priority)] += 1
         queue_depth.labels(ticket.priority.label).inc()
 
-    def _next(self, resource: Hashable) -> _Waiter | None:
+    def _next(self, resource: Hashable, untried: bool = False) -> _Waiter | None:
+        """The next waiter in order: the highest class, then flows not held back, then the least
+        served flow and session. `untried`: among the flows that have not tried since the last
+        `notify`."""
         classes = self._waiting.get(resource)
         if not classes:
             return None
-        flows = classes[min(classes)]
         held_back = self._held_back
-        flow_name = min(flows, key=lambda f: ((resource, f) in held_back, self._flow_counter.get(f, 0.0)))
+        tried = self._tried.get(resource, ()) if untried else ()
+        flow_name = None
+        for priority in sorted(classes):
+            flows = classes[priority]
+            candidates = [f for f in flows if f not in tried]
+            if candidates:
+                flow_name = min(candidates, key=lambda f: ((resource, f) in held_back, self._flow_counter.get(f, 0.0)))
+                break
+        if flow_name is None:
+            return None
         sessions = flows[flow_name].sessions
         session = min(sessions, key=lambda s: self._session_counter.get((flow_name, s), 0.0))
         return sessions[session][0]
