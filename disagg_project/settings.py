@@ -420,6 +420,11 @@ AUDIT_FLUSH_INTERVAL_S = env_float("AUDIT_FLUSH_INTERVAL_S", 0.25)
 # Requests refused without a valid API key are all counted (gateway_unauthenticated_rejections_total)
 # but only this many per second per process get an audit row, so a flood cannot fill the database.
 AUDIT_UNAUTHENTICATED_SAMPLE_PER_S = env_float("AUDIT_UNAUTHENTICATED_SAMPLE_PER_S", 1.0)
+# Likewise a known key's requests refused before they were accepted (429 over a limit, 400, 529
+# shed): all counted (metrics, the key's usage), at most this many rows per second per key and
+# process (bursts of as many), each saying how many it stands for. An accepted request always
+# gets its row.
+AUDIT_REFUSED_SAMPLE_PER_S = env_float("AUDIT_REFUSED_SAMPLE_PER_S", 5.0)
 # Usage per API key and UTC hour (messages_api/usage.py): each process adds up its requests in
 # memory and adds them to the database this often (and at exit); the admin's usage page lags by
 # at most this much. `prune_audit` deletes hours older than USAGE_HOURS_RETENTION_DAYS (at least

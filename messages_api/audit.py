@@ -220,6 +220,25 @@ def sample_anonymous(detail: str) -> str | None:
     return detail + (f" (and {skipped} more unauthenticated rejections not recorded since the last)" if skipped else "")
 
 
+_refused_samplers: dict[str, RateSampler] = {}
+
+
+def sample_refused(key_name: str, detail: str) -> str | None:
+    """Whether to write the row of a known key's request refused before it was accepted (a 429, a
+    400, a 529 shed): at most AUDIT_REFUSED_SAMPLE_PER_S a second per key and process, so that a
+    key over its limits — which can send refusals as fast as the network allows — cannot fill the
+    database, or spend the gateway's time writing rows (tenants.py's limited flood: ~15 % of the
+    gateway's CPU was those rows). The metrics and the key's usage count every refusal. The error
+    message the row gets if it is sampled, else None."""
+    sampler = _refused_samplers.get(key_name)
+    if sampler is None:
+        sampler = _refused_samplers[key_name] = RateSampler(settings.AUDIT_REFUSED_SAMPLE_PER_S)
+    skipped = sampler.take()
+    if skipped is None:
+        return None
+    return detail + (f" (and {skipped} more refusals of this key not recorded since the last)" if skipped else "")
+
+
 def close_abandoned_requests(sender: object, instances: list[str], reason: str, **kwargs: Any) -> None:
     """`workers.cluster.recovery.process_abandoned` receiver: a dead process's requests end `failed`."""
     MessageRequest.objects.filter(gateway_instance__in=instances, status=RequestStatus.IN_PROGRESS).update(

@@ -35,7 +35,7 @@ from messages_api.server import loop_lag
 from messages_api.accumulate import accumulate_message
 from messages_api.server.arrival import seconds_since_received
 from messages_api.cache_accounting import cached_prefix_share
-from messages_api.audit import AuditRecord, sample_anonymous
+from messages_api.audit import AuditRecord, sample_anonymous, sample_refused
 from messages_api.auth import INVALID_KEY, MISSING_KEY, CredentialError, Principal, key_cache, key_from_headers
 from messages_api.server.body_writer import BodyWriter, body_writer
 from messages_api.server.send_queue import SendQueue
@@ -281,16 +281,17 @@ class ApiConsumer(AsyncHttpConsumer):
 
     async def _record_error(self, exc: Exception, error: AnthropicError) -> None:
         """End the audit row: `rejected` for the client's own fault before any worker was asked,
-        `failed` otherwise. A request from no known key that never got that far is counted in
-        the metrics always but written only as a sample (AUDIT_UNAUTHENTICATED_SAMPLE_PER_S), so
-        that a flood of anonymous requests cannot fill the database."""
+        `failed` otherwise. A request refused before it was accepted is counted in the metrics
+        (and its key's usage) always but written only as a sample — a known key's at
+        AUDIT_REFUSED_SAMPLE_PER_S, the others' at AUDIT_UNAUTHENTICATED_SAMPLE_PER_S — so that a
+        flood of refused requests cannot fill the database."""
         record = self.record
         if not record.begun and not record.api_key_name and error.status != 401:
             await self.identify()  # refused before authentication (405, 413): whose was it?
         detail = operator_detail(exc, error)
         persist = True
-        if not record.begun and not record.api_key_name:
-            sampled = sample_anonymous(detail)
+        if not record.begun:
+            sampled = sample_refused(record.api_key_name, detail) if record.api_key_name else sample_anonymous(detail)
             persist = sampled is not None
             detail = sampled or detail
         record.end(

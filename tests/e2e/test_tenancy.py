@@ -84,6 +84,46 @@ def test_a_key_over_its_request_rate_gets_429_with_anthropics_headers(gateway: G
     assert (row.status, row.http_status, row.error_type) == ("rejected", 429, "rate_limit_error")
 
 
+def test_a_keys_refusals_are_all_counted_but_only_sampled_into_the_audit(
+    gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster]
+) -> None:
+    from messages_api.models import KeyUsage, MessageRequest
+
+    gateway = gateways(AUDIT_REFUSED_SAMPLE_PER_S="2", USAGE_FLUSH_INTERVAL_S="0.2")
+    cluster = make_cluster(gateway)
+    limit_key(cluster, requests_per_minute=1)
+    assert post(gateway, cluster, "hello [sim tokens=2]").status_code == 200
+    started = time.monotonic()
+    ids = []
+    with httpx.Client(timeout=10) as client:
+        for i in range(40):
+            refused = client.post(gateway.url + "/v1/messages", json=body(cluster, f"over {i}"), headers=cluster.headers())
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            assert 1 <= int(refused.headers["retry-after"]) <= 59
+            ids.append(refused.headers["request-id"])
+    elapsed = time.monotonic() - started
+    # The key's usage counts every refusal...
+    api_key = ApiKey.objects.get(prefix=cluster.key[:12])
+    wait_until(
+        lambda: sum(u.errors.get("rate_limit_error", 0) for u in KeyUsage.objects.filter(api_key=api_key)) == 40,
+        timeout=10, message="the key's usage does not count every refusal",
+    )
+    # ...but a key can send refusals as fast as its network allows: rows are written for a burst
+    # of two and then two a second, each sample saying how many it stands for. An accepted request
+    # afterwards is always written; the writer keeps order, so the samples before it are in too.
+    from messages_api.auth import create_api_key
+
+    _, other = create_api_key(f"marker-{time.monotonic_ns()}")
+    marker = post(gateway, cluster, "accepted [sim tokens=2]", headers={**cluster.headers(), "x-api-key": other})
+    assert marker.status_code == 200, marker.text
+    audit_row(marker.headers["request-id"])
+    written = list(MessageRequest.objects.filter(request_id__in=ids))
+    assert 2 <= len(written) <= 2 + 2 * elapsed + 1, (len(written), elapsed)
+    assert all((row.status, row.http_status, row.api_key_name) == ("rejected", 429, api_key.name) for row in written)
+    if len(written) > 2:
+        assert any("more refusals of this key not recorded" in row.error_message for row in written)
+
+
 def test_a_streamed_answer_carries_the_headers_too(gateway: Gateway, make_cluster: Callable[..., Cluster]) -> None:
     cluster = make_cluster(gateway)
     limit_key(cluster, output_tokens_per_minute=1000)
