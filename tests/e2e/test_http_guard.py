@@ -21,6 +21,7 @@ import pytest
 from daphne.http_protocol import HTTPFactory
 from daphne.server import Server
 from twisted.web.http import HTTPChannel
+from twisted.web.http import HTTPFactory as TwistedHTTPFactory
 
 from messages_api.server import http_guard
 from messages_api.server.http_guard import GuardedChannel, GuardedHTTPFactory, GuardedRequest
@@ -353,3 +354,16 @@ def test_the_overrides_replace_methods_twisted_defines_on_these_classes() -> Non
         assert name in vars(HTTPChannel), name
     assert "handleContentChunk" in vars(HTTPChannel.requestFactory)
     assert "basic_error" in vars(http_guard.WebRequest)
+    assert "log" in vars(TwistedHTTPFactory) and "_logFormatter" in vars(TwistedHTTPFactory())
+
+
+@pytest.mark.parametrize(("verbosity", "written"), [(1, False), (2, True)])
+def test_twisteds_access_line_is_formatted_only_where_daphne_sends_twisteds_log(verbosity: int, written: bool) -> None:
+    # At daphne's default verbosity Twisted's log goes nowhere: its per-request line is skipped.
+    server = Server(application=None, endpoints=["tcp:port=0:interface=127.0.0.1"], signal_handlers=False, verbosity=verbosity)
+    factory = GuardedHTTPFactory(server)
+    lines: list[str] = []
+    factory._logFormatter = lambda timestamp, request: "a line"
+    factory._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line)})()
+    factory.log(object())
+    assert lines == (["a line\n"] if written else [])
