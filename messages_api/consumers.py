@@ -34,7 +34,6 @@ from messages_api import intake, metrics
 from messages_api.server import loop_lag
 from messages_api.accumulate import accumulate_message
 from messages_api.server.arrival import seconds_since_received
-from messages_api.cache_accounting import cached_prefix_share
 from messages_api.audit import AuditRecord, sample_anonymous, sample_refused
 from messages_api.auth import INVALID_KEY, MISSING_KEY, CredentialError, Principal, key_cache, key_from_headers
 from messages_api.server.body_writer import BodyWriter, body_writer
@@ -387,7 +386,7 @@ class MessagesConsumer(ApiConsumer):
         open_requests.add(principal.key_hash, self)  # revoking the key ends the request
         # A key this process already knows is over its limits is refused before its body is parsed.
         refuse_early(principal.key_hash, principal.limits)
-        request, chat, rendered = await intake.messages_request(body)
+        request, chat, rendered, cache_share = await intake.messages_request(body)
         record.model = request["model"]
         record.stream = bool(request.get("stream"))
         pool = await pool_for_model(request["model"], principal, chat)
@@ -410,8 +409,7 @@ class MessagesConsumer(ApiConsumer):
                 # message_start's count when the worker reports usage only at the end (a plain
                 # OpenAI-compatible server has no per-chunk usage); the worker's count replaces it.
                 input_tokens=run.estimated_prompt_tokens,
-                # Only a body that marks a breakpoint is walked (most requests outside Claude Code have none).
-                cache_share=cached_prefix_share(request, len(body)) if b'"cache_control"' in body else 0.0,
+                cache_share=cache_share,
                 # Enforced here, whatever the worker does: the relay stops at it (reframe.py).
                 max_tokens=request["max_tokens"],
             )

@@ -29,11 +29,12 @@ import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from django.conf import settings
 
+from messages_api.cache_accounting import cached_prefix_share
 from messages_api.convert import to_chat_request
 from messages_api.errors import AnthropicError, invalid_request
 from messages_api.server import memory
@@ -79,12 +80,22 @@ async def _prepared(body: bytes, validate: Validator, max_tokens: int | None = N
     return await asyncio.get_running_loop().run_in_executor(_large_bodies, _prepare, body, validate, max_tokens)
 
 
-Prepared = tuple[dict[str, Any], dict[str, Any], RenderedChat]
+class Prepared(NamedTuple):
+    """A `POST /v1/messages` body made ready: each part is a walk over the whole body, done
+    together (off the event loop for a large body)."""
+
+    request: dict[str, Any]
+    chat: dict[str, Any]
+    rendered: RenderedChat
+    #: The part of the body up to its last cache breakpoint (`cache_accounting`); 0 without one.
+    #: Even the search for a breakpoint is a pass over the bytes: ~24 ms of a 32 MiB body.
+    cache_share: float
 
 
 def _prepare_message(body: bytes) -> Prepared:
     request, chat = _prepare(body, validate_messages_request, None)
-    return request, chat, RenderedChat.prepared(chat)
+    cache_share = cached_prefix_share(request, len(body)) if b'"cache_control"' in body else 0.0
+    return Prepared(request, chat, RenderedChat.prepared(chat), cache_share)
 
 
 def _prepare_message_isolated(body: bytes) -> Prepared:
@@ -102,8 +113,8 @@ def _start_isolated() -> None:
 
 
 async def messages_request(body: bytes) -> Prepared:
-    """`POST /v1/messages`: the validated request, its chat request for the workers, and that
-    chat rendered (with its prompt estimated)."""
+    """`POST /v1/messages`: the validated request, its chat request for the workers, that chat
+    rendered (with its prompt estimated), and its cache breakpoint's share of the body."""
     size = len(body)
     if size < settings.MESSAGES_OFFLOAD_BYTES:
         return _prepare_message(body)

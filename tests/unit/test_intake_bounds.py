@@ -13,6 +13,7 @@ import pytest
 from django.test import override_settings
 
 from messages_api import intake
+from messages_api.cache_accounting import cached_prefix_share
 from messages_api.errors import AnthropicError
 from messages_api.server.loop_lag import LagMonitor
 
@@ -31,8 +32,8 @@ async def thread_of(raw: bytes, monkeypatch: pytest.MonkeyPatch) -> str:
         return validate(parsed)
 
     monkeypatch.setattr(intake, "validate_messages_request", recording)
-    request, chat, rendered = await intake.messages_request(raw)
-    assert request["model"] == "m" and chat["messages"] and rendered.estimated_prompt_tokens() > 0
+    request, chat, rendered, cache_share = await intake.messages_request(raw)
+    assert request["model"] == "m" and chat["messages"] and rendered.estimated_prompt_tokens() > 0 and cache_share == 0.0
     return seen[0]
 
 
@@ -42,14 +43,26 @@ async def test_a_large_body_is_handled_off_the_event_loop(monkeypatch: pytest.Mo
     assert (await thread_of(body(20, "y" * 1000), monkeypatch)).startswith("large-bodies")
 
 
+@override_settings(MESSAGES_OFFLOAD_BYTES=10_000)
+async def test_a_large_bodys_cache_breakpoint_is_found_off_the_event_loop() -> None:
+    # The breakpoint's share of the body is computed with the rest of the body's preparation.
+    content = [{"type": "text", "text": "y" * 1000} for _ in range(20)]
+    content[9]["cache_control"] = {"type": "ephemeral"}  # type: ignore[assignment]
+    raw = orjson.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": content}]})
+    prepared = await intake.messages_request(raw)
+    assert prepared.cache_share == pytest.approx(cached_prefix_share(prepared.request, len(raw)))
+    assert 0.4 < prepared.cache_share < 0.6
+    assert (await intake.messages_request(body(20, "y" * 1000))).cache_share == 0.0
+
+
 @override_settings(MESSAGES_OFFLOAD_BYTES=10_000, MESSAGES_ISOLATE_BYTES=100_000)
 async def test_the_largest_bodies_are_prepared_in_a_process_of_their_own() -> None:
     """Its answer is the thread's, errors come back as themselves, and a dead process is replaced
     (that body prepared on the thread meanwhile)."""
     raw = body(20, "z" * 10_000)
     expected = intake._prepare_message(raw)
-    request, chat, rendered = await intake.messages_request(raw)
-    assert (request, chat) == expected[:2]
+    request, chat, rendered, cache_share = await intake.messages_request(raw)
+    assert (request, chat, cache_share) == (expected.request, expected.chat, expected.cache_share)
     assert rendered.messages == expected[2].messages and rendered.estimated_prompt_tokens() == expected[2].estimated_prompt_tokens()
     assert intake._isolated is not None
     [child] = intake._isolated._processes.values()  # type: ignore[attr-defined]
@@ -62,7 +75,7 @@ async def test_the_largest_bodies_are_prepared_in_a_process_of_their_own() -> No
 
     child.kill()
     child.join()
-    request, _, _ = await intake.messages_request(raw)  # the broken pool: the thread answers
+    request, *_ = await intake.messages_request(raw)  # the broken pool: the thread answers
     assert request == expected[0] and intake._isolated is None
     await intake.messages_request(raw)  # and the next large body starts another process
     assert intake._isolated is not None
