@@ -18,12 +18,12 @@ import httpx
 import pytest
 
 from tests.support.chunked import LAST_CHUNK, chunk
-from tests.support.scripted import ScriptedServer, read_request
+from tests.support.scripted import Request, ScriptedServer, read_request
 from tests.support.tls import self_signed_certificate
 from tests.support.worker_transport import Pushed, answer_every_request, fetch, ok, wait_for, worker_transport
 from workers.wire import client
 from workers.exceptions import WorkerError
-from workers.wire.transport import body_reader, push_body
+from workers.wire.transport import BODY_SLICE_BYTES, body_reader, push_body
 
 
 async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -> None:
@@ -42,6 +42,34 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -
     head, _, body = seen[0].partition(b"\r\n\r\n")
     assert head.startswith(b"POST /v1/chat?x=1 HTTP/1.1\r\n")
     assert b"content-length: 8" in head.lower() and body == b'{"a": 1}'
+
+
+async def test_a_large_body_arrives_whole_with_its_length_and_on_a_retry_too() -> None:
+    # Bodies past BODY_SLICE_BYTES go out a slice at a time: still framed by Content-Length (an
+    # engine may not take a chunked request), and the stale keep-alive retry sends all of it again.
+    large = bytes(range(256)) * (3 * BODY_SLICE_BYTES // 256 + 7)
+    seen: list[Request] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
+        request = await read_request(reader)
+        assert request is not None
+        seen.append(request)
+        if number == 1:
+            writer.write(ok(b"first"))
+            await writer.drain()
+            await reader.read(1)  # the reuse's first bytes: hang up without a word
+            return
+        writer.write(ok(b"retried"))
+        await answer_every_request(reader, writer, number)
+
+    async with ScriptedServer(handler) as server, worker_transport() as transport:
+        assert (await fetch(transport, server.url, body=large)).content == b"first"
+        assert (await fetch(transport, server.url, body=large)).content == b"retried"
+    assert server.connections == 2
+    for request in seen:
+        fields = {name.lower(): value for name, value in request.fields}
+        assert fields["content-length"] == str(len(large)) and "transfer-encoding" not in fields
+        assert request.body == large
 
 
 async def test_a_chunked_stream_arrives_as_it_is_sent() -> None:

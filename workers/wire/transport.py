@@ -40,6 +40,11 @@ What this adds to `httpx_aiohttp.AiohttpTransport`, and why:
   it), keep-alive expiry and a per-endpoint connection bound from the settings, no cookies, no
   added `User-Agent`/`Accept-Encoding`, no proxy from the environment. aiohttp sets TCP_NODELAY
   on every connection itself.
+- **A large request body goes out in slices** (`BODY_SLICE_BYTES`, with its Content-Length, not
+  chunked): aiohttp writes a bytes body with one `transport.write`, which copies it twice (joined
+  to the head, then into the transport's buffer) in one turn of the event loop — for a 32 MiB
+  prompt, a slice of the loop no other request could use (bench/large_requests.py). Each slice
+  waits for the socket to drain, so other streams go on between them.
 """
 
 from __future__ import annotations
@@ -62,6 +67,15 @@ READ_BUFSIZE = 128 * 1024
 MAX_FIELD_SIZE = 8190
 # The most a pushed body's connection reads at once (see PushedBody).
 PUSH_READ_BYTES = 64 * 1024
+# A request body larger than this is written this many bytes at a time (a Claude Code turn,
+# 80-190 KB, still goes in one write).
+BODY_SLICE_BYTES = 1024 * 1024
+
+
+async def _slices(body: bytes) -> AsyncIterator[memoryview]:
+    view = memoryview(body)
+    for start in range(0, len(view), BODY_SLICE_BYTES):
+        yield view[start : start + BODY_SLICE_BYTES]
 
 
 async def _note_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace, _params: Any) -> None:
@@ -397,8 +411,9 @@ class WorkerTransport(AiohttpTransport):
                 response = await session.request(
                     request.method,
                     url,
+                    # httpx's headers carry the body's Content-Length: a sliced body is not chunked.
                     headers=request.headers,
-                    data=body,
+                    data=_slices(body) if body is not None and len(body) > BODY_SLICE_BYTES else body,
                     allow_redirects=False,
                     timeout=timeout,
                     trace_request_ctx=trace,
