@@ -396,6 +396,9 @@ ADMISSION_HEADROOM = env_float("ADMISSION_HEADROOM", 0.5)
 # at once, so that a batch key is not starved while the headroom sits idle beside a higher
 # class's flood; 0: strict priority (a lower class gets only what no higher one is kept from).
 ADMISSION_LOWER_CLASS_FLOOR = env_int("ADMISSION_LOWER_CLASS_FLOOR", 1)
+# Beyond its floor, a lower class leaves at least this fraction of a capped pool free while a
+# higher class is active (rounded down; at most ADMISSION_HEADROOM), for the higher keys' bursts.
+ADMISSION_LOWER_CLASS_HEADROOM = env_float("ADMISSION_LOWER_CLASS_HEADROOM", 0.25)
 # How long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval;
 # Python's default 0.005). Daphne's loop thread waits for it behind the thread that parses large
 # bodies (disagg_project/asgi.py): bench/large_requests.py, 20,000-block bodies in a loop, /health

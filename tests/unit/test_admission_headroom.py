@@ -276,3 +276,16 @@ async def test_the_floor_is_per_class_not_per_key() -> None:
     assert slots_to_keep(pool.resource, b2, 16, now) == 0  # the batch class holds 1 of its 2
     activity.took(pool.resource, "b1")
     assert slots_to_keep(pool.resource, b2, 16, now) == 4  # 2 of 2: b2 leaves the headroom like any outranked key
+
+
+@override_settings(**{**SETTINGS, "ADMISSION_HEADROOM": 0.5, "ADMISSION_LOWER_CLASS_HEADROOM": 0.25})
+async def test_beyond_its_floor_a_lower_class_leaves_room_for_the_higher_ones_bursts() -> None:
+    pool = Pool(endpoints=4)  # 16 slots
+    now = active_keys(pool, {"a": 6, "b": 6, "batch": 1})  # a and b past their shares (16 / 3): a burst
+    activity.asked(pool.resource, Ticket("batch", priority=Priority.BATCH), now)
+    batch = Ticket("batch", priority=Priority.BATCH)
+    # Nothing of the higher keys' shares is unused, yet the batch key leaves a quarter of the pool.
+    assert slots_to_keep(pool.resource, batch, 16, now) == 4
+    assert slots_to_keep(pool.resource, Ticket("a"), 16, now) == 0  # a higher key is not held to it
+    with override_settings(ADMISSION_LOWER_CLASS_HEADROOM=0.0):
+        assert slots_to_keep(pool.resource, batch, 16, now) == 0  # only the unused shares: none
