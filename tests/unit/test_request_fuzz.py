@@ -200,6 +200,10 @@ def mutated(mutations: list[tuple[tuple[Any, ...], Any]]) -> dict[str, Any]:
             except (KeyError, IndexError, TypeError):
                 break  # an earlier mutation changed this part of the tree
         else:
+            if isinstance(parent, dict) and not isinstance(path[-1], str):
+                # An earlier mutation put an object where this path expects an array: JSON
+                # objects have only string keys, so no request body can hold this one.
+                continue
             try:
                 if value == "<delete>":
                     if isinstance(parent, dict):
