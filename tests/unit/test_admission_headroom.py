@@ -289,3 +289,16 @@ async def test_beyond_its_floor_a_lower_class_leaves_room_for_the_higher_ones_bu
     assert slots_to_keep(pool.resource, Ticket("a"), 16, now) == 0  # a higher key is not held to it
     with override_settings(ADMISSION_LOWER_CLASS_HEADROOM=0.0):
         assert slots_to_keep(pool.resource, batch, 16, now) == 0  # only the unused shares: none
+
+
+@override_settings(**{**SETTINGS, "ADMISSION_HEADROOM": 0.5})
+async def test_a_lower_class_does_not_thin_out_the_higher_keys_shares() -> None:
+    pool = Pool(endpoints=4)  # 16 slots, headroom 8
+    now = active_keys(pool, {"flood": 9, "quiet": 0, "batch": 1})
+    activity.asked(pool.resource, Ticket("batch", priority=Priority.BATCH), now)
+    # The batch key is held to its floor and its headroom beside the standard keys, so it does not
+    # count in their shares: a share is 16 / 2, not 16 / 3, and the flood leaves all 8 of the
+    # quiet key's (capped at the headroom), not 6.
+    assert slots_to_keep(pool.resource, Ticket("flood"), 16, now) == 8
+    # Seen from the batch class, every active key shares the pool: 16 / 3 each.
+    assert slots_to_keep(pool.resource, Ticket("batch", priority=Priority.BATCH), 16, now) == 6
