@@ -121,7 +121,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-concurrency", type=int, help="the batch key's clients (default: one share)")
     parser.add_argument("--equal-warm", action=argparse.BooleanOptionalAction, default=True,
                         help="the equal keys arrive during the flood's warm-up too (default), so they are active when the window opens")
-    parser.add_argument("--headroom", type=float, help="the gateways' ADMISSION_HEADROOM (default: theirs, 0.125)")
+    parser.add_argument("--headroom", type=float, help="the gateways' ADMISSION_HEADROOM (default: theirs)")
+    parser.add_argument("--gateway-setting", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of every gateway (repeatable), e.g. GATEWAY_GC_THRESHOLDS=700,10,100")
     parser.add_argument("--queue-timeout", type=float, help="the gateways' ADMISSION_QUEUE_TIMEOUT_S (default 5; --quick 3)")
     parser.add_argument("--fair-outstanding", type=float, default=1.5,
                         help="in `fair`, each equal key keeps this many × C / equal keys requests outstanding")
@@ -340,6 +342,7 @@ def gateway_settings(args: argparse.Namespace, redis: Redis | None = None, prefi
     settings: dict[str, Any] = {"ADMISSION_QUEUE_TIMEOUT_S": args.queue_timeout, "REDIS_URL": ""}
     if args.headroom is not None:
         settings["ADMISSION_HEADROOM"] = args.headroom
+    settings |= dict(item.split("=", 1) for item in args.gateway_setting)
     if redis is not None:
         settings |= {"REDIS_URL": redis.url, "REDIS_KEY_PREFIX": prefix, "REDIS_RETRY_S": 2}
     return settings
