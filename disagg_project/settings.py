@@ -407,8 +407,11 @@ PYTHON_SWITCH_INTERVAL_S = env_float("PYTHON_SWITCH_INTERVAL_S", 0.0005)
 # The garbage collector's thresholds (gc.set_threshold: allocations before a young pass, young
 # passes before a middle one, middle passes before a full one), as "a,b,c"; Python's are
 # 700,10,10. A full pass walks every live object made since start-up: under a flood that is the
-# requests waiting in the admission queue, 30-65 ms a pass (bench/results/2026-12-05-gc-cycles.md).
-GATEWAY_GC_THRESHOLDS = env_gc_thresholds("GATEWAY_GC_THRESHOLDS", (700, 10, 10))
+# requests waiting in the admission queue, 30-65 ms a pass (bench/results/2026-12-05-gc-cycles.md),
+# and every stream in flight stalls with it. The requests leave no reference cycles behind
+# (disagg_project/tracebacks.py), so a full pass finds almost nothing to free: one every 100
+# middle passes instead of 10 (bench/tenants.py admission: 7 full passes in 50 s -> 0).
+GATEWAY_GC_THRESHOLDS = env_gc_thresholds("GATEWAY_GC_THRESHOLDS", (700, 10, 100))
 ADMISSION_ACTIVE_FLOW_S = env_float("ADMISSION_ACTIVE_FLOW_S", 10.0)
 
 # How often each process re-reads pools and endpoints from the database.
