@@ -119,6 +119,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--noisy-concurrency", type=int, help="the noisy key's concurrency limit in `limited` and `redis` (default: one share)")
     parser.add_argument("--noisy-rpm", type=int, default=1200, help="the noisy key's requests per minute in `redis`")
     parser.add_argument("--batch-concurrency", type=int, help="the batch key's clients (default: one share)")
+    parser.add_argument("--redis-stop", action=argparse.BooleanOptionalAction, default=True,
+                        help="`redis`: stop Redis half-way through the window (default); --no-redis-stop keeps it up")
     parser.add_argument("--equal-warm", action=argparse.BooleanOptionalAction, default=True,
                         help="the equal keys arrive during the flood's warm-up too (default), so they are active when the window opens")
     parser.add_argument("--headroom", type=float, help="the gateways' ADMISSION_HEADROOM (default: theirs)")
@@ -680,6 +682,18 @@ def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
+def ttft_by_half(recs: list[Rec], equal: list[str], at: float) -> dict[str, dict[str, dict[str, float]]]:
+    """The equal keys' time to first token for the requests sent before `at` (Redis up) and after
+    (Redis down: each process on its own state), so that the fallback's effect is seen apart."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for key in equal:
+        ok = [(r.sent_at, r.ttft) for r in recs if r.key == key and r.in_window and r.status == 200 and not r.error
+              and r.ttft is not None]
+        out[key] = {"up": h.distribution([ttft for sent, ttft in ok if sent < at]),
+                    "down": h.distribution([ttft for sent, ttft in ok if sent >= at])}
+    return out
+
+
 def summarize(recs: list[Rec], audit: dict[str, dict[str, Any]], key: str, stream: bool, timeout: float) -> dict[str, Any]:
     mine = [r for r in recs if r.key == key and r.in_window and r.error not in ("cut at the end of the phase",)]
     ok = [r for r in mine if r.status == 200 and not r.error]
@@ -801,6 +815,7 @@ def run_phase(stack: h.Stack, proxy: Proxy, args: argparse.Namespace, name: str,
     at_half: dict[str, Any] = {}
 
     def half() -> None:
+        at_half["at"] = time.perf_counter()  # the clock of the requests' sent_at
         at_half["gateway_metrics"] = gateway_metrics(gateways)
         current["name"] = "redis-down"
         on_half()
@@ -836,6 +851,7 @@ def run_phase(stack: h.Stack, proxy: Proxy, args: argparse.Namespace, name: str,
         "proxy": stats["epochs"][first_epoch:],
         "gateway_metrics": metrics,
         "gateway_metrics_before_redis_stop": at_half.get("gateway_metrics"),
+        "equal_ttft_by_half": ttft_by_half(load.recs, equal, at_half["at"]) if "at" in at_half else None,
         "cpu_seconds": meter.used,
         "cpu_cores": {k: v / meter.wall for k, v in meter.used.items()} if meter.wall else {},
         "machine_note": meter.machine_note(),
@@ -1016,6 +1032,10 @@ def print_phase(name: str, result: dict[str, Any], solo: dict[str, dict[str, Any
             notes.append(f"{key} 529s: {k['529_messages']}; retry-after max {k['529_retry_after_max']:g}, bad {k['529_bad_retry_after']}")
         if k["missing_audit_rows"]:
             notes.append(f"{key}: {k['missing_audit_rows']} requests without an audit row")
+    if result.get("equal_ttft_by_half"):
+        notes.append("equal keys' TTFT p50 / p99 ms, sent while Redis was up | after it stopped: " + "; ".join(
+            f"{key} {ms(half['up'], 'p50'):.0f} / {ms(half['up'], 'p99'):.0f} | {ms(half['down'], 'p50'):.0f} / {ms(half['down'], 'p99'):.0f}"
+            for key, half in result["equal_ttft_by_half"].items()))
     m = result["gateway_metrics"]
     notes.append("gateways: " + ", ".join(f"{k} {v:g}" for k, v in m.items()))
     if result.get("gateway_metrics_before_redis_stop"):
@@ -1131,10 +1151,11 @@ def main() -> None:
                 redis.shutdown()
                 print("  (redis-server shut down half-way through the window)", flush=True)
 
-            results["phases"]["redis"] = flood(f"redis: 2 gateways, shared Redis (stopped half-way), noisy concurrency "
+            stopped = " (stopped half-way)" if args.redis_stop else ""
+            results["phases"]["redis"] = flood(f"redis: 2 gateways, shared Redis{stopped}, noisy concurrency "
                                                f"{args.noisy_concurrency} + {args.noisy_rpm} rpm", 2,
                                                gateway_settings(args, redis, prefix), args.capacity, {"noisy": args.noisy_concurrency},
-                                               on_half=stop_redis)
+                                               on_half=stop_redis if args.redis_stop else None)
     results["verdicts"] = verdicts(results, solo, args)
     print_verdicts(results["verdicts"])
     print(f"\ntotal {time.monotonic() - t_start:.0f} s")
@@ -1236,7 +1257,10 @@ def verdicts(results: dict[str, Any], solo: dict[str, dict[str, Any]], args: arg
                     t_over = sum(sum(e["tenant_violations"].values()) for e in epochs)
                     add(phase, f"noisy concurrency {args.noisy_concurrency} never exceeded{label}",
                         f"max {t_max} at the engines, arrivals over {t_over}", None if down else t_over == 0)
-        if phase == "redis":
+        if phase == "redis" and not args.redis_stop:
+            fallbacks = r["gateway_metrics"].get("gateway_shared_state_fallbacks_total", 0)
+            add(phase, "Redis up throughout: no fallback to per-process state", f"fallbacks {fallbacks:g}", fallbacks == 0)
+        elif phase == "redis":
             all_5xx = sum(k["5xx"] for k in keys.values())
             fallbacks = r["gateway_metrics"].get("gateway_shared_state_fallbacks_total", 0)
             add(phase, "Redis stopped: 0 5xx (529s aside), the fallback counted",
