@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--request", default="claude_code", choices=["claude_code", "small"],
                         help="claude_code: the replayed fixture, context phase taken (default); small: a one-line "
                         "prompt, context phase skipped")
+    parser.add_argument("--token-ids-b64", action="store_true",
+                        help="claude_code: the context endpoint gets the option prompt_token_ids_b64 (the prompt's ids "
+                        "relayed as one base64 int32 string, TensorRT-LLM's gen_tokids_ctxbytes) instead of a JSON array")
     parser.add_argument("--b-root", type=Path,
                         help="A/B: a second gateway ('B') run from this checkout of the project (another commit), in front "
                         "of the same workers and database, measured right after gateway A in every round")
@@ -123,7 +126,8 @@ def main() -> None:
         # The small request skips the context phase, as a paced relay stream does.
         local_prefill = 1_000_000 if args.request == "small" else 0
         disagg = {"schedule_style": "context_first", "max_local_prefill_tokens": local_prefill, "routing": args.routing}
-        stack.register_worker("bench", h.MODEL, "context", ctx.url, **disagg)
+        context_options = {"option": "prompt_token_ids_b64=true"} if args.token_ids_b64 else {}
+        stack.register_worker("bench", h.MODEL, "context", ctx.url, **disagg, **context_options)
         stack.register_worker("bench", h.MODEL, "generation", gen.url, **disagg)
         key = stack.create_api_key("bench")
         gateways = {"A": stack.start_gateway({}, expect_pools={"bench"})}
@@ -166,7 +170,7 @@ def main() -> None:
     h.write_result(h.result_name(args, "request_cpu"), {
         "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
                    "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env,
-                   "request": args.request, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
+                   "request": args.request, "token_ids_b64": args.token_ids_b64, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
         "results": results, "b_minus_a": deltas, "cpu_seconds": meter.used, "machine_note": meter.machine_note(), "quiet": quiet,
     })
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from django.core.management import CommandError, call_command
 from django.test import Client
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.cluster import SIGNING_KEY, Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
@@ -517,3 +517,61 @@ def test_a_long_prompts_token_ids_reach_the_generation_worker_unchanged(gateway:
     direct = httpx.post(cluster.generation.url + "/v1/chat/completions", json=whole, timeout=30).json()
     said = "".join(block["text"] for block in response.json()["content"] if block["type"] == "text")
     assert said == direct["choices"][0]["message"]["content"]
+
+
+def test_a_context_endpoint_with_the_b64_option_relays_the_ids_as_one_base64_string(
+    transactional_db: Any, gateway: Gateway, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
+    """`prompt_token_ids_b64: true` on the context endpoint: the context request asks for
+    `return_prompt_token_ids_b64` (upstream's `gen_tokids_ctxbytes`), the context worker answers
+    with one base64 int32 string, and the generation worker gets that string verbatim; it reads the
+    same prompt, so the answer is the one the int array gives."""
+    text = " ".join(f"w{i}" for i in range(3000)) + " [sim tokens=6]"
+    said = {}
+    for b64 in (False, True):
+        cluster = register_cluster(
+            context_worker, generation_worker, context_options={"prompt_token_ids_b64": True} if b64 else {}
+        )
+        wait_registered(gateway, cluster)
+        response = post(gateway, cluster, text)
+        assert response.status_code == 200, response.text
+        said[b64] = "".join(block["text"] for block in response.json()["content"] if block["type"] == "text")
+        asked = cluster.context.requests()[-1]["disaggregated_params"]
+        relayed = cluster.generation.requests()[-1]
+        if b64:
+            assert asked["return_prompt_token_ids_b64"] is True
+            assert "prompt_token_ids" not in relayed and len(relayed["prompt_token_ids_b64"]) > 3000 * 4
+        else:
+            assert "return_prompt_token_ids_b64" not in asked
+            assert "prompt_token_ids_b64" not in relayed and len(relayed["prompt_token_ids"]) > 3000
+        assert audit_row(response.headers["request-id"]).status == "completed"
+        cluster.pool.delete()
+    assert said[True] == said[False]
+
+
+@given(st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), min_size=1, max_size=50))
+def test_base64_of_int32s_passes_the_check(ids: list[int]) -> None:
+    import base64
+    import struct
+
+    assert trtllm.is_int32_b64(base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode())
+
+
+@settings(max_examples=500)
+@given(st.text(alphabet="AQIgw+/=-_ \n\"\\é", max_size=24))
+def test_the_base64_check_passes_exactly_what_decodes_to_whole_int32s(text: str) -> None:
+    import binascii
+
+    try:  # the reference: a strict decode (alphabet only, padding only at the end and complete)
+        raw = binascii.a2b_base64(text, strict_mode=True)
+        expected = bool(raw) and len(raw) % 4 == 0
+    except (binascii.Error, ValueError):
+        expected = False
+    assert trtllm.is_int32_b64(text) == expected
+
+
+@pytest.mark.parametrize("b64", ["", "AQAAAA", "AQAAAAIA", "AQAA AAA=", "AQ==AAAA", "AQAAAA==\n", "AQAAAAIAAAA=\"", "AQAAAAIAAAA==="])
+def test_a_prompt_token_ids_b64_that_is_not_whole_int32s_is_refused(b64: str) -> None:
+    with pytest.raises(WorkerError) as raised:
+        trtllm.read_context_response(context_answer(prompt_token_ids_b64=b64))
+    assert raised.value.status == 502

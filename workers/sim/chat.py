@@ -146,6 +146,7 @@ class ChatCompletions:
                     encoded_opaque_state=state,
                     first_gen_tokens=first_gen_tokens,
                     prompt_token_ids=prompt_ids,
+                    prompt_ids_b64=request.disagg is not None and request.disagg.prompt_ids_b64,
                 )
             )
             await send_bytes(send, 200, body)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +32,9 @@ class DisaggParams:
     #: A generation-first (or concurrent) take: wait for the context phase of this id to finish,
     #: instead of taking a handoff that must already be held.
     rendezvous: bool = False
+    #: A context request asks for the prompt's ids as base64 int32 (TensorRT-LLM's
+    #: `return_prompt_token_ids_b64`) instead of a JSON array.
+    prompt_ids_b64: bool = False
 
     @property
     def handoff_id(self) -> int | None:
@@ -106,6 +112,8 @@ def parse_chat_request(
     prompt_token_ids = body.get("prompt_token_ids")
     if prompt_token_ids is not None and not isinstance(prompt_token_ids, list):
         raise _bad("prompt_token_ids must be a list of integers", "prompt_token_ids")
+    if prompt_token_ids is None and body.get("prompt_token_ids_b64") is not None:
+        prompt_token_ids = decode_token_ids_b64(body["prompt_token_ids_b64"])
     options = body.get("stream_options")
     options = options if isinstance(options, Mapping) else {}
     include_usage = bool(options.get("include_usage"))
@@ -122,6 +130,26 @@ def parse_chat_request(
         directives=parse_messages(messages),
         cache_salt=_cache_salt(body, salt_field) if salt_field else None,
     )
+
+
+def encode_token_ids_b64(ids: list[int]) -> str:
+    """Token ids as TensorRT-LLM's context worker writes `prompt_token_ids_b64`: a base64 int32
+    little-endian buffer."""
+    return base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode("ascii")
+
+
+def decode_token_ids_b64(text: Any) -> list[int]:
+    """`prompt_token_ids_b64` read back as TensorRT-LLM's server reads it (numpy's int32 over the
+    decoded bytes); what it could not read is a 400."""
+    try:
+        if not isinstance(text, str):
+            raise ValueError("not a string")
+        raw = base64.b64decode(text, validate=True)
+        if len(raw) % 4:
+            raise ValueError("not a whole number of int32s")
+    except (ValueError, binascii.Error) as exc:
+        raise _bad(f"prompt_token_ids_b64 is not a base64 int32 buffer: {exc}", "prompt_token_ids_b64") from None
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw))
 
 
 def _cache_salt(body: Mapping[str, Any], field: str) -> str | None:

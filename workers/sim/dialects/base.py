@@ -23,6 +23,8 @@ class ContextIssue:
     encoded_opaque_state: str
     first_gen_tokens: list[int]
     prompt_token_ids: list[int]
+    #: The request asked for the ids as base64 int32 (`DisaggParams.prompt_ids_b64`).
+    prompt_ids_b64: bool = False
 
 
 class Dialect:

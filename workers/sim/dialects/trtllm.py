@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from ..config import SimConfig
 from ..error_answers import SimError
-from ..schema import DisaggParams, optional_int, optional_str
+from ..schema import DisaggParams, encode_token_ids_b64, optional_int, optional_str
 from ..wire import prefill_completion
 from .base import ContextIssue, Dialect
 
@@ -111,6 +111,7 @@ class TrtllmDialect(Dialect):
             kv_source_url=kv_source_url(endpoint) if endpoint else None,
             schedule_style=optional_str(raw.get("schedule_style")),
             rendezvous=state is None,
+            prompt_ids_b64=raw.get("return_prompt_token_ids_b64") is True,
         )
 
     def context_id_of(self, payload: Any) -> int | None:
@@ -137,7 +138,9 @@ class TrtllmDialect(Dialect):
             issue.config.model,
             choice={"finish_reason": "length", "disaggregated_params": handoff},
             body={
-                "prompt_token_ids": issue.prompt_token_ids,
+                # As upstream's worker answers: one form or the other, the unused one null.
+                **({"prompt_token_ids": None, "prompt_token_ids_b64": encode_token_ids_b64(issue.prompt_token_ids)}
+                   if issue.prompt_ids_b64 else {"prompt_token_ids": issue.prompt_token_ids}),
                 # TensorRT-LLM's usage (this is its context answer), not vLLM's.
                 "usage": {
                     "prompt_tokens": prompt_tokens,
