@@ -92,6 +92,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--burst", action="store_true",
                         help="paced: every stream starts at once (no ramp), and, all of one length, they end together and "
                              "start together again: bursts, as when a team starts work, after a restart or after a 529")
+    parser.add_argument("--gateway-processes", type=int, default=1,
+                        help="daphne processes of the gateway, sharing its socket as `manage.py serve --processes N` "
+                        "runs them in production (default 1; its CPU figures are their sum)")
     parser.add_argument("--b-root", type=Path,
                         help="paced: A/B, a second gateway ('gateway B') run from this checkout of the project (another "
                         "commit), in front of the same workers and database; measured right after gateway A at every level")
@@ -147,7 +150,7 @@ async def latency(args: argparse.Namespace, gateway: h.GatewayProc, key: str, ge
     failures: dict[str, int] = {kind: 0 for kind in wires}
     kinds = list(wires)
     rng = random.Random(1)
-    meter = h.CpuMeter({"gateway": gateway.pid, **{s.name: s.pid for s in sims}})
+    meter = h.CpuMeter({"gateway": gateway.pids, **{s.name: s.pid for s in sims}})
     for i in range(args.warmup + args.samples):
         if i == args.warmup:
             meter.start()
@@ -275,7 +278,7 @@ async def throughput(args: argparse.Namespace, gateway: h.GatewayProc, key: str,
     gw_wire = h.gateway_request(gport, key, h.messages_body(directive, stream=True))
     direct_wire = h.worker_request(dport, direct_payload(directive))
     expected = args.streams * args.rounds * args.tokens
-    pids = {"gateway": gateway.pid, **{s.name: s.pid for s in sims}}
+    pids: dict[str, int | list[int]] = {"gateway": gateway.pids, **{s.name: s.pid for s in sims}}
 
     # Warm up the gateway's upstream connection pool and code paths.
     await _drive(gport, h.gateway_request(gport, key, h.messages_body("[sim tokens=64]", stream=True)), GATEWAY_CONTENT, args.streams, 1)
@@ -421,11 +424,11 @@ async def paced(
     stream_s = args.paced_tokens * args.ms_per_token / 1000
     ramp = 0.0 if args.burst else min(stream_s, args.paced_seconds / 3)
     loads = [int(x) for x in str(args.paced_loads).split(",") if x.strip()]
-    targets: dict[str, tuple[int, bytes, bytes, dict[str, int]]] = {}
+    targets: dict[str, tuple[int, bytes, bytes, dict[str, int | list[int]]]] = {}
     for label, gateway in gateways.items():
         gport = gateway.port
         gw_wire = h.gateway_request(gport, key, h.messages_body(directive, stream=True, model=PACED_MODEL))
-        targets[label] = (gport, gw_wire, GATEWAY_CONTENT, {"gateway": gateway.pid, "sim-generation": gen.pid})
+        targets[label] = (gport, gw_wire, GATEWAY_CONTENT, {"gateway": gateway.pids, "sim-generation": gen.pid})
         # Warm the gateway's pools and code paths.
         await _drive(gport, h.gateway_request(gport, key, h.messages_body("[sim tokens=4]", stream=True, model=PACED_MODEL)), GATEWAY_CONTENT, 8, 1)
     for label, router in routers.items():
@@ -588,7 +591,7 @@ def main() -> None:
             stack.register_worker("bench-paced", PACED_MODEL, "generation", paced_gen.url, **agg)
             pools_expected.append("bench-paced")
         key = stack.create_api_key("bench")
-        gateway = stack.start_gateway({}, expect_pools=pools_expected)
+        gateway = stack.start_gateway({}, expect_pools=pools_expected, processes=args.gateway_processes)
         gateway_b = None
         if paced_gen is not None and (args.b_root or args.b_env):
             b_env = dict(item.split("=", 1) for item in args.b_env)

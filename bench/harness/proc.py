@@ -7,6 +7,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Mapping, Sequence
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -103,21 +104,24 @@ def self_cpu_seconds() -> float:
 class CpuMeter:
     """CPU seconds used by some processes (and this one) between `start()` and `stop()`."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
+    def __init__(self, pids: Mapping[str, int | Sequence[int]]) -> None:
+        # A name may stand for several processes (a gateway of N daphnes): their CPU is summed.
+        self.pids: dict[str, tuple[int, ...]] = {
+            name: (pid,) if isinstance(pid, int) else tuple(pid) for name, pid in pids.items()
+        }
         self.begin: dict[str, float] = {}
         self.used: dict[str, float] = {}
         self.wall = 0.0
 
     def _read(self) -> dict[str, float]:
-        out = {name: proc_cpu_seconds(pid) for name, pid in self.pids.items()}
+        out = {name: sum(map(proc_cpu_seconds, pids)) for name, pids in self.pids.items()}
         out["machine"] = machine_busy_seconds()
-        for name, pid in self.pids.items():
+        for name, pids in self.pids.items():
             if name.startswith("gateway"):
                 # The event loop's own thread; the rest is the audit writer and executor threads.
-                out[f"{name}:loop-thread"] = thread_cpu_seconds(pid)
+                out[f"{name}:loop-thread"] = sum(map(thread_cpu_seconds, pids))
             if name.startswith(("gateway", "router", "floor")):
-                out[f"{name}:kernel"] = proc_sys_cpu_seconds(pid)
+                out[f"{name}:kernel"] = sum(map(proc_sys_cpu_seconds, pids))
         out["loadgen"] = self_cpu_seconds()
         return out
 

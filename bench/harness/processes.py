@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from workers.sim.process import stop_process
 from .bodies import port_of
 from .limits import child_setup, raise_nofile
 from .paths import PROJECT_ROOT, PYTHON
+from .proc import proc_cpu_seconds
 
 LISTEN_BACKLOG = 4096
 
@@ -61,6 +62,13 @@ class SimProc(Proc):
 class GatewayProc(Proc):
     sock: socket.socket | None = None
     port: int = 0
+    #: The other daphne processes accepting from the same socket (`start_gateway(processes=N)`).
+    siblings: list[Proc] = field(default_factory=list)
+
+    @property
+    def pids(self) -> list[int]:
+        """Every process of this gateway, the first one's pid first."""
+        return [self.pid, *(sibling.pid for sibling in self.siblings)]
 
     @property
     def url(self) -> str:
@@ -193,8 +201,12 @@ class Stack:
         expect_pools: Iterable[str] = (),
         nodelay: bool | None = None,
         root: Path | None = None,
+        processes: int = 1,
     ) -> GatewayProc:
         """daphne on a socket bound here and passed with `--fd`; waits until /ready lists the pools.
+
+        `processes`: that many daphnes accepting from the one socket, as `manage.py serve
+        --processes N` runs them in production (the kernel hands each connection to one).
 
         `root`: run the gateway from another checkout of the project (an A/B comparison with
         another commit, on the same database and workers).
@@ -213,21 +225,30 @@ class Stack:
         env = dict(self.env)
         for key, value in (settings or {}).items():
             env[key] = str(value)
-        log_path = self.tmp / f"daphne-{port}.log"
-        log = open(log_path, "wb")
-        process = subprocess.Popen(
-            [PYTHON, "-m", "daphne", "--fd", str(sock.fileno()), "disagg_project.asgi:application"],
-            cwd=root or PROJECT_ROOT,
-            env=env,
-            pass_fds=[sock.fileno()],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=child_setup,
-        )
-        log.close()
-        gateway = GatewayProc(name=f"daphne-{port}", process=process, log_path=log_path, sock=sock, port=port)
-        self.procs.append(gateway)
+        started: list[tuple[subprocess.Popen[bytes], Path]] = []
+        for i in range(processes):
+            log_path = self.tmp / (f"daphne-{port}.log" if i == 0 else f"daphne-{port}-{i}.log")
+            log = open(log_path, "wb")
+            process = subprocess.Popen(
+                [PYTHON, "-m", "daphne", "--fd", str(sock.fileno()), "disagg_project.asgi:application"],
+                cwd=root or PROJECT_ROOT,
+                env=env,
+                pass_fds=[sock.fileno()],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=child_setup,
+            )
+            log.close()
+            started.append((process, log_path))
+        (process, log_path), rest = started[0], started[1:]
+        siblings = [Proc(name=f"daphne-{port}-{i + 1}", process=p, log_path=path) for i, (p, path) in enumerate(rest)]
+        gateway = GatewayProc(name=f"daphne-{port}", process=process, log_path=log_path, sock=sock, port=port, siblings=siblings)
+        self.procs.extend([*siblings, gateway])
         wait_ready(gateway, set(expect_pools))
+        for sibling in siblings:
+            # /ready answers from whichever process accepted: the others are up when their
+            # start-up's CPU has stopped growing.
+            wait_settled(sibling)
         return gateway
 
     # -- the Rust routers (PyPI vllm-router, sglang-router), for side-by-side figures --
@@ -357,6 +378,21 @@ def http_get_json(port: int, path: str, timeout: float = 5.0) -> tuple[int, Any]
             return response.status, None
     finally:
         conn.close()
+
+
+def wait_settled(proc: Proc, timeout: float = 60.0, quiet_s: float = 0.3) -> None:
+    """Wait until a starting process stops using CPU (its imports and set-up are done)."""
+    deadline = time.monotonic() + timeout
+    last = proc_cpu_seconds(proc.pid)
+    while time.monotonic() < deadline:
+        if proc.process.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.process.returncode}:\n{proc.log_tail()}")
+        time.sleep(quiet_s)
+        now = proc_cpu_seconds(proc.pid)
+        if now - last < 0.01:
+            return
+        last = now
+    raise RuntimeError(f"{proc.name} kept using CPU for {timeout:g} s after it started")
 
 
 def wait_ready(gateway: GatewayProc, pools: set[str], timeout: float = 60.0) -> None:
