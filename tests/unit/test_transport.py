@@ -11,7 +11,7 @@ import gc
 import ssl
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -22,6 +22,7 @@ from tests.support.scripted import Request, ScriptedServer, read_request
 from tests.support.tls import self_signed_certificate
 from tests.support.worker_transport import Pushed, answer_every_request, fetch, ok, wait_for, worker_transport
 from workers.wire import client
+from workers.wire import transport as transport_module
 from workers.exceptions import WorkerError
 from workers.wire.transport import BODY_SLICE_BYTES, body_reader, push_body
 
@@ -70,6 +71,27 @@ async def test_a_large_body_arrives_whole_with_its_length_and_on_a_retry_too() -
         fields = {name.lower(): value for name, value in request.fields}
         assert fields["content-length"] == str(len(large)) and "transfer-encoding" not in fields
         assert request.body == large
+
+
+async def test_a_large_body_leaves_in_slices_a_small_one_in_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Written in one piece, a 32 MiB body held the event loop for its whole copy into the socket's
+    # buffer (~77 ms a request, bench/large_requests.py); a slice at a time, each waits for the
+    # socket to drain.
+    sliced: list[int] = []
+    real_slices = transport_module._slices
+
+    async def spy(body: bytes) -> AsyncIterator[memoryview]:
+        async for piece in real_slices(body):
+            sliced.append(len(piece))
+            yield piece
+
+    monkeypatch.setattr(transport_module, "_slices", spy)
+    large = b"x" * (2 * BODY_SLICE_BYTES + 5)
+    async with ScriptedServer(answer_every_request) as server, worker_transport() as transport:
+        assert (await fetch(transport, server.url, body=b"small")).status_code == 200
+        assert sliced == []
+        assert (await fetch(transport, server.url, body=large)).status_code == 200
+    assert sliced == [BODY_SLICE_BYTES, BODY_SLICE_BYTES, 5]
 
 
 async def test_a_chunked_stream_arrives_as_it_is_sent() -> None:
