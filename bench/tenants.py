@@ -704,8 +704,15 @@ def summarize(recs: list[Rec], audit: dict[str, dict[str, Any]], key: str, strea
     fivexx = [r for r in mine if (500 <= r.status < 600 and r.status != 529) or (r.in_stream_error and r.error != "overloaded_error")]
     other = [r for r in mine if r not in ok and r not in s429 and r not in s529 and r not in in_stream_529 and r not in fivexx]
     queued = [(audit.get(r.request_id, {}).get("queued_ms") or 0.0) / 1000 for r in ok]
+    slowest: list[dict[str, Any]] = []
     if stream:
         ttft = [r.ttft for r in ok if r.ttft is not None]
+        # The worst few, with what the gateway's row says of them: a first token late at the
+        # gateway too (first_token_ms, counted from the request's arrival) or only at the client.
+        for r in sorted((r for r in ok if r.ttft is not None), key=lambda r: r.ttft or 0.0, reverse=True)[:3]:
+            row = audit.get(r.request_id, {})
+            slowest.append({"ttft_ms": (r.ttft or 0.0) * 1000, "queued_ms": row.get("queued_ms"),
+                            "gateway_first_token_ms": row.get("first_token_ms"), "gateway": r.gateway})
     else:
         ttft = [audit[r.request_id]["first_token_ms"] / 1000 for r in ok
                 if r.request_id in audit and audit[r.request_id]["first_token_ms"] is not None]
@@ -736,6 +743,7 @@ def summarize(recs: list[Rec], audit: dict[str, dict[str, Any]], key: str, strea
         "errors_listed": listed,
         "queued_s": h.distribution(queued),
         "ttft_s": h.distribution(ttft),
+        "slowest": slowest,
         "ttft_source": "client: first content_block_delta" if stream else "audit first_token_ms",
         "output_tokens": sum(r.output_tokens for r in ok),
         "longest_wait_s": longest,
@@ -1032,6 +1040,11 @@ def print_phase(name: str, result: dict[str, Any], solo: dict[str, dict[str, Any
             notes.append(f"{key} 529s: {k['529_messages']}; retry-after max {k['529_retry_after_max']:g}, bad {k['529_bad_retry_after']}")
         if k["missing_audit_rows"]:
             notes.append(f"{key}: {k['missing_audit_rows']} requests without an audit row")
+    worst = {key: k["slowest"] for key, k in result["keys"].items() if k.get("slowest")}
+    if worst:
+        notes.append("the equal keys' slowest first tokens, ms (client TTFT / queued / the gateway's first_token_ms, gateway #): " + "; ".join(
+            f"{key} " + ", ".join(f"{w['ttft_ms']:.0f}/{w['queued_ms'] or 0:.0f}/{w['gateway_first_token_ms'] or 0:.0f} #{w['gateway']}" for w in ws)
+            for key, ws in worst.items()))
     if result.get("equal_ttft_by_half"):
         notes.append("equal keys' TTFT p50 / p99 ms, sent while Redis was up | after it stopped: " + "; ".join(
             f"{key} {ms(half['up'], 'p50'):.0f} / {ms(half['up'], 'p99'):.0f} | {ms(half['down'], 'p50'):.0f} / {ms(half['down'], 'p99'):.0f}"
