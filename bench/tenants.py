@@ -59,8 +59,9 @@ errors (listed), time queued (the audit rows' queued_ms, 0 when not queued) p50/
 first token (streamed keys: first content_block_delta at the client; others: the audit's
 first_token_ms) p50/p99 and p99 over the key's solo p99, output tokens delivered, and Jain's
 index over the equal keys' tokens. Every 429 is checked for retry-after and anthropic-ratelimit-*
-headers (not for a key whose only limit is its concurrency: no such header exists), every 529 for retry-after ≤ 59, every wait (queued_ms, and a 529's time at the client)
-against ADMISSION_QUEUE_TIMEOUT_S (`--queue-timeout`) + 1 s. The proxy's per-tenant and
+headers (not for a key whose only limit is its concurrency: no such header exists), every 529
+for retry-after ≤ 59, every wait (queued_ms, and a 529's time at the client) against
+ADMISSION_QUEUE_TIMEOUT_S (`--queue-timeout`) + 1 s. The proxy's per-tenant and
 per-endpoint means over the window say how the slots were shared; the gateways' counters
 (fallbacks by reason, before and after Redis stopped; admission refusals; requests shed) are
 printed under each table.
