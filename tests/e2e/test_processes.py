@@ -64,8 +64,14 @@ def test_sigkill_mid_stream_is_recovered_by_the_next_start(transactional_db: Any
     finally:
         first.stop()
     row = audit_row(request_id, terminal=False)
+    still_open = Reservation.objects.filter(request_id=request_id, released_at__isnull=True).exists()
+    if row.status == "in_progress" and not still_open:
+        # Another of the suite's gateways swept the dead process between the two reads: a sweep
+        # closes the reservations first, then the audit row (`workers.cluster.recovery.sweep`;
+        # CI on PostgreSQL, 2026-12-05). Its end state is checked below like any other.
+        row = audit_row(request_id, timeout=10)
     if row.status == "in_progress":
-        assert Reservation.objects.filter(request_id=request_id, released_at__isnull=True).exists()
+        assert still_open
     else:
         # The suite's other gateways (the session's `gateways`) share this database and sweep
         # every heartbeat: one may see the dead PID before the next start does (twice in CI
