@@ -9,6 +9,7 @@ admin form.
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import hmac
 import io
@@ -31,6 +32,7 @@ from tests.support.simworkers import SimWorker
 from workers.exceptions import MalformedAnswer, WorkerError, WorkerUnreachable
 from workers.protocols import trtllm
 from workers.protocols.base import USAGE_ON_EVERY_CHUNK, Call
+from workers.sim.schema import encode_token_ids_b64
 
 UPSTREAM_ENDPOINT = "tcp://10.0.0.1:5000"
 
@@ -551,17 +553,12 @@ def test_a_context_endpoint_with_the_b64_option_relays_the_ids_as_one_base64_str
 
 @given(st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), min_size=1, max_size=50))
 def test_base64_of_int32s_passes_the_check(ids: list[int]) -> None:
-    import base64
-    import struct
-
-    assert trtllm.is_int32_b64(base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode())
+    assert trtllm.is_int32_b64(encode_token_ids_b64(ids))  # as the sim's context worker writes them
 
 
 @settings(max_examples=500)
 @given(st.text(alphabet="AQIgw+/=-_ \n\"\\é", max_size=24))
 def test_the_base64_check_passes_exactly_what_decodes_to_whole_int32s(text: str) -> None:
-    import binascii
-
     try:  # the reference: a strict decode (alphabet only, padding only at the end and complete)
         raw = binascii.a2b_base64(text, strict_mode=True)
         expected = bool(raw) and len(raw) % 4 == 0
