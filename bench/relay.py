@@ -93,8 +93,13 @@ def parse_args() -> argparse.Namespace:
                         help="paced: every stream starts at once (no ramp), and, all of one length, they end together and "
                              "start together again: bursts, as when a team starts work, after a restart or after a 529")
     parser.add_argument("--gateway-processes", type=int, default=1,
-                        help="daphne processes of the gateway, sharing its socket as `manage.py serve --processes N` "
-                        "runs them in production (default 1; its CPU figures are their sum)")
+                        help="daphne processes of the gateway (and of gateway B), as `manage.py serve --processes N` runs "
+                        "them in production: a socket each with SO_REUSEPORT (default 1; its CPU figures are their sum)")
+    parser.add_argument("--shared-socket", action="store_true",
+                        help="the gateway's processes share one listening socket (`serve --shared-socket`)")
+    parser.add_argument("--b-shared-socket", action="store_true",
+                        help="paced: A/B, gateway B's processes share one listening socket; with no --b-root, B runs from "
+                        "this checkout")
     parser.add_argument("--b-root", type=Path,
                         help="paced: A/B, a second gateway ('gateway B') run from this checkout of the project (another "
                         "commit), in front of the same workers and database; measured right after gateway A at every level")
@@ -591,11 +596,13 @@ def main() -> None:
             stack.register_worker("bench-paced", PACED_MODEL, "generation", paced_gen.url, **agg)
             pools_expected.append("bench-paced")
         key = stack.create_api_key("bench")
-        gateway = stack.start_gateway({}, expect_pools=pools_expected, processes=args.gateway_processes)
+        gateway = stack.start_gateway({}, expect_pools=pools_expected, processes=args.gateway_processes,
+                                      shared_socket=args.shared_socket)
         gateway_b = None
-        if paced_gen is not None and (args.b_root or args.b_env):
+        if paced_gen is not None and (args.b_root or args.b_env or args.b_shared_socket):
             b_env = dict(item.split("=", 1) for item in args.b_env)
-            gateway_b = stack.start_gateway(b_env, expect_pools=pools_expected, root=args.b_root)
+            gateway_b = stack.start_gateway(b_env, expect_pools=pools_expected, root=args.b_root,
+                                            processes=args.gateway_processes, shared_socket=args.b_shared_socket)
         routers = {}
         if paced_gen is not None:
             for name in (n.strip() for n in args.routers.split(",") if n.strip()):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.ports import unused_port
+from messages_api.server.listeners import bind_listeners
 from workers.sim.process import stop_process
 
 from .bodies import port_of
@@ -60,9 +61,10 @@ class SimProc(Proc):
 
 @dataclass
 class GatewayProc(Proc):
-    sock: socket.socket | None = None
+    #: The listening sockets the processes accept from (one each, or one shared).
+    socks: list[socket.socket] = field(default_factory=list)
     port: int = 0
-    #: The other daphne processes accepting from the same socket (`start_gateway(processes=N)`).
+    #: The other daphne processes on the same port (`start_gateway(processes=N)`).
     siblings: list[Proc] = field(default_factory=list)
 
     @property
@@ -76,9 +78,9 @@ class GatewayProc(Proc):
 
     def stop(self) -> None:
         super().stop()
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        for sock in self.socks:
+            sock.close()
+        self.socks = []
 
 
 @dataclass
@@ -202,11 +204,13 @@ class Stack:
         nodelay: bool | None = None,
         root: Path | None = None,
         processes: int = 1,
+        shared_socket: bool = False,
     ) -> GatewayProc:
         """daphne on a socket bound here and passed with `--fd`; waits until /ready lists the pools.
 
-        `processes`: that many daphnes accepting from the one socket, as `manage.py serve
-        --processes N` runs them in production (the kernel hands each connection to one).
+        `processes`: that many daphnes on one port, as `manage.py serve --processes N` runs them
+        in production: a socket each with SO_REUSEPORT (messages_api/server/listeners.py), or with
+        `shared_socket` (`serve --shared-socket`) one socket they all accept from.
 
         `root`: run the gateway from another checkout of the project (an A/B comparison with
         another commit, on the same database and workers).
@@ -215,13 +219,11 @@ class Stack:
         (default: the Stack's `gateway_nodelay`) sets TCP_NODELAY on the listening socket, which
         Linux copies to every accepted connection.
         """
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        socks = bind_listeners("127.0.0.1", 0, 1 if shared_socket else processes, LISTEN_BACKLOG)
         if self.gateway_nodelay if nodelay is None else nodelay:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(LISTEN_BACKLOG)
-        port = sock.getsockname()[1]
+            for sock in socks:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        port = socks[0].getsockname()[1]
         env = dict(self.env)
         for key, value in (settings or {}).items():
             env[key] = str(value)
@@ -229,11 +231,12 @@ class Stack:
         for i in range(processes):
             log_path = self.tmp / (f"daphne-{port}.log" if i == 0 else f"daphne-{port}-{i}.log")
             log = open(log_path, "wb")
+            fd = socks[i % len(socks)].fileno()
             process = subprocess.Popen(
-                [PYTHON, "-m", "daphne", "--fd", str(sock.fileno()), "disagg_project.asgi:application"],
+                [PYTHON, "-m", "daphne", "--fd", str(fd), "disagg_project.asgi:application"],
                 cwd=root or PROJECT_ROOT,
                 env=env,
-                pass_fds=[sock.fileno()],
+                pass_fds=[fd],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=child_setup,
@@ -242,7 +245,7 @@ class Stack:
             started.append((process, log_path))
         (process, log_path), rest = started[0], started[1:]
         siblings = [Proc(name=f"daphne-{port}-{i + 1}", process=p, log_path=path) for i, (p, path) in enumerate(rest)]
-        gateway = GatewayProc(name=f"daphne-{port}", process=process, log_path=log_path, sock=sock, port=port, siblings=siblings)
+        gateway = GatewayProc(name=f"daphne-{port}", process=process, log_path=log_path, socks=socks, port=port, siblings=siblings)
         self.procs.extend([*siblings, gateway])
         wait_ready(gateway, set(expect_pools))
         for sibling in siblings:

@@ -1,17 +1,22 @@
-"""`manage.py serve`: several daphne processes on one socket, and the SIGTERM drain."""
+"""`manage.py serve`: several daphne processes on one port, and the SIGTERM drain."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from daphne.http_protocol import HTTPFactory
 from daphne.server import Server
@@ -121,6 +126,54 @@ def test_both_processes_serve_and_each_sees_its_own_clients_leave(
     for rid in request_ids:
         assert {r.outcome for r in reservations_closed(rid)} == {"cancelled"}
     context_worker.wait_for(lambda st: st["aborted"] >= 6 and st["active"] == 0)
+
+
+def accept_queues(port: int) -> list[int]:
+    """The accept queue's length of every IPv4 socket listening on `port` (/proc/net/tcp: a
+    listening socket's rx_queue is its backlog of connections not yet accepted)."""
+    queues = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            queues.append(int(fields[4].split(":")[1], 16))
+    return queues
+
+
+def test_connections_opened_together_are_spread_evenly(
+    served: Served, transactional_db: Any, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
+    """A socket per process (SO_REUSEPORT): connections that arrive together are not all taken by
+    whichever process wakes first (from one shared socket, Twisted accepts up to a hundred per
+    wake-up). The processes are stopped while the connections arrive, so they wait in the backlog
+    together, as in a burst; then one process runs alone until it has accepted what it can."""
+    cluster = register_cluster(context_worker, generation_worker)
+    registered_everywhere(served, cluster)
+    children = [int(pid) for pid in Path(f"/proc/{served.process.pid}/task/{served.process.pid}/children").read_text().split()]
+    assert len(children) == 2
+    body = orjson.dumps({"model": cluster.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi [sim tokens=2]"}]})
+    head = "".join(f"{name}: {value}\r\n" for name, value in cluster.headers().items())
+    request = (f"POST /v1/messages HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n{head}"
+               f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+    for pid in children:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        connections = [socket.create_connection(("127.0.0.1", served.port), timeout=30) for _ in range(40)]
+        for conn in connections:
+            conn.sendall(request)
+        os.kill(children[0], signal.SIGCONT)
+        wait_until(lambda: 0 in accept_queues(served.port), timeout=10, message="the first process accepted nothing")
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGCONT)
+    ids = []
+    for conn in connections:
+        with conn:
+            answer = b"".join(iter(lambda c=conn: c.recv(65536), b""))  # type: ignore[misc]
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        ids.append(re.search(rb"(?im)^request-id: *(\S+)", answer).group(1).decode())  # type: ignore[union-attr]
+    served_by = Counter(audit_row(rid).gateway_instance for rid in ids)
+    # By the hash of each connection's addresses: fewer than 8 of 40 on one process has p < 1e-4.
+    assert len(served_by) == 2 and min(served_by.values()) >= 8, served_by
 
 
 @pytest.mark.parametrize("served", [{"GATEWAY_DRAIN_TIMEOUT_S": "20"}], indirect=True)

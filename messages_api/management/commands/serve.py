@@ -1,13 +1,14 @@
-"""`manage.py serve`: N daphne processes on one listening socket, so a many-core host serves one
-port without a load balancer in front.
+"""`manage.py serve`: N daphne processes on one port, so a many-core host serves one port without
+a load balancer in front.
 
-    manage.py serve --host 0.0.0.0 --port 8000 --processes 8 [-- extra daphne options]
+    manage.py serve --host 0.0.0.0 --port 8000 --processes 8 [--shared-socket] [-- extra daphne options]
 
-One event loop uses one core; this command binds the socket once and starts N `daphne --fd`
-children that all accept from it (the kernel hands each new connection to one of them), the way
-systemd socket activation shares a socket. A connection, and the stream on it, belongs to the
-process that accepted it, so that process sees its client leave. Under systemd socket activation
-(`LISTEN_FDS`), the socket systemd passes is used instead of binding one.
+One event loop uses one core; this command binds the port before it starts N `daphne --fd`
+children: one socket per child with `SO_REUSEPORT`, so the kernel spreads new connections evenly
+over them (messages_api/server/listeners.py says why), or with `--shared-socket` one socket all
+of them accept from. A connection, and the stream on it, belongs to the process that accepted it,
+so that process sees its client leave. Under systemd socket activation (`LISTEN_FDS`), the one
+socket systemd passes is shared instead.
 
 Signals: SIGTERM (or SIGINT) is forwarded to every child; each drains (stops accepting, finishes
 its requests for up to `GATEWAY_DRAIN_TIMEOUT_S`, see messages_api/server/drain.py) and exits; the
@@ -32,6 +33,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from messages_api.server.listeners import bind_listeners, reuse_port_supported
+
 APPLICATION = "disagg_project.asgi:application"
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -41,7 +44,7 @@ SD_LISTEN_FDS_START = 3
 
 
 class Command(BaseCommand):
-    help = "Serve the gateway with N daphne processes sharing one listening socket."
+    help = "Serve the gateway with N daphne processes on one port."
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -51,15 +54,20 @@ class Command(BaseCommand):
             "--processes", type=int, default=os.cpu_count() or 1,
             help="daphne processes to run (default: one per CPU)",
         )
-        parser.add_argument("--backlog", type=int, default=2048, help="listen backlog of the shared socket")
+        parser.add_argument("--backlog", type=int, default=2048, help="listen backlog of each socket")
+        parser.add_argument(
+            "--shared-socket", action="store_true",
+            help="one listening socket for every process (whichever wakes first accepts) instead of one "
+            "socket each with SO_REUSEPORT (connections spread evenly)",
+        )
         parser.add_argument("daphne_args", nargs="*", help="extra daphne options, after `--`")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["processes"] < 1:
             raise CommandError("--processes must be at least 1")
-        listener = self._listening_socket(options)
-        host, port = listener.getsockname()[:2]
-        supervisor = Supervisor(listener, options["processes"], list(options["daphne_args"]), self.stdout.write)
+        listeners = self._listening_sockets(options)
+        host, port = listeners[0].getsockname()[:2]
+        supervisor = Supervisor(listeners, options["processes"], list(options["daphne_args"]), self.stdout.write)
         self.stdout.write(
             f"gateway on http://{_url_host(host)}:{port} with {options['processes']} daphne process(es)"
         )
@@ -68,20 +76,15 @@ class Command(BaseCommand):
         if status:
             raise CommandError(f"stopped: {supervisor.reason}", returncode=status)
 
-    def _listening_socket(self, options: dict[str, Any]) -> socket.socket:
+    def _listening_sockets(self, options: dict[str, Any]) -> list[socket.socket]:
         if settings.SYSTEMD_LISTEN_FDS >= 1:
-            return socket.socket(fileno=SD_LISTEN_FDS_START)
+            return [socket.socket(fileno=SD_LISTEN_FDS_START)]
         host = options["host"]
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        shared = options["shared_socket"] or not reuse_port_supported()
         try:
-            sock.bind((host, options["port"]))
+            return bind_listeners(host, options["port"], 1 if shared else options["processes"], options["backlog"])
         except OSError as exc:
-            sock.close()
             raise CommandError(f"cannot listen on {host}:{options['port']}: {exc}") from None
-        sock.listen(options["backlog"])
-        return sock
 
 
 def _url_host(host: str) -> str:
@@ -89,10 +92,12 @@ def _url_host(host: str) -> str:
 
 
 class Supervisor:
-    """Starts, restarts and stops the daphne children of one shared socket."""
+    """Starts, restarts and stops the daphne children; child i accepts from listener i (modulo
+    their number: one shared socket, or one each). The supervisor keeps every socket open, so a
+    restarted child's connections wait in its socket's backlog meanwhile."""
 
-    def __init__(self, listener: socket.socket, processes: int, daphne_args: list[str], log: Any) -> None:
-        self.listener = listener
+    def __init__(self, listeners: list[socket.socket], processes: int, daphne_args: list[str], log: Any) -> None:
+        self.listeners = listeners
         self.processes = processes
         self.daphne_args = daphne_args
         self.log = log
@@ -104,7 +109,7 @@ class Supervisor:
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        self.children = [self._spawn() for _ in range(self.processes)]
+        self.children = [self._spawn(index) for index in range(self.processes)]
         while self.stop_signal is None:
             time.sleep(POLL_INTERVAL_S)
             if self._restart_dead():
@@ -122,8 +127,8 @@ class Supervisor:
             if child.poll() is None:
                 child.send_signal(signum)
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        fd = self.listener.fileno()
+    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+        fd = self.listeners[index % len(self.listeners)].fileno()
         command = [sys.executable, "-m", "daphne", "--fd", str(fd), *self.daphne_args, APPLICATION]
         # Children do not inherit LISTEN_PID/LISTEN_FDS: they are told the descriptor explicitly.
         env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")}
@@ -143,13 +148,14 @@ class Supervisor:
                 self.reason = f"{len(self.deaths)} daphne processes died within {RESTART_WINDOW_S:.0f} s"
                 return True
             self.log(f"daphne process {child.pid} exited with {status}; starting another")
-            self.children[index] = self._spawn()
+            self.children[index] = self._spawn(index)
         return False
 
     def _stop(self, status: int) -> int:
-        # Close our copy of the socket first: once every child has stopped listening, new
+        # Close our copies of the sockets first: once every child has stopped listening, new
         # connections are refused instead of queuing where nobody accepts them.
-        self.listener.close()
+        for listener in self.listeners:
+            listener.close()
         forward = self.stop_signal or signal.SIGTERM
         for child in self.children:
             if child.poll() is None:
