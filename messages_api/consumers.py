@@ -463,7 +463,7 @@ class MessagesConsumer(ApiConsumer):
             if self._send_queue is not None:
                 # Off daphne: a client slower than its worker holds the worker's stream back.
                 self._send_queue.throttle(run.pause_relay, run.resume_relay)
-            await run.relay(self._frame_writer(reframer, writer))
+            await run.relay(*self._frame_writer(reframer, writer))
             closing = encode_events(reframer.finish())
             await self.stop_heartbeat()
             await self.send_body(closing, more_body=False)
@@ -511,10 +511,15 @@ class MessagesConsumer(ApiConsumer):
     async def _send_ping(self) -> None:
         await self.send_body(PING_FRAME, more_body=True)
 
-    def _frame_writer(self, reframer: StreamReframer, writer: BodyWriter) -> Callable[[dict[str, Any]], None]:
-        """The sink of the stream (`ChatRun.relay`): each chunk's frames written as the worker's
-        bytes arrive, in the worker connection's receive callback."""
+    def _frame_writer(
+        self, reframer: StreamReframer, writer: BodyWriter
+    ) -> tuple[Callable[[dict[str, Any]], None], Callable[[], None]]:
+        """The sink of the stream and its flush (`ChatRun.relay`): each chunk's frames made as the
+        worker's bytes arrive, in the worker connection's receive callback, and written after each
+        read in one piece. A paced worker's read holds one token; when the loop was busy (a burst
+        of streams starting) it holds several, and they leave in one send instead of one each."""
         text_frame, heartbeat = reframer.text_frame, self.heartbeat
+        pending: list[bytes] = []
 
         def write_chunk(chunk: dict[str, Any]) -> None:
             # A text token on the open block (nearly every chunk) is framed without the event
@@ -523,11 +528,18 @@ class MessagesConsumer(ApiConsumer):
             if frames is None:
                 frames = _event_frames(reframer, chunk)
             if frames is not None:
-                writer(frames)
-                if heartbeat is not None:
-                    heartbeat.sent()
+                pending.append(frames)
 
-        return write_chunk
+        def flush() -> None:
+            if not pending:
+                return
+            body = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending.clear()
+            writer(body)
+            if heartbeat is not None:
+                heartbeat.sent()
+
+        return write_chunk, flush
 
     async def stop_heartbeat(self) -> None:
         """Idempotent: every way out of a stream calls it before the last frame."""

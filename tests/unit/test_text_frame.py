@@ -125,3 +125,28 @@ def test_the_limit_and_the_count_are_the_same_either_way(texts: list[str], max_t
         assert fast.relayed_tokens >= max_tokens
     else:
         assert fast.relayed_tokens == sum(counted)
+
+
+def test_the_consumers_sink_writes_each_reads_frames_in_one_piece() -> None:
+    # MessagesConsumer._frame_writer: the frames of a read's chunks gathered, written once by the
+    # flush that follows the read (ChunkStream.pump), the same bytes as one write per chunk.
+    from types import SimpleNamespace
+
+    from messages_api.consumers import MessagesConsumer
+
+    chunks = [chunk({"role": "assistant", "content": ""}), chunk({"content": "a"}), chunk({"content": "b"}), chunk({"content": "c"})]
+    expected, _, _, _ = stream_both_ways(chunks)
+    writes: list[bytes] = []
+    heartbeat = SimpleNamespace(sends=0)
+    heartbeat.sent = lambda: setattr(heartbeat, "sends", heartbeat.sends + 1)
+    r = reframer()
+    sink, flush = MessagesConsumer._frame_writer(SimpleNamespace(heartbeat=heartbeat), r, writes.append)  # type: ignore[arg-type]
+    for c in chunks[:3]:
+        sink(c)
+    assert writes == []
+    flush()
+    sink(chunks[3])
+    flush()
+    flush()  # nothing gathered: nothing written
+    assert len(writes) == 2 and heartbeat.sends == 2
+    assert b"".join(writes) + encode_events(r.finish()) == expected

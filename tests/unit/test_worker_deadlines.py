@@ -427,3 +427,63 @@ async def test_what_a_pushed_streams_sink_raises_is_raised_as_it_is_and_the_stre
         assert not isinstance(info.value, WorkerError) and str(info.value) == "the consumer's own deadline"
         await stream.aclose()
         await asyncio.wait_for(worker.hung_up.wait(), 5)
+
+
+def numbered(n: int) -> dict[str, Any]:
+    return {**CHUNK, "choices": [{"index": 0, "delta": {"content": str(n)}, "finish_reason": None}]}
+
+
+async def test_flush_follows_the_chunks_of_each_read() -> None:
+    # Three tokens in one write arrive in one read: the sink gets them, then one flush; the next
+    # read (one token and [DONE]) is flushed on its own, before the pump returns.
+    log: list[str] = []
+    first_read_flushed = asyncio.Event()
+
+    async def script(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + sse(numbered(1), numbered(2), numbered(3)))
+        await writer.drain()
+        await first_read_flushed.wait()
+        writer.write(sse(numbered(4)) + b"data: [DONE]\n\n")
+        await writer.drain()
+        await asyncio.Event().wait()
+
+    def flush() -> None:
+        log.append("flush")
+        first_read_flushed.set()
+
+    async with fake_worker(script) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        await stream.pump(lambda chunk: log.append(chunk["choices"][0]["delta"]["content"]), flush)
+        await stream.aclose()
+    assert log == ["1", "2", "3", "flush", "4", "flush"]
+
+
+async def test_what_the_sink_took_before_it_failed_is_flushed() -> None:
+    taken: list[str] = []
+    flushed: list[list[str]] = []
+
+    def sink(chunk: dict[str, Any]) -> None:
+        if len(taken) == 2:
+            raise ValueError("the consumer's own failure")
+        taken.append(chunk["choices"][0]["delta"]["content"])
+
+    async with fake_worker(reply(SSE_HEAD + sse(numbered(1), numbered(2), numbered(3), numbered(4)))) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        with pytest.raises(ValueError, match="own failure"):
+            await stream.pump(sink, lambda: flushed.append(list(taken)))
+        await stream.aclose()
+        await asyncio.wait_for(worker.hung_up.wait(), 5)
+    assert flushed == [["1", "2"]]
+
+
+async def test_a_failing_flush_ends_the_stream_with_its_own_error() -> None:
+    def flush() -> None:
+        raise ConnectionResetError("the client's connection")
+
+    async with fake_worker(reply(SSE_HEAD + sse(CHUNK, CHUNK))) as worker:
+        stream = await client.open_stream(worker.url, CHAT, stage="generation")
+        with pytest.raises(ConnectionResetError) as info:
+            await stream.pump(lambda chunk: None, flush)
+        assert not isinstance(info.value, WorkerError)
+        await stream.aclose()
+        await asyncio.wait_for(worker.hung_up.wait(), 5)

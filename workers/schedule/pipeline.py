@@ -430,10 +430,11 @@ class ChatRun:
 
     # --- the stream ------------------------------------------------------------------------------
 
-    async def relay(self, sink: Callable[[dict[str, Any]], None]) -> None:
+    async def relay(self, sink: Callable[[dict[str, Any]], None], flush: Callable[[], None] | None = None) -> None:
         """The generation stream's chunks, after `stream_ready()`: `sink` gets each as the
         worker's bytes arrive, in the connection's receive callback (`ChunkStream.pump`), so it
-        must not wait (`pause_relay` holds the worker back). What `sink` raises ends the stream
+        must not wait (`pause_relay` holds the worker back); `flush`, if given, after the chunks
+        of each read (the sink may gather them until then). What `sink` raises ends the stream
         and is raised here, but `StopRelay`: the sink has taken all it will (the front door's
         output limit), and the answer ends there as complete; the worker's request is cancelled
         at once (its connection closed, the rest of its answer unread)."""
@@ -446,6 +447,9 @@ class ChatRun:
                     sink(chunk)
             except StopRelay:
                 pass
+            finally:
+                if flush is not None:
+                    flush()
             self._note(stage=Stage.DONE)
             return
         stream = self._stream
@@ -461,7 +465,7 @@ class ChatRun:
             sink(chunk)
 
         try:
-            await stream.pump(on_chunk)
+            await stream.pump(on_chunk, flush)
         except WorkerError as exc:
             self._generation_ended(exc)
             raise

@@ -105,10 +105,12 @@ class ChunkStream:
         self._push: PushedBody | None = None  # while `pump` runs
         self._paused = False
 
-    async def pump(self, sink: Callable[[dict[str, Any]], None]) -> None:
+    async def pump(self, sink: Callable[[dict[str, Any]], None], flush: Callable[[], None] | None = None) -> None:
         """Each validated chunk to `sink` as it arrives, until `[DONE]`. `sink` runs in the worker
         connection's receive callback, so it must not wait (`pause` holds the worker back); what
         it raises ends the stream and is raised here as it is, never as the worker's failure.
+        `flush`, if given, runs after the chunks of each read, in the same callback: a sink may
+        gather what one read brings (several tokens when the loop was busy) and send it at once.
 
         Why pushed: a stream relays one token per read, and a read the task awaits costs a
         future, a loop callback and a task step that resumes the reader through every `await`
@@ -137,6 +139,20 @@ class ChunkStream:
                     return False
             return True
 
+        def delivered(events: list[Event]) -> bool:
+            """`deliver`, then `flush` whatever the sink took of it (also when the sink or the
+            stream failed halfway: what came before the failure is sent before the error)."""
+            try:
+                going_on = deliver(events)
+            finally:
+                if flush is not None:
+                    try:
+                        flush()
+                    except BaseException as exc:  # the consumer's own failure, as in `deliver`
+                        if not outcome.done():
+                            outcome.set_exception(_SinkFailed(exc))
+            return going_on and not outcome.done()
+
         def on_data(data: bytes) -> bool:
             if outcome.done():  # the deadline passed meanwhile
                 return False
@@ -150,9 +166,10 @@ class ChunkStream:
                     # Later than the deadline before it (the clock only moves on; `ends_by` is
                     # fixed), so an assignment, not `move`: the timer re-arms itself when it fires.
                     deadline.when = min(clock() + idle_s, ends_by)
-                return deliver(events)
+                return delivered(events) if events else True
             except Exception as exc:  # malformed, an error frame, a line too long
-                outcome.set_exception(exc)
+                if not outcome.done():
+                    outcome.set_exception(exc)
                 return False
 
         def on_end(error: BaseException | None) -> None:
@@ -162,10 +179,11 @@ class ChunkStream:
                 outcome.set_exception(error)
                 return
             try:
-                if deliver(decoder.end()):  # the body ended without [DONE]
+                if delivered(decoder.end()):  # the body ended without [DONE]
                     outcome.set_exception(self._broken())
             except Exception as exc:
-                outcome.set_exception(exc)
+                if not outcome.done():
+                    outcome.set_exception(exc)
 
         deadline.move(min(self._first_byte_by or loop.time() + idle_s, ends_by))
         self._pumping = True
