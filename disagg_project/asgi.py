@@ -43,6 +43,9 @@ def _start_services_with_daphne() -> None:
     from disagg_project import log_queue
 
     log_queue.install()  # log lines formatted and written on a thread of their own
+    from messages_api import install_access_log
+
+    install_access_log(reactor)  # and daphne's access lines with them, not on stdout from the loop
     loop.call_soon(_no_delay_on_listening_sockets, reactor)
     # Close the worker connection pools while the loop still runs (after daphne has stopped the
     # applications), instead of leaving them to be collected.

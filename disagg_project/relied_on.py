@@ -125,6 +125,18 @@ RELIANCES: tuple[Reliance, ...] = (
         "daphne 4.2.3",
     ),
     Reliance(
+        "daphne.server.Server", ("action_logger",),
+        "messages_api/server/access_log.py (install)",
+        "daphne's access lines go to it (Server.log_action); replaced by a function that logs them off the loop",
+        "daphne 4.2.3",
+    ),
+    Reliance(
+        "daphne.access.AccessLogGenerator", ("stream",),
+        "messages_api/server/access_log.py (install)",
+        "only the generator writing to stdout (daphne's default) is replaced; --access-log FILE is left alone",
+        "daphne 4.2.3",
+    ),
+    Reliance(
         "daphne.server.Server", ("connections",),
         "messages_api/server/drain.py (_Drain.in_flight)",
         "requests in flight: entries whose 'application_instance' runs and that are not 'disconnected'",
@@ -218,7 +230,7 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance(
         "twisted.internet.tcp.Port", ("factory",),
-        "messages_api/server/drain.py (_listening_ports)",
+        "messages_api/server/drain.py (listening_ports)",
         "a listening port is daphne's when its factory is daphne's HTTPFactory",
         "Twisted 26.10.0",
     ),

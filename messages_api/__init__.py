@@ -14,7 +14,7 @@ Other packages use only the names in `__all__` below and the Django places every
     usage.py, usage_report.py     usage per key and hour (counted in memory, added to the rows);
     usage_chart.py                its admin page (SVG charts) and CSV
     server/                       daphne plumbing: the intake guard, direct writes, drain, state dump,
-                                  the event loop's lag (shedding), memory given back
+                                  the event loop's lag (shedding), memory given back, the access log
 
 The names load lazily: Django imports this package before its models are ready.
 """
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 # Public name → (module, attribute).
 _HOMES = {
     "http_application": ("messages_api.routes", "http_application"),
+    "install_access_log": ("messages_api.server.access_log", "install"),
     "install_http_guard": ("messages_api.server.http_guard", "install"),
     "install_direct_writes": ("messages_api.server.direct_write", "install"),
     "install_drain": ("messages_api.server.drain", "install"),
@@ -36,6 +37,7 @@ _HOMES = {
 }
 __all__ = [
     "http_application",
+    "install_access_log",
     "install_direct_writes",
     "install_drain",
     "install_http_guard",
@@ -46,6 +48,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from messages_api.routes import http_application
+    from messages_api.server.access_log import install as install_access_log
     from messages_api.server.direct_write import install as install_direct_writes
     from messages_api.server.drain import install as install_drain
     from messages_api.server.http_guard import install as install_http_guard

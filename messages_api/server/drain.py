@@ -76,7 +76,7 @@ class _Drain:
             self.reactor.stop()
             return
         self.deadline = time.monotonic() + self.timeout
-        ports = list(_listening_ports(self.reactor))
+        ports = list(listening_ports(self.reactor))
         self.servers = [s for s in {id(p.factory.server): p.factory.server for p in ports}.values()]
         for port in ports:
             port.stopListening()
@@ -100,7 +100,7 @@ class _Drain:
         self.reactor.callLater(POLL_INTERVAL_S, self.check)
 
 
-def _listening_ports(reactor: Any) -> Iterable[Any]:
+def listening_ports(reactor: Any) -> Iterable[Any]:
     """daphne's listening TCP ports (the readers whose factory is daphne's HTTPFactory)."""
     from daphne.http_protocol import HTTPFactory
 

@@ -73,3 +73,20 @@ def test_the_client_s_text_is_escaped_in_the_access_log(quiet_gateway: Gateway, 
     assert not any(l.startswith(forged) for l in log.splitlines())  # no line forged by the client
     assert "evil\\n2026-01-01" in line and "\\x1b[2J\\x1b[31mred\\u2028" in line
     assert line.count("evil\\n") == 2  # the model, and the error message quoting it
+
+
+def test_daphnes_access_lines_go_through_the_log_thread(quiet_gateway: Gateway) -> None:
+    # daphne writes its own access line to stdout on the event loop; the gateway hands it to the
+    # logging thread instead (messages_api/server/access_log.py). (A control character in the
+    # path never gets that far: the intake guard refuses the request line, 400.)
+    offset = len(quiet_gateway.log(None))
+    assert httpx.get(quiet_gateway.url + "/v1/nothing", timeout=5).status_code == 404
+    assert httpx.get(quiet_gateway.url + "/health", timeout=5).status_code == 200
+    line = wait_until(
+        lambda: next((l for l in log_after(quiet_gateway, offset).splitlines() if '"GET /health" 200' in l), None),
+        timeout=5, message="no access line for /health",
+    )
+    assert " INFO messages_api.server.access_log " in line and "127.0.0.1:" in line
+    log = log_after(quiet_gateway, offset)
+    assert '"GET /v1/nothing" 404' in log
+    assert " - - [" not in log  # daphne's own stdout line (NCSA format) is gone
