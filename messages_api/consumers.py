@@ -463,7 +463,8 @@ class MessagesConsumer(ApiConsumer):
             if self._send_queue is not None:
                 # Off daphne: a client slower than its worker holds the worker's stream back.
                 self._send_queue.throttle(run.pause_relay, run.resume_relay)
-            await run.relay(*self._frame_writer(reframer, writer))
+            frames = self._frame_writer(reframer, writer)
+            await run.relay(frames.write_chunk, hold=frames.hold, release=frames.release)
             closing = encode_events(reframer.finish())
             await self.stop_heartbeat()
             await self.send_body(closing, more_body=False)
@@ -511,35 +512,10 @@ class MessagesConsumer(ApiConsumer):
     async def _send_ping(self) -> None:
         await self.send_body(PING_FRAME, more_body=True)
 
-    def _frame_writer(
-        self, reframer: StreamReframer, writer: BodyWriter
-    ) -> tuple[Callable[[dict[str, Any]], None], Callable[[], None]]:
-        """The sink of the stream and its flush (`ChatRun.relay`): each chunk's frames made as the
-        worker's bytes arrive, in the worker connection's receive callback, and written after each
-        read in one piece. A paced worker's read holds one token; when the loop was busy (a burst
-        of streams starting) it holds several, and they leave in one send instead of one each."""
-        text_frame, heartbeat = reframer.text_frame, self.heartbeat
-        pending: list[bytes] = []
-
-        def write_chunk(chunk: dict[str, Any]) -> None:
-            # A text token on the open block (nearly every chunk) is framed without the event
-            # dict; anything else goes through the reframer's general path.
-            frames = text_frame(chunk)
-            if frames is None:
-                frames = _event_frames(reframer, chunk)
-            if frames is not None:
-                pending.append(frames)
-
-        def flush() -> None:
-            if not pending:
-                return
-            body = pending[0] if len(pending) == 1 else b"".join(pending)
-            pending.clear()
-            writer(body)
-            if heartbeat is not None:
-                heartbeat.sent()
-
-        return write_chunk, flush
+    def _frame_writer(self, reframer: StreamReframer, writer: BodyWriter) -> FrameWriter:
+        """The sink of the stream (`ChatRun.relay`): each chunk's frames written as the worker's
+        bytes arrive, in the worker connection's receive callback."""
+        return FrameWriter(reframer, writer, self.heartbeat)
 
     async def stop_heartbeat(self) -> None:
         """Idempotent: every way out of a stream calls it before the last frame."""
@@ -558,6 +534,47 @@ class MessagesConsumer(ApiConsumer):
             record.output_tokens = self.reframer.output_tokens
             record.cache_read_input_tokens = self.reframer.cache_read_input_tokens
             record.cache_creation_input_tokens = self.reframer.cache_creation_input_tokens
+
+
+class FrameWriter:
+    """A stream's chunks as SSE frames, written to the client as they come. Between `hold()` and
+    `release()` (the chunks of one worker read that brought several: when the loop was busy, a
+    paced stream's tokens pile up) the frames are gathered and leave in one write, one send."""
+
+    __slots__ = ("_text_frame", "_reframer", "_writer", "_heartbeat", "_held")
+
+    def __init__(self, reframer: StreamReframer, writer: BodyWriter, heartbeat: Heartbeat | None) -> None:
+        self._text_frame = reframer.text_frame
+        self._reframer = reframer
+        self._writer = writer
+        self._heartbeat = heartbeat
+        self._held: list[bytes] | None = None
+
+    def write_chunk(self, chunk: dict[str, Any]) -> None:
+        # A text token on the open block (nearly every chunk) is framed without the event dict;
+        # anything else goes through the reframer's general path.
+        frames = self._text_frame(chunk)
+        if frames is None:
+            frames = _event_frames(self._reframer, chunk)
+        if frames is None:
+            return
+        held = self._held
+        if held is not None:
+            held.append(frames)
+            return
+        self._writer(frames)
+        if self._heartbeat is not None:
+            self._heartbeat.sent()
+
+    def hold(self) -> None:
+        self._held = []
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            self._writer(held[0] if len(held) == 1 else b"".join(held))
+            if self._heartbeat is not None:
+                self._heartbeat.sent()
 
 
 def _event_frames(reframer: StreamReframer, chunk: dict[str, Any]) -> bytes | None:

@@ -127,26 +127,34 @@ def test_the_limit_and_the_count_are_the_same_either_way(texts: list[str], max_t
         assert fast.relayed_tokens == sum(counted)
 
 
-def test_the_consumers_sink_writes_each_reads_frames_in_one_piece() -> None:
-    # MessagesConsumer._frame_writer: the frames of a read's chunks gathered, written once by the
-    # flush that follows the read (ChunkStream.pump), the same bytes as one write per chunk.
+def test_the_consumers_frames_of_a_held_read_leave_in_one_write() -> None:
+    # messages_api.consumers.FrameWriter: a chunk's frames written at once, but between hold() and
+    # release() (a worker read that brought several chunks) gathered into one write; the bytes
+    # are those of one write per chunk.
     from types import SimpleNamespace
 
-    from messages_api.consumers import MessagesConsumer
+    from messages_api.consumers import FrameWriter
 
-    chunks = [chunk({"role": "assistant", "content": ""}), chunk({"content": "a"}), chunk({"content": "b"}), chunk({"content": "c"})]
+    chunks = [chunk({"role": "assistant", "content": ""}), chunk({"content": "a"}), chunk({"content": "b"}),
+              chunk({"content": "c"}), chunk({"content": "d"})]
     expected, _, _, _ = stream_both_ways(chunks)
     writes: list[bytes] = []
     heartbeat = SimpleNamespace(sends=0)
     heartbeat.sent = lambda: setattr(heartbeat, "sends", heartbeat.sends + 1)
     r = reframer()
-    sink, flush = MessagesConsumer._frame_writer(SimpleNamespace(heartbeat=heartbeat), r, writes.append)  # type: ignore[arg-type]
+    frames = FrameWriter(r, writes.append, heartbeat)  # type: ignore[arg-type]
+    frames.hold()
     for c in chunks[:3]:
-        sink(c)
+        frames.write_chunk(c)
     assert writes == []
-    flush()
-    sink(chunks[3])
-    flush()
-    flush()  # nothing gathered: nothing written
-    assert len(writes) == 2 and heartbeat.sends == 2
+    frames.release()
+    assert len(writes) == 1
+    frames.write_chunk(chunks[3])  # not held: written at once
+    assert len(writes) == 2
+    frames.hold()
+    frames.release()  # nothing gathered: nothing written
+    frames.hold()
+    frames.write_chunk(chunks[4])
+    frames.release()
+    assert len(writes) == 3 and heartbeat.sends == 3
     assert b"".join(writes) + encode_events(r.finish()) == expected

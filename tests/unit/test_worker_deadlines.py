@@ -433,34 +433,39 @@ def numbered(n: int) -> dict[str, Any]:
     return {**CHUNK, "choices": [{"index": 0, "delta": {"content": str(n)}, "finish_reason": None}]}
 
 
-async def test_flush_follows_the_chunks_of_each_read() -> None:
-    # Three tokens in one write arrive in one read: the sink gets them, then one flush; the next
-    # read (one token and [DONE]) is flushed on its own, before the pump returns.
+async def test_a_read_of_several_chunks_is_delivered_between_hold_and_release() -> None:
+    # Three tokens in one write arrive in one read: held, delivered, released. The next read (one
+    # token) is delivered as it is; the last ([DONE] alone) holds nothing.
     log: list[str] = []
-    first_read_flushed = asyncio.Event()
+    first_read_released = asyncio.Event()
 
     async def script(writer: asyncio.StreamWriter) -> None:
         writer.write(SSE_HEAD + sse(numbered(1), numbered(2), numbered(3)))
         await writer.drain()
-        await first_read_flushed.wait()
-        writer.write(sse(numbered(4)) + b"data: [DONE]\n\n")
+        await first_read_released.wait()
+        writer.write(sse(numbered(4)))
+        await writer.drain()
+        while len(log) < 6:
+            await asyncio.sleep(0.01)
+        writer.write(b"data: [DONE]\n\n")
         await writer.drain()
         await asyncio.Event().wait()
 
-    def flush() -> None:
-        log.append("flush")
-        first_read_flushed.set()
+    def release() -> None:
+        log.append("release")
+        first_read_released.set()
 
     async with fake_worker(script) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
-        await stream.pump(lambda chunk: log.append(chunk["choices"][0]["delta"]["content"]), flush)
+        await stream.pump(lambda chunk: log.append(chunk["choices"][0]["delta"]["content"]),
+                          hold=lambda: log.append("hold"), release=release)
         await stream.aclose()
-    assert log == ["1", "2", "3", "flush", "4", "flush"]
+    assert log == ["hold", "1", "2", "3", "release", "4"]
 
 
-async def test_what_the_sink_took_before_it_failed_is_flushed() -> None:
+async def test_what_the_sink_took_before_it_failed_is_released() -> None:
     taken: list[str] = []
-    flushed: list[list[str]] = []
+    released: list[list[str]] = []
 
     def sink(chunk: dict[str, Any]) -> None:
         if len(taken) == 2:
@@ -470,20 +475,20 @@ async def test_what_the_sink_took_before_it_failed_is_flushed() -> None:
     async with fake_worker(reply(SSE_HEAD + sse(numbered(1), numbered(2), numbered(3), numbered(4)))) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         with pytest.raises(ValueError, match="own failure"):
-            await stream.pump(sink, lambda: flushed.append(list(taken)))
+            await stream.pump(sink, hold=lambda: None, release=lambda: released.append(list(taken)))
         await stream.aclose()
         await asyncio.wait_for(worker.hung_up.wait(), 5)
-    assert flushed == [["1", "2"]]
+    assert released == [["1", "2"]]
 
 
-async def test_a_failing_flush_ends_the_stream_with_its_own_error() -> None:
-    def flush() -> None:
+async def test_a_failing_release_ends_the_stream_with_its_own_error() -> None:
+    def release() -> None:
         raise ConnectionResetError("the client's connection")
 
     async with fake_worker(reply(SSE_HEAD + sse(CHUNK, CHUNK))) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         with pytest.raises(ConnectionResetError) as info:
-            await stream.pump(lambda chunk: None, flush)
+            await stream.pump(lambda chunk: None, hold=lambda: None, release=release)
         assert not isinstance(info.value, WorkerError)
         await stream.aclose()
         await asyncio.wait_for(worker.hung_up.wait(), 5)

@@ -105,12 +105,19 @@ class ChunkStream:
         self._push: PushedBody | None = None  # while `pump` runs
         self._paused = False
 
-    async def pump(self, sink: Callable[[dict[str, Any]], None], flush: Callable[[], None] | None = None) -> None:
+    async def pump(
+        self,
+        sink: Callable[[dict[str, Any]], None],
+        *,
+        hold: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         """Each validated chunk to `sink` as it arrives, until `[DONE]`. `sink` runs in the worker
         connection's receive callback, so it must not wait (`pause` holds the worker back); what
         it raises ends the stream and is raised here as it is, never as the worker's failure.
-        `flush`, if given, runs after the chunks of each read, in the same callback: a sink may
-        gather what one read brings (several tokens when the loop was busy) and send it at once.
+        A read that brings several events (several tokens, when the loop was busy) is delivered
+        between `hold()` and `release()`, if given: the sink may gather what it writes and send
+        it at once. A read of one event (a paced worker's token) is delivered as it is.
 
         Why pushed: a stream relays one token per read, and a read the task awaits costs a
         future, a loop callback and a task step that resumes the reader through every `await`
@@ -140,17 +147,19 @@ class ChunkStream:
             return True
 
         def delivered(events: list[Event]) -> bool:
-            """`deliver`, then `flush` whatever the sink took of it (also when the sink or the
-            stream failed halfway: what came before the failure is sent before the error)."""
+            """`deliver`, several events between `hold` and `release` (released also when the
+            sink or the stream failed halfway: what came before the failure goes out first)."""
+            if len(events) < 2 or hold is None or release is None:
+                return deliver(events)
+            hold()
             try:
                 going_on = deliver(events)
             finally:
-                if flush is not None:
-                    try:
-                        flush()
-                    except BaseException as exc:  # the consumer's own failure, as in `deliver`
-                        if not outcome.done():
-                            outcome.set_exception(_SinkFailed(exc))
+                try:
+                    release()
+                except BaseException as exc:  # the consumer's own failure, as in `deliver`
+                    if not outcome.done():
+                        outcome.set_exception(_SinkFailed(exc))
             return going_on and not outcome.done()
 
         def on_data(data: bytes) -> bool:
