@@ -123,6 +123,8 @@ class ChunkStream:
         future, a loop callback and a task step that resumes the reader through every `await`
         up to the consumer's loop; here the bytes reach the decoder, the chunk checks and `sink`
         in the call that received them."""
+        if (hold is None) != (release is None):
+            raise TypeError("hold and release come together")
         loop = asyncio.get_running_loop()
         # True once [DONE] came; the stream's failure otherwise.
         outcome: asyncio.Future[bool] = loop.create_future()
@@ -149,7 +151,7 @@ class ChunkStream:
         def delivered(events: list[Event]) -> bool:
             """`deliver`, several events between `hold` and `release` (released also when the
             sink or the stream failed halfway: what came before the failure goes out first)."""
-            if len(events) < 2 or hold is None or release is None:
+            if hold is None or release is None or len(events) < 2:
                 return deliver(events)
             hold()
             try:
@@ -175,7 +177,8 @@ class ChunkStream:
                     # Later than the deadline before it (the clock only moves on; `ends_by` is
                     # fixed), so an assignment, not `move`: the timer re-arms itself when it fires.
                     deadline.when = min(clock() + idle_s, ends_by)
-                return delivered(events) if events else True
+                # One event (a paced worker's token): straight on, no call more per token.
+                return deliver(events) if hold is None or len(events) < 2 else delivered(events)
             except Exception as exc:  # malformed, an error frame, a line too long
                 if not outcome.done():
                     outcome.set_exception(exc)
