@@ -115,3 +115,31 @@ def test_a_batch_bigger_than_a_slice_is_written_whole_in_one_transaction(transac
         assert rows == {f"slice_{i}": str(i) for i in range(count)}
     finally:
         writer.close()
+
+
+def test_only_a_batchs_first_row_wakes_the_writer(transactional_db: Any) -> None:
+    """Waking the writer is a condition variable's notify: the rows that follow the first one
+    within its window join the batch without waking it again; a row after the batch was taken
+    wakes it for the next."""
+    writer = RowWriter(30.0)
+    sets = 0
+    wake = writer._wakeup.set
+
+    def counted_set() -> None:
+        nonlocal sets
+        sets += 1
+        wake()
+
+    writer._wakeup.set = counted_set  # type: ignore[method-assign]
+    try:
+        for i in range(5):
+            writer.upsert(Reservation, "reservation_id", reservation_row(f"wake_{i}"))
+        assert sets == 1
+        assert writer.flush(timeout=10.0)  # (a flush wakes the writer itself)
+        before = sets
+        writer.upsert(Reservation, "reservation_id", reservation_row("wake_5"))
+        assert sets == before + 1
+        assert writer.flush(timeout=10.0)
+        assert Reservation.objects.filter(reservation_id__startswith="wake_").count() == 6
+    finally:
+        writer.close()
