@@ -464,7 +464,7 @@ class MessagesConsumer(ApiConsumer):
                 # Off daphne: a client slower than its worker holds the worker's stream back.
                 self._send_queue.throttle(run.pause_relay, run.resume_relay)
             frames = self._frame_writer(reframer, writer)
-            await run.relay(frames.write_chunk, hold=frames.hold, release=frames.release)
+            await run.relay(frames.write_chunk, frames)
             closing = encode_events(reframer.finish())
             await self.stop_heartbeat()
             await self.send_body(closing, more_body=False)

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -429,6 +430,14 @@ async def test_what_a_pushed_streams_sink_raises_is_raised_as_it_is_and_the_stre
         await asyncio.wait_for(worker.hung_up.wait(), 5)
 
 
+@dataclass
+class Gathering:
+    """A `Gather` made of two functions."""
+
+    hold: Callable[[], None]
+    release: Callable[[], None]
+
+
 def numbered(n: int) -> dict[str, Any]:
     return {**CHUNK, "choices": [{"index": 0, "delta": {"content": str(n)}, "finish_reason": None}]}
 
@@ -458,7 +467,7 @@ async def test_a_read_of_several_chunks_is_delivered_between_hold_and_release() 
     async with fake_worker(script) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         await stream.pump(lambda chunk: log.append(chunk["choices"][0]["delta"]["content"]),
-                          hold=lambda: log.append("hold"), release=release)
+                          Gathering(hold=lambda: log.append("hold"), release=release))
         await stream.aclose()
     assert log == ["hold", "1", "2", "3", "release", "4"]
 
@@ -475,7 +484,7 @@ async def test_what_the_sink_took_before_it_failed_is_released() -> None:
     async with fake_worker(reply(SSE_HEAD + sse(numbered(1), numbered(2), numbered(3), numbered(4)))) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         with pytest.raises(ValueError, match="own failure"):
-            await stream.pump(sink, hold=lambda: None, release=lambda: released.append(list(taken)))
+            await stream.pump(sink, Gathering(hold=lambda: None, release=lambda: released.append(list(taken))))
         await stream.aclose()
         await asyncio.wait_for(worker.hung_up.wait(), 5)
     assert released == [["1", "2"]]
@@ -488,7 +497,7 @@ async def test_a_failing_release_ends_the_stream_with_its_own_error() -> None:
     async with fake_worker(reply(SSE_HEAD + sse(CHUNK, CHUNK))) as worker:
         stream = await client.open_stream(worker.url, CHAT, stage="generation")
         with pytest.raises(ConnectionResetError) as info:
-            await stream.pump(lambda chunk: None, hold=lambda: None, release=release)
+            await stream.pump(lambda chunk: None, Gathering(hold=lambda: None, release=release))
         assert not isinstance(info.value, WorkerError)
         await stream.aclose()
         await asyncio.wait_for(worker.hung_up.wait(), 5)

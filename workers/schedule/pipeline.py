@@ -53,7 +53,7 @@ from workers import protocols
 from workers.admission import Priority, Ticket
 from workers.admission.queue import get_queue
 from workers.routing import router
-from workers.wire.chat_stream import ChunkStream
+from workers.wire.chat_stream import ChunkStream, Gather
 from workers.schedule.completion import Completion
 from workers.exceptions import StopRelay, WorkerError, WorkerUnreachable
 from workers.cluster.health import FailureScope, failure_scope, health
@@ -430,24 +430,18 @@ class ChatRun:
 
     # --- the stream ------------------------------------------------------------------------------
 
-    async def relay(
-        self,
-        sink: Callable[[dict[str, Any]], None],
-        *,
-        hold: Callable[[], None] | None = None,
-        release: Callable[[], None] | None = None,
-    ) -> None:
+    async def relay(self, sink: Callable[[dict[str, Any]], None], gather: Gather | None = None) -> None:
         """The generation stream's chunks, after `stream_ready()`: `sink` gets each as the
         worker's bytes arrive, in the connection's receive callback (`ChunkStream.pump`), so it
         must not wait (`pause_relay` holds the worker back); the chunks of a read that brought
-        several come between `hold()` and `release()`, if given. What `sink` raises ends the stream
+        several come between `gather.hold()` and `gather.release()`, if given. What `sink` raises ends the stream
         and is raised here, but `StopRelay`: the sink has taken all it will (the front door's
         output limit), and the answer ends there as complete; the worker's request is cancelled
         at once (its connection closed, the rest of its answer unread)."""
         if self._complete_response is not None:  # answered by the context phase: no stream
             self._note(first_chunk_at=time.monotonic())
-            if hold is not None:
-                hold()
+            if gather is not None:
+                gather.hold()
             try:
                 for chunk in completion_as_chunks(self._complete_response):
                     if self._hide_cache_hits:
@@ -456,8 +450,8 @@ class ChatRun:
             except StopRelay:
                 pass
             finally:
-                if release is not None:
-                    release()
+                if gather is not None:
+                    gather.release()
             self._note(stage=Stage.DONE)
             return
         stream = self._stream
@@ -473,7 +467,7 @@ class ChatRun:
             sink(chunk)
 
         try:
-            await stream.pump(on_chunk, hold=hold, release=release)
+            await stream.pump(on_chunk, gather)
         except WorkerError as exc:
             self._generation_ended(exc)
             raise

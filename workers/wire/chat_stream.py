@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -82,6 +82,15 @@ class _SinkFailed(Exception):
         self.error = error
 
 
+class Gather(Protocol):
+    """A sink that can gather: the chunks of one read that brought several are delivered between
+    `hold()` and `release()`, so that what they make can leave in one write."""
+
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
 class ChunkStream:
     """An open OpenAI chat stream: `pump` its validated chunks until `[DONE]`; close it when done.
 
@@ -105,26 +114,19 @@ class ChunkStream:
         self._push: PushedBody | None = None  # while `pump` runs
         self._paused = False
 
-    async def pump(
-        self,
-        sink: Callable[[dict[str, Any]], None],
-        *,
-        hold: Callable[[], None] | None = None,
-        release: Callable[[], None] | None = None,
-    ) -> None:
+    async def pump(self, sink: Callable[[dict[str, Any]], None], gather: Gather | None = None) -> None:
         """Each validated chunk to `sink` as it arrives, until `[DONE]`. `sink` runs in the worker
         connection's receive callback, so it must not wait (`pause` holds the worker back); what
         it raises ends the stream and is raised here as it is, never as the worker's failure.
         A read that brings several events (several tokens, when the loop was busy) is delivered
-        between `hold()` and `release()`, if given: the sink may gather what it writes and send
-        it at once. A read of one event (a paced worker's token) is delivered as it is.
+        between `gather.hold()` and `gather.release()`, if given: the sink may gather what it
+        writes and send it at once. A read of one event (a paced worker's token) is delivered as
+        it is.
 
         Why pushed: a stream relays one token per read, and a read the task awaits costs a
         future, a loop callback and a task step that resumes the reader through every `await`
         up to the consumer's loop; here the bytes reach the decoder, the chunk checks and `sink`
         in the call that received them."""
-        if (hold is None) != (release is None):
-            raise TypeError("hold and release come together")
         loop = asyncio.get_running_loop()
         # True once [DONE] came; the stream's failure otherwise.
         outcome: asyncio.Future[bool] = loop.create_future()
@@ -151,14 +153,14 @@ class ChunkStream:
         def delivered(events: list[Event]) -> bool:
             """`deliver`, several events between `hold` and `release` (released also when the
             sink or the stream failed halfway: what came before the failure goes out first)."""
-            if hold is None or release is None or len(events) < 2:
+            if gather is None or len(events) < 2:
                 return deliver(events)
-            hold()
+            gather.hold()
             try:
                 going_on = deliver(events)
             finally:
                 try:
-                    release()
+                    gather.release()
                 except BaseException as exc:  # the consumer's own failure, as in `deliver`
                     if not outcome.done():
                         outcome.set_exception(_SinkFailed(exc))
@@ -178,7 +180,7 @@ class ChunkStream:
                     # fixed), so an assignment, not `move`: the timer re-arms itself when it fires.
                     deadline.when = min(clock() + idle_s, ends_by)
                 # One event (a paced worker's token): straight on, no call more per token.
-                return deliver(events) if hold is None or len(events) < 2 else delivered(events)
+                return deliver(events) if gather is None or len(events) < 2 else delivered(events)
             except Exception as exc:  # malformed, an error frame, a line too long
                 if not outcome.done():
                     outcome.set_exception(exc)
@@ -290,4 +292,4 @@ class ChunkStream:
         await self._response.aclose()
 
 
-__all__ = ["ChunkStream"]
+__all__ = ["ChunkStream", "Gather"]
