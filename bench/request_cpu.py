@@ -5,6 +5,7 @@
     .venv/bin/python bench/request_cpu.py --b-root /tmp/base     # A/B: gateway B from another checkout
     .venv/bin/python bench/request_cpu.py --quick                # smoke test, a few seconds
     .venv/bin/python bench/request_cpu.py --request small        # a one-line prompt, context phase skipped
+    .venv/bin/python bench/request_cpu.py --instructions --b-root /tmp/base   # instructions, not CPU time
 
 The request is tests/fixtures/claude_code_request.json (83 KB, ~20k prompt tokens, 23 tools) with
 `max_tokens` 4: what the gateway spends is per request (parse, validate, convert, estimate the
@@ -18,6 +19,12 @@ With `--b-root PATH` a second gateway ('B') runs from that checkout, in front of
 and database; every round measures A then B then A... interleaved per mode, so both see the same
 machine. Reported per gateway and mode: best and median over the rounds of CPU µs per request
 (and its kernel part) and wall ms per request; with B, B − A of the medians.
+
+With `--instructions` each gateway runs under valgrind's callgrind and the figure is the
+instructions it executes per request (all its threads, not the kernel's part), counted only
+while the measured requests run (bench/harness/instructions.py): the same whatever the machine's
+other tenants do, so a difference of a per cent between two commits shows. Slow (the gateway runs
+20-50 times slower): fewer requests per round by default.
 """
 
 from __future__ import annotations
@@ -58,7 +65,19 @@ def parse_args() -> argparse.Namespace:
                         "of the same workers and database, measured right after gateway A in every round")
     parser.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE",
                         help="A/B: a setting of gateway B (repeatable); with no --b-root, B runs from this checkout")
-    args = h.parse_args(parser, quick={"requests": 20, "warmup": 5, "rounds": 1}, full={"requests": 200, "warmup": 20, "rounds": 5})
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the instructions each gateway executes per request (valgrind's callgrind) instead of "
+                        "timing its CPU: deterministic, slow (default 3 rounds × 40 requests)")
+    h.add_common_arguments(parser)
+    args = parser.parse_args()
+    if args.instructions:
+        if not h.callgrind_available():
+            parser.error("--instructions needs valgrind (apt-get install valgrind)")
+        if args.quiet_wait is None:
+            args.quiet_wait = 0.0  # counts do not depend on what else runs
+        h.resolve(args, {"requests": 10, "warmup": 5, "rounds": 1}, {"requests": 40, "warmup": 10, "rounds": 3})
+    else:
+        h.resolve(args, {"requests": 20, "warmup": 5, "rounds": 1}, {"requests": 200, "warmup": 20, "rounds": 5})
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes: a comma-separated subset of {','.join(MODES)}")
@@ -104,6 +123,31 @@ def measure(loop: asyncio.AbstractEventLoop, gateway: h.GatewayProc, conn: h.Kee
     }
 
 
+# Under valgrind a request takes 20-50 times longer: settings that would send it down another path
+# because it is slow (a stream started before its worker answered, pings, requests shed while the
+# loop lags) are moved out of the way, so the instructions counted are those of the usual path.
+INSTRUCTION_SETTINGS = {"MESSAGES_STREAM_START_WAIT_S": "60", "MESSAGES_PING_INTERVAL_S": "600", "GATEWAY_SHED_LOOP_LAG_S": "0"}
+# valgrind translates the whole gateway (Django, the app) before it is ready.
+INSTRUCTION_START_S = 900.0
+
+
+def measure_instructions(
+    loop: asyncio.AbstractEventLoop, counter: h.CallgrindCounter, conn: h.KeepAlive, wire: bytes, stream: bool, n: int
+) -> dict[str, float]:
+    """Instructions the gateway executed (all threads) per request over n requests."""
+    counter.start()
+    loop.run_until_complete(drive(conn, wire, stream, n))
+    return {"instructions": counter.stop() / n}
+
+
+def summarize_instructions(samples: list[dict[str, float]]) -> dict[str, Any]:
+    return {
+        "min_instructions": min(s["instructions"] for s in samples),
+        "median_instructions": statistics.median(s["instructions"] for s in samples),
+        "rounds": samples,
+    }
+
+
 def summarize(samples: list[dict[str, float]]) -> dict[str, Any]:
     return {
         "best_cpu_us": min(s["cpu_us"] for s in samples),
@@ -130,10 +174,16 @@ def main() -> None:
         stack.register_worker("bench", h.MODEL, "context", ctx.url, **disagg, **context_options)
         stack.register_worker("bench", h.MODEL, "generation", gen.url, **disagg)
         key = stack.create_api_key("bench")
-        gateways = {"A": stack.start_gateway({}, expect_pools={"bench"})}
+        under: dict[str, Any] = {}
+        gateway_env: dict[str, str] = {}
+        if args.instructions:
+            under = {"wrapper": h.callgrind_command(stack.tmp), "ready_timeout": INSTRUCTION_START_S}
+            gateway_env = dict(INSTRUCTION_SETTINGS)
+        gateways = {"A": stack.start_gateway(gateway_env, expect_pools={"bench"}, **under)}
         if args.b_root or args.b_env:
-            b_env = dict(item.split("=", 1) for item in args.b_env)
-            gateways["B"] = stack.start_gateway(b_env, expect_pools={"bench"}, root=args.b_root)
+            b_env = gateway_env | dict(item.split("=", 1) for item in args.b_env)
+            gateways["B"] = stack.start_gateway(b_env, expect_pools={"bench"}, root=args.b_root, **under)
+        counters = {name: h.CallgrindCounter(gw.pid) for name, gw in gateways.items()} if args.instructions else {}
         conns = {(name, mode): h.KeepAlive(gw.port) for name, gw in gateways.items() for mode in args.modes}
         wires = {(name, mode): h.gateway_request(gw.port, key, request_body(mode == "stream", args.request))
                  for name, gw in gateways.items() for mode in args.modes}
@@ -146,16 +196,25 @@ def main() -> None:
             for _ in range(args.rounds):
                 for mode in args.modes:
                     for name, gateway in gateways.items():
-                        samples[name, mode].append(measure(loop, gateway, conns[name, mode], wires[name, mode], mode == "stream", args.requests))
+                        stream = mode == "stream"
+                        if args.instructions:
+                            sample = measure_instructions(loop, counters[name], conns[name, mode], wires[name, mode], stream, args.requests)
+                        else:
+                            sample = measure(loop, gateway, conns[name, mode], wires[name, mode], stream, args.requests)
+                        samples[name, mode].append(sample)
         meter.stop()
         for conn in conns.values():
             conn.close()
     loop.close()
 
+    what = "Claude Code request" if args.request == "claude_code" else "small request"
+    if args.instructions:
+        report_instructions(args, what, {f"{name} {mode}": summarize_instructions(s) for (name, mode), s in samples.items()},
+                            "B" in gateways)
+        return
     results = {f"{name} {mode}": summarize(s) for (name, mode), s in samples.items()}
     rows = [[label, r["best_cpu_us"], r["median_cpu_us"], r["median_kernel_us"], r["median_wall_ms"], r["median_minor_faults"]]
             for label, r in results.items()]
-    what = "Claude Code request" if args.request == "claude_code" else "small request"
     h.print_table(f"gateway CPU per {what} ({args.rounds} rounds × {args.requests} requests; best and median of the rounds)",
                   ("gateway mode", "best CPU µs", "median CPU µs", "kernel µs", "wall ms", "faults"), rows, digits=0)
     deltas = {}
@@ -172,6 +231,25 @@ def main() -> None:
                    "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env,
                    "request": args.request, "token_ids_b64": args.token_ids_b64, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
         "results": results, "b_minus_a": deltas, "cpu_seconds": meter.used, "machine_note": meter.machine_note(), "quiet": quiet,
+    })
+
+
+def report_instructions(args: argparse.Namespace, what: str, results: dict[str, dict[str, Any]], ab: bool) -> None:
+    rows = [[label, r["min_instructions"] / 1e6, r["median_instructions"] / 1e6] for label, r in results.items()]
+    h.print_table(f"gateway instructions per {what} (callgrind, all threads; {args.rounds} rounds × {args.requests} requests)",
+                  ("gateway mode", "min M instr", "median M instr"), rows, digits=3)
+    deltas = {}
+    if ab:
+        for mode in args.modes:
+            a, b = results[f"A {mode}"]["median_instructions"], results[f"B {mode}"]["median_instructions"]
+            deltas[mode] = {"b_minus_a": b - a, "b_over_a": b / a if a else float("nan")}
+        h.print_table("B − A (medians)", ("mode", "B − A M instr", "B / A"),
+                      [[m, d["b_minus_a"] / 1e6, d["b_over_a"]] for m, d in deltas.items()], digits=3)
+    h.write_result(h.result_name(args, "request_instructions"), {
+        "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
+                   "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "request": args.request,
+                   "token_ids_b64": args.token_ids_b64, "settings": INSTRUCTION_SETTINGS},
+        "results": results, "b_minus_a": deltas,
     })
 
 

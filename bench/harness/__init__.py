@@ -24,6 +24,7 @@ from __future__ import annotations
 from .paths import PROJECT_ROOT, PYTHON, RESULTS_DIR  # first: puts the project on the import path
 from .bodies import ANTHROPIC_VERSION, MODEL, build_request, gateway_request, messages_body, port_of, worker_request
 from .client import HttpConnection, KeepAlive, Response, connect
+from .instructions import CallgrindCounter, callgrind_available, callgrind_command
 from .limits import raise_nofile
 from .options import add_common_arguments, parse_args, resolve, result_name
 from .proc import (
@@ -58,6 +59,9 @@ from .stats import DIST_HEADERS, dist_row, distribution, percentile, print_distr
 
 __all__ = [
     "ANTHROPIC_VERSION",
+    "CallgrindCounter",
+    "callgrind_available",
+    "callgrind_command",
     "DIST_HEADERS",
     "FLOORS",
     "MODEL",

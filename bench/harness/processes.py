@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,6 +205,8 @@ class Stack:
         root: Path | None = None,
         processes: int = 1,
         shared_socket: bool = False,
+        wrapper: Sequence[str] = (),
+        ready_timeout: float = 60.0,
     ) -> GatewayProc:
         """daphne on a socket bound here and passed with `--fd`; waits until /ready lists the pools.
 
@@ -218,6 +220,9 @@ class Stack:
         daphne (Twisted) leaves Nagle's algorithm on for the connections it accepts; `nodelay`
         (default: the Stack's `gateway_nodelay`) sets TCP_NODELAY on the listening socket, which
         Linux copies to every accepted connection.
+
+        `wrapper`: a command the gateway runs under (`harness.instructions.callgrind_command`),
+        given `ready_timeout` seconds to start.
         """
         socks = bind_listeners("127.0.0.1", 0, 1 if shared_socket else processes, LISTEN_BACKLOG)
         if self.gateway_nodelay if nodelay is None else nodelay:
@@ -233,7 +238,7 @@ class Stack:
             log = open(log_path, "wb")
             fd = socks[i % len(socks)].fileno()
             process = subprocess.Popen(
-                [PYTHON, "-m", "daphne", "--fd", str(fd), "disagg_project.asgi:application"],
+                [*wrapper, PYTHON, "-m", "daphne", "--fd", str(fd), "disagg_project.asgi:application"],
                 cwd=root or PROJECT_ROOT,
                 env=env,
                 pass_fds=[fd],
@@ -247,7 +252,7 @@ class Stack:
         siblings = [Proc(name=f"daphne-{port}-{i + 1}", process=p, log_path=path) for i, (p, path) in enumerate(rest)]
         gateway = GatewayProc(name=f"daphne-{port}", process=process, log_path=log_path, socks=socks, port=port, siblings=siblings)
         self.procs.extend([*siblings, gateway])
-        wait_ready(gateway, set(expect_pools))
+        wait_ready(gateway, set(expect_pools), timeout=ready_timeout)
         for sibling in siblings:
             # /ready answers from whichever process accepted: the others are up when their
             # start-up's CPU has stopped growing.
