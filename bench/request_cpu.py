@@ -67,7 +67,7 @@ def parse_args() -> argparse.Namespace:
                         help="A/B: a setting of gateway B (repeatable); with no --b-root, B runs from this checkout")
     parser.add_argument("--instructions", action="store_true",
                         help="count the instructions each gateway executes per request (valgrind's callgrind) instead of "
-                        "timing its CPU: deterministic, slow (default 3 rounds × 40 requests)")
+                        "timing its CPU: deterministic, slow (default 3 rounds × 100 requests)")
     h.add_common_arguments(parser)
     args = parser.parse_args()
     if args.instructions:
@@ -75,7 +75,7 @@ def parse_args() -> argparse.Namespace:
             parser.error("--instructions needs valgrind (apt-get install valgrind)")
         if args.quiet_wait is None:
             args.quiet_wait = 0.0  # counts do not depend on what else runs
-        h.resolve(args, {"requests": 10, "warmup": 5, "rounds": 1}, {"requests": 40, "warmup": 10, "rounds": 3})
+        h.resolve(args, {"requests": 10, "warmup": 5, "rounds": 1}, {"requests": 100, "warmup": 10, "rounds": 3})
     else:
         h.resolve(args, {"requests": 20, "warmup": 5, "rounds": 1}, {"requests": 200, "warmup": 20, "rounds": 5})
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -126,7 +126,11 @@ def measure(loop: asyncio.AbstractEventLoop, gateway: h.GatewayProc, conn: h.Kee
 # Under valgrind a request takes 20-50 times longer: settings that would send it down another path
 # because it is slow (a stream started before its worker answered, pings, requests shed while the
 # loop lags) are moved out of the way, so the instructions counted are those of the usual path.
-INSTRUCTION_SETTINGS = {"MESSAGES_STREAM_START_WAIT_S": "60", "MESSAGES_PING_INTERVAL_S": "600", "GATEWAY_SHED_LOOP_LAG_S": "0"}
+# A fixed hash seed: with a random one, dicts and sets lay out differently in every process (two
+# gateways of the same code differed by 6 % in one run; ≤ 2 % with the seed fixed).
+INSTRUCTION_SETTINGS = {
+    "MESSAGES_STREAM_START_WAIT_S": "60", "MESSAGES_PING_INTERVAL_S": "600", "GATEWAY_SHED_LOOP_LAG_S": "0", "PYTHONHASHSEED": "0",
+}
 # valgrind translates the whole gateway (Django, the app) before it is ready.
 INSTRUCTION_START_S = 900.0
 
