@@ -1,6 +1,7 @@
 """The registry of open requests by key (messages_api/revocation.py): a check revokes the requests
 of keys deactivated or deleted, only those, refuses their keys to new requests for the key
-cache's lifetime, revokes nothing when the database cannot say, and leaves no task behind."""
+cache's lifetime, revokes nothing when the database cannot say, keeps one checker for requests
+that follow each other, and leaves no task behind."""
 
 from __future__ import annotations
 
@@ -52,7 +53,23 @@ async def test_a_check_revokes_only_the_requests_of_revoked_keys() -> None:
     assert refused.value.status == 401
     for request in requests[kept]:
         registry.discard(request)
-    assert registry.open_keys() == 0 and registry._checker is None
+    assert registry.open_keys() == 0
+    registry._checker.cancel()  # the hour-long interval: not waited for here
+
+
+async def test_requests_one_after_another_share_one_checker_which_ends_once_none_is_open() -> None:
+    registry = OpenRequests(interval=0.05)
+    digest = await key("sequential")
+    first = Request()
+    registry.add(digest, first)
+    checker = registry._checker
+    registry.discard(first)
+    second = Request()
+    registry.add(digest, second)  # before the checker's next wake-up: no new task, no cancellation
+    assert registry._checker is checker and not checker.done()
+    registry.discard(second)
+    await asyncio.wait_for(checker, 5)  # its next wake-up finds nothing open
+    assert registry._checker is None and not checker.cancelled()
 
 
 async def test_a_failed_lookup_revokes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
