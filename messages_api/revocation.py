@@ -16,7 +16,7 @@ A lookup that fails (the database is down) revokes nothing: it is logged and tri
 The check runs as one task, started by the first request to open and ended at its first wake-up
 that finds none open. It is not cancelled when the last request ends: a client sending one request
 at a time would otherwise have a task made, a timer armed and a cancellation raised for every
-request (~6 % of a small request's instructions, `bench/request_cpu.py --instructions`).
+request (~1-2 % of a small request's instructions, `bench/request_cpu.py --instructions`).
 """
 
 from __future__ import annotations

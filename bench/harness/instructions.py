@@ -30,9 +30,9 @@ def callgrind_command(out_dir: Path) -> list[str]:
     """The prefix that starts a process under callgrind with counting off (`CallgrindCounter`
     turns it on)."""
     return [
-        "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_dir}/callgrind.out.%p",
-        # pymalloc's arenas read memory valgrind thinks uninitialised; callgrind does not check it.
-        "--quiet",
+        # --quiet: valgrind's banner stays out of the gateway's log. The profile is written at the
+        # process's exit to `out_dir` (a Stack's directory: `--keep` keeps it for callgrind_annotate).
+        "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_dir}/callgrind.out.%p", "--quiet",
     ]
 
 
