@@ -16,7 +16,7 @@ from django.contrib.admin import AdminSite
 from django.contrib.admin.exceptions import NotRegistered
 from django.core import checks
 from django.core.exceptions import FieldDoesNotExist
-from django.db.models import Count, Model, Q, QuerySet
+from django.db.models import Count, Model, Q, QuerySet, URLField
 from django.db.models.constants import LOOKUP_SEP
 from django.http import HttpRequest
 from django.urls import reverse
@@ -334,6 +334,9 @@ class WorkerEndpointAdmin(GuardedAdmin[WorkerEndpoint]):
     )
     actions = ["drain", "enable", "disable"]
     list_select_related = ("pool",)
+    # As in the pool page's inline (EndpointInlineForm): workers speak plain HTTP, so a URL typed
+    # without a scheme is http:// (Django 6 would make it https://, and warns until then).
+    formfield_overrides = {URLField: {"assume_scheme": "http"}}
 
     class Media:
         css = CLUSTER_CSS

@@ -291,6 +291,17 @@ def test_the_endpoint_page_edits_its_options(cluster: dict[str, Any]) -> None:
     assert "connection refused" in listing and ">3<" in listing  # health and open reservations
 
 
+@pytest.mark.filterwarnings("error::django.utils.deprecation.RemovedInDjango60Warning")
+def test_the_endpoint_page_takes_a_url_without_a_scheme_as_http(cluster: dict[str, Any]) -> None:
+    # Workers speak plain HTTP (as the pool page's inline form says); Django 6 would default to https.
+    from django.contrib import admin
+
+    request = RequestFactory().get("/")
+    request.user = get_user_model().objects.create_superuser("root-url", password="x")
+    form = admin.site._registry[WorkerEndpoint].get_form(request, cluster["context"])
+    assert form.base_fields["url"].clean("10.0.0.9:8001") == "http://10.0.0.9:8001"
+
+
 def test_the_model_routes_list_links_its_pools(cluster: dict[str, Any]) -> None:
     from workers.models import ModelRoute, ModelRoutePool
 
