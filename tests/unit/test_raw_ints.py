@@ -32,6 +32,15 @@ def test_a_context_answer_keeps_its_ids_as_text_and_writes_them_back_unchanged()
     assert read(content) == answer
 
 
+def test_an_id_too_long_for_64_bits_is_kept_as_written() -> None:
+    # The check does not scan for digit runs: the generation worker reads the id as the context
+    # worker wrote it (and refuses it), where a parse would have turned it into a float.
+    array = b"[" + b",".join(str(i).encode() for i in IDS) + b",1234567890123456789012345]"
+    data = loads_keeping_ints(b'{"prompt_token_ids":' + array + b"}", KEY)
+    assert isinstance(data[KEY], orjson.Fragment)
+    assert orjson.dumps(data) == b'{"prompt_token_ids":' + array + b"}"
+
+
 @pytest.mark.parametrize(
     "body",
     [
