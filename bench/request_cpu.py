@@ -44,6 +44,7 @@ import harness as h
 
 FIXTURE = h.PROJECT_ROOT / "tests" / "fixtures" / "claude_code_request.json"
 MODES = ("nonstream", "stream")
+FLOORS = ("stock", "answer", "relay")  # bench/framework_floor.py's
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,8 +69,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--instructions", action="store_true",
                         help="count the instructions each gateway executes per request (valgrind's callgrind) instead of "
                         "timing its CPU: deterministic, slow (default 3 rounds × 100 requests)")
+    parser.add_argument("--floors", action="store_true",
+                        help="small: also measure bench/framework_floor.py's floors in the same rounds, daphne and "
+                        "Channels with nothing of the gateway's: 'floor stock' (Channels' stock consumer answers from "
+                        "constants), 'floor answer' (the same through the gateway's shortcuts) and 'floor relay' (that, "
+                        "relaying the generation worker's stream over aiohttp)")
     h.add_common_arguments(parser)
     args = parser.parse_args()
+    if args.floors and args.request != "small":
+        parser.error("--floors measures the small request (--request small)")
     if args.instructions:
         if not h.callgrind_available():
             parser.error("--instructions needs valgrind (apt-get install valgrind)")
@@ -141,17 +149,20 @@ INSTRUCTION_START_S = 900.0
 
 def measure_instructions(
     loop: asyncio.AbstractEventLoop, counter: h.CallgrindCounter, conn: h.KeepAlive, wire: bytes, stream: bool, n: int
-) -> dict[str, float]:
-    """Instructions the gateway executed (all threads) per request over n requests."""
+) -> dict[str, Any]:
+    """Instructions the gateway executed per request over n requests: all threads, and the main
+    thread's (the event loop's) part."""
     counter.start()
     loop.run_until_complete(drive(conn, wire, stream, n))
-    return {"instructions": counter.stop() / n}
+    threads = counter.stop()
+    return {"instructions": sum(threads) / n, "loop_instructions": threads[0] / n, "threads": [t / n for t in threads]}
 
 
-def summarize_instructions(samples: list[dict[str, float]]) -> dict[str, Any]:
+def summarize_instructions(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "min_instructions": min(s["instructions"] for s in samples),
         "median_instructions": statistics.median(s["instructions"] for s in samples),
+        "median_loop_instructions": statistics.median(s["loop_instructions"] for s in samples),
         "rounds": samples,
     }
 
@@ -191,6 +202,12 @@ def main() -> None:
         if args.b_root or args.b_env:
             b_env = gateway_env | dict(item.split("=", 1) for item in args.b_env)
             gateways["B"] = stack.start_gateway(b_env, expect_pools={"bench"}, root=args.b_root, **under)
+        if args.floors:
+            for tier in FLOORS:
+                floor_env = gateway_env | {"FRAMEWORK_FLOOR": tier, "FLOOR_UPSTREAM": gen.url}
+                quiet_access = () if tier == "stock" else ("-v", "0")  # the lean floors write no access line
+                gateways[f"floor {tier}"] = stack.start_gateway(floor_env, application="bench.framework_floor:application",
+                                                                 daphne_args=quiet_access, **under)
         counters = {name: h.CallgrindCounter(gw.pid) for name, gw in gateways.items()} if args.instructions else {}
         conns = {(name, mode): h.KeepAlive(gw.port) for name, gw in gateways.items() for mode in args.modes}
         wires = {(name, mode): h.gateway_request(gw.port, key, request_body(mode == "stream", args.request))
@@ -198,7 +215,7 @@ def main() -> None:
         for (name, mode), conn in conns.items():
             loop.run_until_complete(drive(conn, wires[name, mode], mode == "stream", args.warmup))
         quiet = h.wait_for_quiet(args.quiet_wait)
-        samples: dict[tuple[str, str], list[dict[str, float]]] = {k: [] for k in conns}
+        samples: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in conns}
         meter = h.CpuMeter({f"gateway {n}": gw.pid for n, gw in gateways.items()} | {"context": ctx.pid, "generation": gen.pid}).start()
         with h.profiled([gw.pid for gw in gateways.values()], h.result_name(args, "request_cpu") + "-gateway", args.profile):
             for _ in range(args.rounds):
@@ -237,15 +254,16 @@ def main() -> None:
     h.write_result(h.result_name(args, "request_cpu"), {
         "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
                    "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env,
-                   "request": args.request, "token_ids_b64": args.token_ids_b64, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
+                   "request": args.request, "floors": args.floors, "token_ids_b64": args.token_ids_b64, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
         "results": results, "b_minus_a": deltas, "cpu_seconds": meter.used, "machine_note": meter.machine_note(), "quiet": quiet,
     })
 
 
 def report_instructions(args: argparse.Namespace, what: str, results: dict[str, dict[str, Any]], ab: bool) -> None:
-    rows = [[label, r["min_instructions"] / 1e6, r["median_instructions"] / 1e6] for label, r in results.items()]
+    rows = [[label, r["min_instructions"] / 1e6, r["median_instructions"] / 1e6, r["median_loop_instructions"] / 1e6]
+            for label, r in results.items()]
     h.print_table(f"gateway instructions per {what} (callgrind, all threads; {args.rounds} rounds × {args.requests} requests)",
-                  ("gateway mode", "min M instr", "median M instr"), rows, digits=3)
+                  ("gateway mode", "min M instr", "median M instr", "of which loop thread"), rows, digits=3)
     deltas = {}
     if ab:
         for mode in args.modes:
@@ -255,7 +273,7 @@ def report_instructions(args: argparse.Namespace, what: str, results: dict[str, 
                       [[m, d["b_minus_a"] / 1e6, d["b_over_a"]] for m, d in deltas.items()], digits=3)
     h.write_result(h.result_name(args, "request_instructions"), {
         "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
-                   "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "request": args.request,
+                   "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "request": args.request, "floors": args.floors,
                    "token_ids_b64": args.token_ids_b64, "settings": INSTRUCTION_SETTINGS},
         "results": results, "b_minus_a": deltas,
     })

@@ -52,11 +52,13 @@ class CallgrindCounter:
         self._control("--instr=on")
         self._control("--zero")
 
-    def stop(self) -> int:
-        """The instructions counted since `start`, all threads summed; counting off. (Counts can
-        only be read while counting is on.)"""
-        threads = _THREAD_TOTAL.findall(self._control("-e", "Ir"))
+    def stop(self) -> list[int]:
+        """The instructions counted since `start`, per thread in the order the threads started
+        (the first is the main thread: daphne's event loop); counting off. (Counts can only be
+        read while counting is on.)"""
+        printed = self._control("-e", "Ir")
+        threads = _THREAD_TOTAL.findall(printed)
         self._control("--instr=off")
         if not threads:
-            raise RuntimeError("callgrind_control printed no totals")
-        return sum(int(count.replace(",", "")) for count in threads)
+            raise RuntimeError(f"callgrind_control printed no totals:\n{printed}")
+        return [int(count.replace(",", "")) for count in threads]

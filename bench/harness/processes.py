@@ -207,6 +207,8 @@ class Stack:
         shared_socket: bool = False,
         wrapper: Sequence[str] = (),
         ready_timeout: float = 60.0,
+        application: str = "disagg_project.asgi:application",
+        daphne_args: Sequence[str] = (),
     ) -> GatewayProc:
         """daphne on a socket bound here and passed with `--fd`; waits until /ready lists the pools.
 
@@ -223,6 +225,9 @@ class Stack:
 
         `wrapper`: a command the gateway runs under (`harness.instructions.callgrind_command`),
         given `ready_timeout` seconds to start.
+
+        `application`: the ASGI application daphne serves (`bench/framework_floor.py`'s, to measure
+        daphne and Channels alone); it must answer GET /ready. `daphne_args`: more of daphne's options.
         """
         socks = bind_listeners("127.0.0.1", 0, 1 if shared_socket else processes, LISTEN_BACKLOG)
         if self.gateway_nodelay if nodelay is None else nodelay:
@@ -238,7 +243,7 @@ class Stack:
             log = open(log_path, "wb")
             fd = socks[i % len(socks)].fileno()
             process = subprocess.Popen(
-                [*wrapper, PYTHON, "-m", "daphne", "--fd", str(fd), "disagg_project.asgi:application"],
+                [*wrapper, PYTHON, "-m", "daphne", *daphne_args, "--fd", str(fd), application],
                 cwd=root or PROJECT_ROOT,
                 env=env,
                 pass_fds=[fd],

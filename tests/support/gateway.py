@@ -69,9 +69,17 @@ def gateway_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 class Gateway:
     """`host`: the address the socket is bound to ("0.0.0.0" for every interface; the URL stays
-    loopback's); `daphne_args`: more options on daphne's command line (`--proxy-headers`)."""
+    loopback's); `daphne_args`: more options on daphne's command line (`--proxy-headers`);
+    `application`: the ASGI application daphne serves (it must answer `HEAD /` with a 200)."""
 
-    def __init__(self, env: dict[str, str] | None = None, *, host: str = "127.0.0.1", daphne_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        daphne_args: Sequence[str] = (),
+        application: str = "disagg_project.asgi:application",
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
@@ -80,6 +88,7 @@ class Gateway:
         self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
         self.env = gateway_env(env)
         self.daphne_args = list(daphne_args)
+        self.application = application
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = PROJECT_ROOT / ".gateway" / f"test-daphne-{os.getpid()}-{self.port}.log"
 
@@ -92,7 +101,7 @@ class Gateway:
                 "--fd", str(self.sock.fileno()),
                 "--application-close-timeout", "5",
                 *self.daphne_args,
-                "disagg_project.asgi:application",
+                self.application,
             ],
             cwd=PROJECT_ROOT,
             env=self.env,
