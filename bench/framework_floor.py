@@ -155,7 +155,9 @@ class FloorConsumer(AsyncHttpConsumer):
 
     async def _relay(self, request: dict[str, Any], model: str, stream: bool) -> None:
         if FloorConsumer.session is None:
-            FloorConsumer.session = aiohttp.ClientSession()
+            # No bound on connections (aiohttp's default is 100): a burst of 200 streams would
+            # otherwise queue behind the pool, which the gateway's (4,096 per endpoint) does not.
+            FloorConsumer.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         chat = {"model": model, "messages": request["messages"], "max_tokens": request["max_tokens"], "stream": True}
         pieces: list[str] = []
         stop_reason, output_tokens, pending = "end_turn", 0, b""

@@ -110,7 +110,8 @@ def parse_args() -> argparse.Namespace:
                         "in its regular mode in front of the same paced worker, right after the gateways at every level")
     parser.add_argument("--floors", default="",
                         help="paced: also measure these Python floor proxies (bench/floor_proxy.py; comma-separated: "
-                        "pipe,reframe,pipe-uvloop,reframe-uvloop) in front of the same paced worker, after the routers")
+                        "pipe,reframe,pipe-uvloop,reframe-uvloop; framework: daphne and Channels relaying over aiohttp, "
+                        "bench/framework_floor.py) in front of the same paced worker, after the routers")
     parser.add_argument("--repeat", type=int, default=1,
                         help="paced: run every level this many times (A and B alternate which goes first; default 1)")
     args = h.parse_args(
@@ -418,7 +419,7 @@ def _paced_summary(responses: list[h.Response], window: tuple[float, float]) -> 
 
 async def paced(
     args: argparse.Namespace, gateways: dict[str, h.GatewayProc], key: str, gen: h.SimProc,
-    routers: dict[str, h.RouterProc], floors: dict[str, h.RouterProc],
+    routers: dict[str, h.RouterProc], floors: dict[str, h.RouterProc | h.GatewayProc],
 ) -> dict[str, Any]:
     """`gateways`: "gateway" and, for an A/B, "gateway B"; `routers`: the Rust routers, by name;
     `floors`: the floor proxies (bench/floor_proxy.py), by label ("floor pipe", ...). Every
@@ -550,7 +551,7 @@ async def paced(
 async def run(
     args: argparse.Namespace, gateway: h.GatewayProc, key: str, gen: h.SimProc, sims: list[h.SimProc],
     paced_gen: h.SimProc | None, gateway_b: h.GatewayProc | None, routers: dict[str, h.RouterProc],
-    floors: dict[str, h.RouterProc],
+    floors: dict[str, h.RouterProc | h.GatewayProc],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"config": { "gateway_nodelay": args.gateway_nodelay}}
     out["quiet"] = h.wait_for_quiet(args.quiet_wait)

@@ -69,6 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--instructions", action="store_true",
                         help="count the instructions each gateway executes per request (valgrind's callgrind) instead of "
                         "timing its CPU: deterministic, slow (default 3 rounds × 100 requests)")
+    parser.add_argument("--database-url",
+                        help="the gateways' database (default: a new SQLite file; a PostgreSQL one is created when missing "
+                        "and must hold no pool named bench: use a new name per run). On SQLite the gateway's own "
+                        "process does the database's work of writing its rows; on PostgreSQL the server does")
     parser.add_argument("--floors", action="store_true",
                         help="small: also measure bench/framework_floor.py's floors in the same rounds, daphne and "
                         "Channels with nothing of the gateway's: 'floor stock' (Channels' stock consumer answers from "
@@ -118,13 +122,14 @@ async def drive(conn: h.KeepAlive, wire: bytes, stream: bool, n: int) -> None:
 
 def measure(loop: asyncio.AbstractEventLoop, gateway: h.GatewayProc, conn: h.KeepAlive, wire: bytes, stream: bool, n: int) -> dict[str, float]:
     """CPU and wall per request over n requests on the connection."""
-    faults0 = h.proc_minor_faults(gateway.pid)
+    faults0, main0 = h.proc_minor_faults(gateway.pid), h.thread_cpu_seconds(gateway.pid)
     cpu0, sys0, t0 = h.proc_cpu_seconds(gateway.pid), h.proc_sys_cpu_seconds(gateway.pid), time.perf_counter()
     loop.run_until_complete(drive(conn, wire, stream, n))
     cpu1, sys1, t1 = h.proc_cpu_seconds(gateway.pid), h.proc_sys_cpu_seconds(gateway.pid), time.perf_counter()
-    faults = h.proc_minor_faults(gateway.pid) - faults0
+    faults, main1 = h.proc_minor_faults(gateway.pid) - faults0, h.thread_cpu_seconds(gateway.pid)
     return {
         "cpu_us": (cpu1 - cpu0) / n * 1e6,
+        "loop_cpu_us": (main1 - main0) / n * 1e6,
         "kernel_us": (sys1 - sys0) / n * 1e6,
         "wall_ms": (t1 - t0) / n * 1e3,
         "minor_faults": faults / n,
@@ -171,6 +176,7 @@ def summarize(samples: list[dict[str, float]]) -> dict[str, Any]:
     return {
         "best_cpu_us": min(s["cpu_us"] for s in samples),
         "median_cpu_us": statistics.median(s["cpu_us"] for s in samples),
+        "median_loop_cpu_us": statistics.median(s["loop_cpu_us"] for s in samples),
         "median_kernel_us": statistics.median(s["kernel_us"] for s in samples),
         "median_wall_ms": statistics.median(s["wall_ms"] for s in samples),
         "median_minor_faults": statistics.median(s["minor_faults"] for s in samples),
@@ -182,7 +188,11 @@ def main() -> None:
     args = parse_args()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    with h.Stack("request_cpu", keep=args.keep, gateway_nodelay=args.gateway_nodelay) as stack:
+    if args.database_url and args.database_url.startswith("postgres"):
+        from nonstream_rps import ensure_postgres_database
+
+        ensure_postgres_database(args.database_url)
+    with h.Stack("request_cpu", database_url=args.database_url, keep=args.keep, gateway_nodelay=args.gateway_nodelay) as stack:
         stack.migrate()
         ctx, gen = h.start_sim_pair(stack, tokens_per_second=0, prefill_tokens_per_second=0)
         # Options on both calls: register_worker saves them only on a call for an existing pool.
@@ -238,10 +248,10 @@ def main() -> None:
                             "B" in gateways)
         return
     results = {f"{name} {mode}": summarize(s) for (name, mode), s in samples.items()}
-    rows = [[label, r["best_cpu_us"], r["median_cpu_us"], r["median_kernel_us"], r["median_wall_ms"], r["median_minor_faults"]]
-            for label, r in results.items()]
+    rows = [[label, r["best_cpu_us"], r["median_cpu_us"], r["median_loop_cpu_us"], r["median_kernel_us"], r["median_wall_ms"],
+             r["median_minor_faults"]] for label, r in results.items()]
     h.print_table(f"gateway CPU per {what} ({args.rounds} rounds × {args.requests} requests; best and median of the rounds)",
-                  ("gateway mode", "best CPU µs", "median CPU µs", "kernel µs", "wall ms", "faults"), rows, digits=0)
+                  ("gateway mode", "best CPU µs", "median CPU µs", "of which loop", "kernel µs", "wall ms", "faults"), rows, digits=0)
     deltas = {}
     if "B" in gateways:
         for mode in args.modes:
@@ -254,7 +264,7 @@ def main() -> None:
     h.write_result(h.result_name(args, "request_cpu"), {
         "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
                    "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env,
-                   "request": args.request, "floors": args.floors, "token_ids_b64": args.token_ids_b64, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
+                   "request": args.request, "floors": args.floors, "database": "postgresql" if args.database_url else "sqlite", "token_ids_b64": args.token_ids_b64, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
         "results": results, "b_minus_a": deltas, "cpu_seconds": meter.used, "machine_note": meter.machine_note(), "quiet": quiet,
     })
 
@@ -274,6 +284,7 @@ def report_instructions(args: argparse.Namespace, what: str, results: dict[str, 
     h.write_result(h.result_name(args, "request_instructions"), {
         "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
                    "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "request": args.request, "floors": args.floors,
+                   "database": "postgresql" if args.database_url else "sqlite",
                    "token_ids_b64": args.token_ids_b64, "settings": INSTRUCTION_SETTINGS},
         "results": results, "b_minus_a": deltas,
     })

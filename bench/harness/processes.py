@@ -95,7 +95,7 @@ ROUTERS: dict[str, list[str]] = {
 }
 
 
-FLOORS = ("pipe", "reframe", "pipe-uvloop", "reframe-uvloop")
+FLOORS = ("pipe", "reframe", "pipe-uvloop", "reframe-uvloop", "framework")
 
 
 class Stack:
@@ -307,11 +307,16 @@ class Stack:
 
     # -- the floor proxies (bench/floor_proxy.py): the least CPU any Python relay can spend --
 
-    def start_floor(self, variant: str, worker_url: str) -> RouterProc:
+    def start_floor(self, variant: str, worker_url: str) -> RouterProc | GatewayProc:
         """bench/floor_proxy.py in front of one worker; `variant` is one of FLOORS
-        (pipe, reframe, pipe-uvloop, reframe-uvloop). Waits for its listening line."""
+        (pipe, reframe, pipe-uvloop, reframe-uvloop). Waits for its listening line.
+        `framework`: daphne serving bench/framework_floor.py's relay (the least a relay on the
+        gateway's stack does: Messages in, the worker's stream over aiohttp, Anthropic events out)."""
         if variant not in FLOORS:
             raise ValueError(f"unknown floor {variant!r}; one of {FLOORS}")
+        if variant == "framework":
+            return self.start_gateway({"FRAMEWORK_FLOOR": "relay", "FLOOR_UPSTREAM": worker_url},
+                                      application="bench.framework_floor:application", daphne_args=("-v", "0"))
         mode, _, loop = variant.partition("-")
         command = [PYTHON, str(PROJECT_ROOT / "bench" / "floor_proxy.py"), "--mode", mode, "--upstream", worker_url]
         if loop == "uvloop":
