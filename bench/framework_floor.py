@@ -17,16 +17,23 @@ is served; `FRAMEWORK_FLOOR` picks how much a request does:
     answer   the same answer through the shortcuts the gateway takes around the stock path:
              messages dispatched in place (messages_api/consumers.py `_dispatch_directly`: no task
              and `asyncio.wait` per message, no ORM thread hop per message), middle frames
-             written straight to daphne's request (messages_api/server/body_writer.py), no form
-             parsing of a POSTed body by Twisted and no Twisted access line formatted for no one
+             written straight to daphne's request (messages_api/server/body_writer.py), bytes
+             sent at once rather than on Twisted's next loop turn and each ASGI message's bytes in
+             one send (messages_api/server/direct_write.py), no form parsing of a POSTed body by
+             Twisted and no Twisted access line formatted for no one
              (messages_api/server/http_guard.py turns both off), and no daphne access line
              (start daphne with `-v 0`; the gateway writes its own on a thread). daphne and
              Channels as the gateway uses them, and nothing else.
     relay    `answer` plus the least a gateway on this stack must add: send the generation worker an OpenAI chat
-             request over aiohttp (the library under the gateway's worker transport, one pooled
-             session), read its SSE stream, `orjson.loads` each data line and write a text delta
-             frame per content chunk (the gateway's own framing functions), or gather the text into
-             one JSON message. Still no key, audit row, reservation, limits, metrics or log line.
+             request on a kept-alive connection, read its answer in the connection's receive
+             callback (an asyncio Protocol, the gateway's own chunked decoder, as
+             `floor_proxy.py reframe` and the gateway's worker connection do), `orjson.loads` each
+             SSE data line and write the text delta frames of each read in one write (the
+             gateway's own framing functions), or gather the text into one JSON message. Still no
+             key, audit row, reservation, limits, metrics or log line.
+    relay-aiohttp  the same through aiohttp's client (one pooled session, its stock stream
+             reader): what the library under the gateway's worker transport costs as it comes.
+             Per token it costs more than the gateway's own path, so it is no floor per token.
 
 `FLOOR_UPSTREAM` is the generation worker's base URL (relay). GET /ready and / answer 200 once
 serving, which is what the bench harness and the tests wait for. tests/e2e/test_framework_floor.py
@@ -35,10 +42,13 @@ checks that each floor answers what the Anthropic SDK expects.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -61,6 +71,7 @@ from channels.exceptions import StopConsumer  # noqa: E402
 
 from messages_api.framing import encode_events, text_delta_frame  # noqa: E402  (the gateway's frames)
 from messages_api.server.body_writer import BodyWriter, body_writer  # noqa: E402  (and its writer)
+from workers.wire.chunked import ChunkedDecoder, ChunkedFramingError  # noqa: E402  (and its decoder)
 
 __all__ = ["application"]
 
@@ -79,6 +90,26 @@ if MODE != "stock":
 
     WebRequest.__init__ = _without_form_parsing
     HTTPFactory.log = lambda self, request: None
+
+    # Client-bound bytes sent at once, and what one ASGI message writes in one send
+    # (messages_api/server/direct_write.py, as GuardedRequest.handle_reply holds the connection).
+    from messages_api.server.direct_write import DirectWriteServer, install
+
+    install()
+    _handle_reply = WebRequest.handle_reply
+
+    def _handle_reply_in_one_send(self: Any, message: dict[str, Any]) -> None:
+        transport = self.channel.transport if self.channel is not None else None
+        if not isinstance(transport, DirectWriteServer):
+            _handle_reply(self, message)
+            return
+        transport.hold()
+        try:
+            _handle_reply(self, message)
+        finally:
+            transport.release()
+
+    WebRequest.handle_reply = _handle_reply_in_one_send
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -108,7 +139,6 @@ def _closing(stop_reason: str, output_tokens: int) -> bytes:
 class FloorConsumer(AsyncHttpConsumer):
     """POST /v1/messages, answered by `MODE`."""
 
-    session: aiohttp.ClientSession | None = None  # one per process, made on the loop at first use
     _writer: BodyWriter | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -154,40 +184,165 @@ class FloorConsumer(AsyncHttpConsumer):
         await self.send_body(_closing("max_tokens", 4))
 
     async def _relay(self, request: dict[str, Any], model: str, stream: bool) -> None:
-        if FloorConsumer.session is None:
-            # No bound on connections (aiohttp's default is 100): a burst of 200 streams would
-            # otherwise queue behind the pool, which the gateway's (4,096 per endpoint) does not.
-            FloorConsumer.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        chat = {"model": model, "messages": request["messages"], "max_tokens": request["max_tokens"], "stream": True}
+        chat = orjson.dumps({"model": model, "messages": request["messages"], "max_tokens": request["max_tokens"], "stream": True})
         pieces: list[str] = []
-        stop_reason, output_tokens, pending = "end_turn", 0, b""
-        async with FloorConsumer.session.post(UPSTREAM + "/v1/chat/completions", data=orjson.dumps(chat),
-                                              headers={"content-type": "application/json"}) as response:
+        if stream:
+            await self.send_headers(status=200, headers=_SSE_HEADERS)
+            await self.send_body(_opening(model), more_body=True)
+        writer = self._writer if stream else None
+        # The frames of one worker read go out in one write, as the gateway's FrameWriter does.
+        on_texts: Callable[[list[str]], None] = (
+            (lambda texts: writer(b"".join(text_delta_frame(0, t) for t in texts))) if writer is not None else pieces.extend
+        )
+        try:
+            if MODE == "relay-aiohttp":
+                stop_reason, output_tokens = await _relay_aiohttp(chat, on_texts)
+            else:
+                stop_reason, output_tokens = await _relay_lean(chat, on_texts)
+        except (OSError, aiohttp.ClientError):
+            # The client sees a stream cut short (no message_stop) or a 502, which a benchmark
+            # counts as a failure, rather than waiting for an answer that never ends.
             if stream:
-                await self.send_headers(status=200, headers=_SSE_HEADERS)
-                await self.send_body(_opening(model), more_body=True)
-            async for data in response.content.iter_any():
-                pending += data
-                *events, pending = pending.split(b"\n\n")
-                for event in events:
-                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                        continue
-                    choices = orjson.loads(event[6:]).get("choices") or ()
-                    for choice in choices:
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            output_tokens += 1
-                            if stream:
-                                await self.send_body(text_delta_frame(0, text), more_body=True)
-                            else:
-                                pieces.append(text)
-                        if choice.get("finish_reason"):
-                            stop_reason = _STOP_REASONS.get(choice["finish_reason"], "end_turn")
+                await self.send_body(b"")
+            else:
+                await self.send_response(502, b"{}", headers=_JSON_HEADERS)
+            return
         if stream:
             await self.send_body(_closing(stop_reason, output_tokens))
         else:
             content = [{"type": "text", "text": "".join(pieces)}]
             await self.send_response(200, orjson.dumps(_message(model, content, stop_reason, output_tokens)), headers=_JSON_HEADERS)
+
+
+class _Events:
+    """The worker's SSE stream, split into events: the content of each chunk, and its stop reason."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self.stop_reason = "end_turn"
+        self.tokens = 0
+
+    def feed(self, data: bytes) -> list[str]:
+        *events, self.pending = (self.pending + data if self.pending else data).split(b"\n\n")
+        texts: list[str] = []
+        for event in events:
+            if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                continue
+            for choice in orjson.loads(event[6:]).get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    texts.append(text)
+                if choice.get("finish_reason"):
+                    self.stop_reason = _STOP_REASONS.get(choice["finish_reason"], "end_turn")
+        self.tokens += len(texts)
+        return texts
+
+
+_session: aiohttp.ClientSession | None = None  # relay-aiohttp: one per process, made on the loop at first use
+
+
+async def _relay_aiohttp(chat: bytes, on_texts: Callable[[list[str]], None]) -> tuple[str, int]:
+    global _session
+    if _session is None:
+        # No bound on connections (aiohttp's default is 100): a burst of 200 streams would
+        # otherwise queue behind the pool, which the gateway's (4,096 per endpoint) does not.
+        _session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    events = _Events()
+    async with _session.post(UPSTREAM + "/v1/chat/completions", data=chat, headers={"content-type": "application/json"}) as response:
+        async for data in response.content.iter_any():
+            texts = events.feed(data)
+            if texts:
+                on_texts(texts)
+    return events.stop_reason, events.tokens
+
+
+class _WorkerConnection(asyncio.Protocol):
+    """relay: one keep-alive connection to the worker, parsed in its receive callback (head, then
+    the chunked body with the gateway's own decoder, then SSE events): no streams, no tasks."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._head = b""
+        self._decoder: ChunkedDecoder | None = None
+        self._events = _Events()
+        self._on_texts: Callable[[list[str]], None] = lambda texts: None
+        self.done: asyncio.Future[None] | None = None
+        self.answered = 0  # bytes of the current answer received
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self in _idle:  # the worker closed it while it was idle
+            _idle.remove(self)
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the worker closed the connection"))
+
+    def send(self, wire: bytes, on_texts: Callable[[list[str]], None]) -> asyncio.Future[None]:
+        self._head, self._decoder, self._events, self._on_texts, self.answered = b"", None, _Events(), on_texts, 0
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionError("the worker closed the connection")
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(wire)
+        return self.done
+
+    def data_received(self, data: bytes) -> None:
+        self.answered += len(data)
+        if self._decoder is None:
+            buf = self._head + data
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self._head = buf
+                return
+            head = buf[:end].lower()
+            if head[9:12] != b"200" or b"\r\ntransfer-encoding: chunked" not in head:
+                self._fail("the worker's answer is not a 200 chunked stream")
+                return
+            self._decoder, data = ChunkedDecoder(), buf[end + 4 :]
+        try:
+            payload = self._decoder.feed(data)
+        except ChunkedFramingError:
+            self._fail("bad chunked framing")
+            return
+        if payload:
+            texts = self._events.feed(payload)
+            if texts:
+                self._on_texts(texts)
+        if self._decoder.done and self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def _fail(self, why: str) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError(why))
+        if self.transport is not None:
+            self.transport.close()
+
+
+_idle: list[_WorkerConnection] = []  # relay: kept-alive worker connections, last in first out
+
+
+async def _relay_lean(chat: bytes, on_texts: Callable[[list[str]], None]) -> tuple[str, int]:
+    parts = urlsplit(UPSTREAM)
+    wire = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+            % (parts.netloc.encode(), len(chat), chat))
+    while True:
+        reused = bool(_idle)
+        if reused:
+            connection = _idle.pop()
+        else:
+            _, connection = await asyncio.get_running_loop().create_connection(_WorkerConnection, parts.hostname, parts.port)
+        try:
+            await connection.send(wire, on_texts)
+        except ConnectionError:
+            # A kept-alive connection the worker closed as the request went out (nothing of the
+            # answer came): sent again on a new one, as any client with a pool does.
+            if reused and connection.answered == 0:
+                continue
+            raise
+        if connection.transport is not None and not connection.transport.is_closing():
+            _idle.append(connection)
+        return connection._events.stop_reason, connection._events.tokens
 
 
 class ReadyConsumer(AsyncHttpConsumer):

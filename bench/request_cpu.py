@@ -44,7 +44,7 @@ import harness as h
 
 FIXTURE = h.PROJECT_ROOT / "tests" / "fixtures" / "claude_code_request.json"
 MODES = ("nonstream", "stream")
-FLOORS = ("stock", "answer", "relay")  # bench/framework_floor.py's
+FLOORS = ("stock", "answer", "relay", "relay-aiohttp")  # bench/framework_floor.py's
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,8 +76,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--floors", action="store_true",
                         help="small: also measure bench/framework_floor.py's floors in the same rounds, daphne and "
                         "Channels with nothing of the gateway's: 'floor stock' (Channels' stock consumer answers from "
-                        "constants), 'floor answer' (the same through the gateway's shortcuts) and 'floor relay' (that, "
-                        "relaying the generation worker's stream over aiohttp)")
+                        "constants), 'floor answer' (the same through the gateway's shortcuts), 'floor relay' (that, "
+                        "relaying the generation worker's stream on a lean asyncio protocol) and 'floor relay-aiohttp' (the "
+                        "same over aiohttp's client)")
     h.add_common_arguments(parser)
     args = parser.parse_args()
     if args.floors and args.request != "small":
