@@ -1,9 +1,11 @@
 """The floor of a request on the gateway's fixed stack: daphne and Channels with nothing of ours.
 
-    .venv/bin/python bench/request_cpu.py --request small --floors     # measured beside the gateway
+    .venv/bin/python bench/request_cpu.py --request small --floors     # per request, beside the gateway
+    .venv/bin/python bench/relay.py --part paced --burst --floors framework   # in a burst (mode relay)
 
 A measuring instrument, not a product. `bench/floor_proxy.py` answers "how few CPU µs can any
-Python relay on asyncio spend per request?" (~40 µs); the gateway spends ~1,600. The user fixed
+Python relay on asyncio spend per request?" (40-350 µs in `cost_split.py`'s runs); the gateway
+spends ~1,850 on a small streamed request (2026-12-06). The user fixed
 daphne and Channels, so part of that gap is theirs and out of the gateway's reach. This ASGI
 application measures that part: daphne serves it (`python -m daphne bench.framework_floor:application`)
 through Channels' ProtocolTypeRouter, URLRouter and a stock `AsyncHttpConsumer`, as the gateway
@@ -24,8 +26,8 @@ is served; `FRAMEWORK_FLOOR` picks how much a request does:
              (messages_api/server/http_guard.py turns both off), and no daphne access line
              (start daphne with `-v 0`; the gateway writes its own on a thread). daphne and
              Channels as the gateway uses them, and nothing else.
-    relay    `answer` plus the least a gateway on this stack must add: send the generation worker an OpenAI chat
-             request on a kept-alive connection, read its answer in the connection's receive
+    relay    `answer` plus the least a gateway on this stack must add: send the generation
+             worker an OpenAI chat request on a kept-alive connection, read its answer in the connection's receive
              callback (an asyncio Protocol, the gateway's own chunked decoder, as
              `floor_proxy.py reframe` and the gateway's worker connection do), `orjson.loads` each
              SSE data line and write the text delta frames of each read in one write (the
