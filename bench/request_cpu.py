@@ -265,9 +265,15 @@ def main() -> None:
     h.write_result(h.result_name(args, "request_cpu"), {
         "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
                    "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env,
-                   "request": args.request, "floors": args.floors, "database": "postgresql" if args.database_url else "sqlite", "token_ids_b64": args.token_ids_b64, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
+                   "request": args.request, "floors": args.floors, "database": database_kind(args),
+                   "token_ids_b64": args.token_ids_b64, "fixture": str(FIXTURE.relative_to(h.PROJECT_ROOT))},
         "results": results, "b_minus_a": deltas, "cpu_seconds": meter.used, "machine_note": meter.machine_note(), "quiet": quiet,
     })
+
+
+def database_kind(args: argparse.Namespace) -> str:
+    """The database's kind, never its URL (which may hold a password)."""
+    return args.database_url.split(":", 1)[0] if args.database_url else "sqlite"
 
 
 def report_instructions(args: argparse.Namespace, what: str, results: dict[str, dict[str, Any]], ab: bool) -> None:
@@ -285,7 +291,7 @@ def report_instructions(args: argparse.Namespace, what: str, results: dict[str, 
     h.write_result(h.result_name(args, "request_instructions"), {
         "config": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds, "modes": args.modes,
                    "b_root": str(args.b_root) if args.b_root else None, "b_env": args.b_env, "request": args.request, "floors": args.floors,
-                   "database": "postgresql" if args.database_url else "sqlite",
+                   "database": database_kind(args),
                    "token_ids_b64": args.token_ids_b64, "settings": INSTRUCTION_SETTINGS},
         "results": results, "b_minus_a": deltas,
     })
