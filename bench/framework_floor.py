@@ -266,7 +266,7 @@ class _WorkerConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._head = b""
         self._decoder: ChunkedDecoder | None = None
-        self._events = _Events()
+        self.events = _Events()  # the current answer's events so far (its stop reason, its token count)
         self._on_texts: Callable[[list[str]], None] = lambda texts: None
         self.done: asyncio.Future[None] | None = None
         self.answered = 0  # bytes of the current answer received
@@ -282,7 +282,7 @@ class _WorkerConnection(asyncio.Protocol):
             self.done.set_exception(ConnectionError("the worker closed the connection"))
 
     def send(self, wire: bytes, on_texts: Callable[[list[str]], None]) -> asyncio.Future[None]:
-        self._head, self._decoder, self._events, self._on_texts, self.answered = b"", None, _Events(), on_texts, 0
+        self._head, self._decoder, self.events, self._on_texts, self.answered = b"", None, _Events(), on_texts, 0
         if self.transport is None or self.transport.is_closing():
             raise ConnectionError("the worker closed the connection")
         self.done = asyncio.get_running_loop().create_future()
@@ -308,7 +308,7 @@ class _WorkerConnection(asyncio.Protocol):
             self._fail("bad chunked framing")
             return
         if payload:
-            texts = self._events.feed(payload)
+            texts = self.events.feed(payload)
             if texts:
                 self._on_texts(texts)
         if self._decoder.done and self.done is not None and not self.done.done():
@@ -344,7 +344,7 @@ async def _relay_lean(chat: bytes, on_texts: Callable[[list[str]], None]) -> tup
             raise
         if connection.transport is not None and not connection.transport.is_closing():
             _idle.append(connection)
-        return connection._events.stop_reason, connection._events.tokens
+        return connection.events.stop_reason, connection.events.tokens
 
 
 class ReadyConsumer(AsyncHttpConsumer):
