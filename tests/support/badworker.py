@@ -396,13 +396,20 @@ async def _context_oops(body: dict[str, Any], writer: asyncio.StreamWriter, mode
 
 
 async def _context_huge_json(body: dict[str, Any], writer: asyncio.StreamWriter, mode: str) -> None:
-    # A valid handoff, 64 MiB long: only a size limit tells it from a good answer.
-    valid = json.dumps(context_answer(body)).encode()
-    answer = valid[:-1] + b', "x_filler": "' + b"x" * (64 * 1024 * 1024) + b'"}'
-    writer.write(_head(200, [("content-type", "application/json"), ("content-length", str(len(answer)))]))
-    for offset in range(0, len(answer), 1 << 20):
-        writer.write(answer[offset : offset + (1 << 20)])
+    # A valid handoff, 64 MiB long: only a size limit tells it from a good answer. The head goes
+    # out at once and the filler a MiB at a time, never built whole: building 64 MiB (and copies of
+    # it) before the head took over the gateway's 1 s context deadline on a loaded machine, which
+    # then answered a timeout instead of the size refusal this case is about.
+    opening = json.dumps(context_answer(body)).encode()[:-1] + b', "x_filler": "'
+    slice_, slices, closing = b"x" * (1 << 20), 64, b'"}'
+    length = len(opening) + len(slice_) * slices + len(closing)
+    writer.write(_head(200, [("content-type", "application/json"), ("content-length", str(length))]) + opening)
+    await writer.drain()
+    for _ in range(slices):
+        writer.write(slice_)
         await writer.drain()
+    writer.write(closing)
+    await writer.drain()
     await _forever()
 
 
