@@ -447,15 +447,30 @@ class MessagesConsumer(ApiConsumer):
     async def respond_streamed(self, run: ChatRun) -> None:
         reframer = self.reframer
         assert reframer is not None
-        run.start()
+        early_start: asyncio.Task[None] | None = None
+
+        def start_early() -> None:
+            # Still in the context phase: the response starts now, kept alive by pings, while
+            # the pipeline goes on in this task.
+            nonlocal early_start
+            early_start = asyncio.create_task(self.start_sse(first_frame=True))
+
         try:
             # The wait counts from the request's arrival, not from here: under a burst, time spent
             # queued behind other requests' start-up is part of what the client waits.
             remaining = settings.MESSAGES_STREAM_START_WAIT_S - (time.monotonic() - self.record.received_monotonic)
-            if not await run.wait_settled(max(0.0, remaining)):
-                # Still in the context phase: start the response now and keep it alive.
-                await self.start_sse(first_frame=True)
-            await run.stream_ready()
+            try:
+                await run.stream_ready(slow_after=remaining, on_slow=start_early)
+            except BaseException:
+                if early_start is not None:
+                    # The error is answered after the status line, as a late error; the pipeline's
+                    # error is the one answered, not a failure of the early start's.
+                    await asyncio.wait({early_start})
+                    if not early_start.cancelled():
+                        early_start.exception()
+                raise
+            if early_start is not None:
+                await early_start  # the stream's first event goes after the status line
             self.record.progress()
             if not self.sse_started:
                 await self.start_sse(first_frame=False)

@@ -1,9 +1,7 @@
 """One chat request through the cluster: the context phase, then the generation stream.
 
     async with ChatRun(chat, pool=pool, request_id=rid, tenant=key_name) as run:
-        run.start()                          # the pipeline runs as a child task
-        if await run.wait_settled(1.0): ...  # the stream is ready, or the pipeline failed
-        await run.stream_ready()             # raises the pipeline's WorkerError
+        await run.stream_ready(slow_after=1.0, on_slow=start_keepalives)  # raises its WorkerError
         await run.relay(sink)                # each chunk to sink, as the worker's bytes arrive
     run.trace                                # stage, endpoints, timings (for the audit)
 
@@ -125,10 +123,10 @@ class ChatRun:
         self._generation_url = ""
 
         self._reservations: list[Reservation] = []
-        self._open_task: asyncio.Task[None] | None = None
-        # Set by the pipeline's and the generation request's own last steps: waiters wake a loop
-        # turn sooner than by awaiting the tasks (workers/schedule/completion.py).
-        self._settled: Completion[None] = Completion()
+        self._pipeline_started = False
+        # Set by the generation request's own last step, when it runs as a task of its own (a
+        # handoff pending): its waiter wakes a loop turn sooner than by awaiting the task
+        # (workers/schedule/completion.py).
         self._generation_open: asyncio.Task[ChunkStream] | None = None
         self._generation_opened: Completion[ChunkStream] = Completion()
         self._stream: ChunkStream | None = None
@@ -180,24 +178,27 @@ class ChatRun:
             outcome = Outcome.FAILURE
         await self.close(outcome)
 
-    def start(self) -> None:
-        """Run the pipeline up to an open generation stream, as a child task."""
-        if self._open_task is None and self._closing is None:
-            self._open_task = self._settled.start(self._open(), name=f"chat-run-{self.request_id}")
+    async def stream_ready(self, *, slow_after: float | None = None, on_slow: Callable[[], None] | None = None) -> None:
+        """Run the pipeline up to a generation stream ready to read; raises its WorkerError.
+        `on_slow` is called once, from the event loop, if the pipeline is still running
+        `slow_after` seconds from now (a long context phase: a streamed answer starts meanwhile).
 
-    async def wait_settled(self, timeout: float | None) -> bool:
-        """Wait up to `timeout` for the pipeline to settle: True once the generation stream is
-        ready to read or the pipeline has failed (`stream_ready()` then returns or raises at
-        once); False while it is still running (e.g. a long context phase)."""
-        self.start()
-        return await self._settled.wait(timeout)
-
-    async def stream_ready(self) -> None:
-        """Wait until the generation stream is ready to read; raises the pipeline's WorkerError."""
-        self.start()
-        # Cancelling this waiter does not cancel the pipeline behind the run's back (a
-        # Completion's waiters never touch the work); the run's own close() cancels it in order.
-        await self._settled.wait_result()
+        The pipeline runs in the caller's task, not a child's: every task between a request and
+        its worker's answer costs the start one more loop turn, and under a burst each turn is a
+        pass over all the ready work (bench/loop_turns.py). Cancelling the caller cancels the
+        pipeline where it is; the run's exit (`close()`) then decides what becomes of a
+        generation request that carries a handoff."""
+        if self._pipeline_started or self._closing is not None:
+            raise RuntimeError("a run's pipeline runs once, before the run is closed")
+        self._pipeline_started = True
+        timer = None
+        if on_slow is not None and slow_after is not None:
+            timer = asyncio.get_running_loop().call_later(max(0.0, slow_after), on_slow)
+        try:
+            await self._open()
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def close(self, outcome: str) -> None:
         """Cancel what is still running and release every reservation; idempotent.
@@ -212,20 +213,6 @@ class ChatRun:
         await asyncio.shield(self._closing)
 
     async def _close(self, outcome: str) -> None:
-        task = self._open_task
-        if task is not None and not task.done():
-            task.cancel()
-        if task is not None:
-            if not task.done():
-                # Let the child finish its own cleanup; a shutdown arriving meanwhile still wins.
-                # (Only then: waiting on a finished task still costs a future and a loop turn.)
-                await asyncio.wait({task})
-            if not task.cancelled():
-                task.exception()  # retrieved here so asyncio does not log it as never retrieved
-            # A failed task keeps its traceback, whose frames keep this run: without the task,
-            # the run and the request's body are freed when the request ends, not at the garbage
-            # collector's next full pass (disagg_project/tracebacks.py).
-            self._open_task = None
         generation_open = self._generation_open
         if generation_open is not None:
             self._generation_open = None
@@ -388,8 +375,15 @@ class ChatRun:
 
     async def _open_generation(self, body: dict[str, Any]) -> None:
         self._note(stage=Stage.GENERATION)
-        self._start_generation(body)
-        await self._await_generation()
+        if self._handoff_issued:
+            # The request carries a handoff: as a task of its own, so that close() can let its
+            # worker take the KV even if this run is cancelled meanwhile.
+            self._start_generation(body)
+            await self._await_generation()
+            return
+        # Nothing to release on a cancellation but the request itself: sent from this task, a
+        # loop turn sooner than through a child task.
+        await self._await_generation(self._stream_from_generation(body, self.rendered.dumps(body)))
 
     def _start_generation(self, body: dict[str, Any], *, waits_for_context: bool = False) -> asyncio.Task[ChunkStream]:
         """Send the generation request as a task of its own (close() decides its fate)."""
@@ -417,9 +411,13 @@ class ChatRun:
                 raise
             raise explained from exc
 
-    async def _await_generation(self) -> None:
-        assert self._generation_open is not None
+    async def _await_generation(self, opening: Coroutine[Any, Any, ChunkStream] | None = None) -> None:
+        """The generation stream, from `opening` or else from the generation request's task."""
         try:
+            if opening is not None:
+                self._stream = await opening
+                return
+            assert self._generation_open is not None
             # Through the Completion, which a cancellation reaching us here does not pass on: the
             # decision (cancel, or let the worker take the handoff first) stays with close().
             self._stream = await self._generation_opened.wait_result()
