@@ -1,10 +1,12 @@
 """The Channels consumers of the API routes.
 
 Channels' stock `AsyncHttpConsumer` runs `handle()` inside its receive loop, so it never sees
-`http.disconnect` while a response is being produced (`http_request` awaits `handle()` before it returns). These
-consumers spawn the work as a task once the body is complete and return to the loop; the
-`http.disconnect` that arrives when the client goes away cancels that task, and the cancellation
-reaches everything the task owns (the pipeline, its worker requests, the heartbeat).
+`http.disconnect` while a response is being produced (`http_request` awaits `handle()` before it returns). Once the
+body is complete these consumers run the work in the application's own task while another task
+reads what comes next (`_dispatch_directly`; with a channel layer, the work goes to a task of its
+own beside Channels' loop). The `http.disconnect` that arrives when the client goes away cancels
+the work, and the cancellation reaches everything it owns (the pipeline, its worker requests,
+the heartbeat).
 
 Handlers raise; they never answer an error themselves. Whatever leaves the task — an
 `AnthropicError`, a `WorkerError`, the request's deadline, a bug — reaches `_answer_error`, which
@@ -19,7 +21,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qs
 
@@ -73,6 +75,10 @@ class ApiConsumer(AsyncHttpConsumer):
         self.request_headers: dict[bytes, bytes] = {}
         self._body_size = 0
         self._task: asyncio.Task[None] | None = None
+        # The request's work, once its body is complete, when it runs in the application's own
+        # task (`_dispatch_directly`) rather than a task of its own.
+        self._serves_in_place = False
+        self._work: Coroutine[Any, Any, None] | None = None
         self._refused = False
         self._revoked = False  # the request's API key was revoked while it ran (`revoke`)
         self.response_started = False
@@ -99,7 +105,7 @@ class ApiConsumer(AsyncHttpConsumer):
             # raises at once and the task finishes its cleanup on its own (asyncio.wait never
             # cancels what it waits for).
             task = self._task
-            if task is not None and not task.done():
+            if task is not None and task is not asyncio.current_task() and not task.done():
                 if not task.cancelling():
                     task.cancel()
                 await asyncio.wait({task})
@@ -113,15 +119,37 @@ class ApiConsumer(AsyncHttpConsumer):
         waits for all of them. With no channel layer there is one source of messages, so reading
         it in place is the same loop: dispatch each message in order until a handler stops the
         consumer. disagg_project/relied_on.py pins Channels' version of this method (checked by
-        tests/unit/test_relied_on.py), so a change there is seen."""
+        tests/unit/test_relied_on.py), so a change there is seen.
+
+        Once the body is complete the request is served in this task, the application's, and a
+        task of its own watches what comes next (the disconnect): the request's start is then a
+        turn sooner than from a task started for it (tests/e2e/test_loop_turns.py)."""
         self.scope = scope  # type: ignore[assignment]  # the stubs' websocket scope type, as above
         self.channel_layer = None  # type: ignore[assignment]  # the stubs say a layer; Channels sets None too
         self.base_send = send
+        self._serves_in_place = True
         try:
-            while True:
+            while self._work is None:
                 await self.dispatch(await receive())
         except StopConsumer:
-            pass
+            return
+        work, self._work = self._work, None
+        self._task = asyncio.current_task()
+        watcher = asyncio.get_running_loop().create_task(self._watch_for_disconnect(receive))
+        try:
+            await work
+        finally:
+            watcher.cancel()
+
+    async def _watch_for_disconnect(self, receive: Any) -> None:
+        """Beside a request served in place: the client's going away cancels it."""
+        while (await receive())["type"] != "http.disconnect":
+            pass  # the rest of a refused body
+        task = self._task
+        # Daphne also sends http.disconnect once a response is complete; the request is then
+        # only finishing its bookkeeping and must not be cancelled.
+        if task is not None and not task.done() and not self.response_finished:
+            task.cancel()
 
     # --- ASGI message handlers ---------------------------------------------------------------
 
@@ -149,7 +177,7 @@ class ApiConsumer(AsyncHttpConsumer):
         self.body.append(chunk)
         if not message.get("more_body", False):
             body, self.body = b"".join(self.body), []
-            self._task = asyncio.create_task(self._serve(body))
+            self._start(self._serve(body))
 
     async def http_disconnect(self, message: HTTPDisconnectEvent) -> None:
         task = self._task
@@ -208,7 +236,15 @@ class ApiConsumer(AsyncHttpConsumer):
             f"Request body is larger than the limit of {settings.MESSAGES_MAX_BODY_BYTES} bytes",
             "request_too_large",
         )
-        self._task = asyncio.create_task(self._answer_error(error))
+        self._start(self._answer_error(error))
+
+    def _start(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run the request's work: in place (`_dispatch_directly`), or as a task of its own beside
+        Channels' receive loop, which must go on reading to see the disconnect."""
+        if self._serves_in_place:
+            self._work = work
+        else:
+            self._task = asyncio.create_task(work)
 
     async def _serve(self, body: bytes) -> None:
         """The request's task: everything it raises ends in `_answer_error`, the one boundary."""

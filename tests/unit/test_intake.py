@@ -74,3 +74,62 @@ async def test_with_a_channel_layer_channels_own_loop_dispatches() -> None:
     # Channels' loop: a task per read, then asyncio.wait; the count the direct loop saves.
     assert turns[0] >= 3, turns
     assert consumer.channel_layer is not None
+
+
+class ServedConsumer(ApiConsumer):
+    """Notes the task its request runs in, and waits until it is cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served_in: list[asyncio.Task[Any] | None] = []
+        self.cancelled = asyncio.Event()
+
+    async def handle_request(self, body: bytes) -> None:
+        self.served_in.append(asyncio.current_task())
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def test_without_a_channel_layer_the_request_runs_in_the_applications_task_until_the_client_leaves() -> None:
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    queue.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    consumer = ServedConsumer()
+    application = asyncio.create_task(
+        consumer({"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}, queue.get, send)
+    )
+    while not consumer.served_in:
+        await asyncio.sleep(0)
+    # A turn sooner than from a task of its own: the request's start is on every request's path.
+    assert consumer.served_in == [application]
+    queue.put_nowait({"type": "http.disconnect"})
+    await asyncio.wait_for(consumer.cancelled.wait(), 5)
+    await asyncio.wait({application}, timeout=5)
+    assert application.done()
+
+
+async def test_with_a_channel_layer_the_request_runs_in_a_task_of_its_own() -> None:
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    queue.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    consumer = ServedConsumer()
+    with override_settings(CHANNEL_LAYERS=IN_MEMORY_LAYER):
+        application = asyncio.create_task(
+            consumer({"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}, queue.get, send)
+        )
+        while not consumer.served_in:
+            await asyncio.sleep(0)
+        assert consumer.served_in[0] is not application
+        queue.put_nowait({"type": "http.disconnect"})
+        await asyncio.wait_for(consumer.cancelled.wait(), 5)
+        await asyncio.wait({application}, timeout=5)
+    assert application.done()
