@@ -93,7 +93,9 @@ class ServedConsumer(ApiConsumer):
             raise
 
 
-async def test_without_a_channel_layer_the_request_runs_in_the_applications_task_until_the_client_leaves() -> None:
+async def serve_until_the_client_leaves() -> tuple[asyncio.Task[None], ServedConsumer]:
+    """Run a consumer on a complete request, then disconnect once its work has started; returns
+    the application's task (ended) and the consumer."""
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     queue.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
 
@@ -106,30 +108,21 @@ async def test_without_a_channel_layer_the_request_runs_in_the_applications_task
     )
     while not consumer.served_in:
         await asyncio.sleep(0)
-    # A turn sooner than from a task of its own: the request's start is on every request's path.
-    assert consumer.served_in == [application]
     queue.put_nowait({"type": "http.disconnect"})
     await asyncio.wait_for(consumer.cancelled.wait(), 5)
     await asyncio.wait({application}, timeout=5)
     assert application.done()
+    return application, consumer
+
+
+async def test_without_a_channel_layer_the_request_runs_in_the_applications_task_until_the_client_leaves() -> None:
+    application, consumer = await serve_until_the_client_leaves()
+    # A turn sooner than from a task of its own: the request's start is on every request's path.
+    assert consumer.served_in == [application]
 
 
 async def test_with_a_channel_layer_the_request_runs_in_a_task_of_its_own() -> None:
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    queue.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
-
-    async def send(message: dict[str, Any]) -> None:
-        pass
-
-    consumer = ServedConsumer()
     with override_settings(CHANNEL_LAYERS=IN_MEMORY_LAYER):
-        application = asyncio.create_task(
-            consumer({"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}, queue.get, send)
-        )
-        while not consumer.served_in:
-            await asyncio.sleep(0)
-        assert consumer.served_in[0] is not application
-        queue.put_nowait({"type": "http.disconnect"})
-        await asyncio.wait_for(consumer.cancelled.wait(), 5)
-        await asyncio.wait({application}, timeout=5)
-    assert application.done()
+        application, consumer = await serve_until_the_client_leaves()
+    assert len(consumer.served_in) == 1
+    assert consumer.served_in[0] is not application
