@@ -68,15 +68,19 @@ def reservation_row(reservation_id: str, outcome: str = "") -> dict[str, Any]:
     }  # fmt: skip
 
 
-def test_rows_written_through_the_writer_read_back_equal(transactional_db: Any) -> None:
-    writer = RowWriter(0.0)
-    values = {
+#: A complete audit row.
+AUDIT_ROW: dict[str, Any] = {
         "request_id": "req_prepared", "received_at": NOW, "route": "POST /v1/messages", "model": "m",
         "stream": True, "status": "completed", "stage": "done", "http_status": 200, "error_type": "",
         "error_message": "", "pool_name": "p", "context_endpoint": "", "generation_endpoint": "http://g",
         "headers_sent_ms": 1.5, "context_done_ms": None, "first_token_ms": 2.25, "finished_ms": 9.0,
         "pings_sent": 3, "input_tokens": 11, "output_tokens": 22, "api_key_name": "k", "gateway_instance": "gw",
-    }  # fmt: skip
+}  # fmt: skip
+
+
+def test_rows_written_through_the_writer_read_back_equal(transactional_db: Any) -> None:
+    writer = RowWriter(0.0)
+    values = AUDIT_ROW
     writer.upsert(MessageRequest, "request_id", values)
     assert writer.flush()
     row = MessageRequest.objects.get(request_id="req_prepared")
@@ -143,3 +147,26 @@ def test_only_a_batchs_first_row_wakes_the_writer(transactional_db: Any) -> None
         assert Reservation.objects.filter(reservation_id__startswith="wake_").count() == 6
     finally:
         writer.close()
+
+
+def checked_out() -> int:
+    """The pooled connections in use (PostgreSQL's pool, shared by every thread)."""
+    stats = connection.pool.get_stats()
+    return int(stats["pool_size"]) - int(stats["pool_available"])
+
+
+def test_a_stopped_writer_gives_its_connection_back(transactional_db: Any) -> None:
+    """The writer's thread keeps its connection between batches; once it stops, the connection goes
+    back. Kept, every writer a test suite stopped held one of the process's pooled connections
+    for good, and a later test waiting for one timed out (CI, 2026-12-06)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the connection pool is PostgreSQL's")
+    connection.ensure_connection()
+    before = checked_out()
+    writer = RowWriter(0.0)
+    writer.upsert(MessageRequest, "request_id", AUDIT_ROW)
+    assert writer.flush()
+    assert checked_out() == before + 1  # the writer's, kept between batches
+    writer.close()
+    assert writer._thread is not None and not writer._thread.is_alive()
+    assert checked_out() == before

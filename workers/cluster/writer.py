@@ -123,6 +123,14 @@ class RowWriter:
             self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._write_until_stopped()
+        finally:
+            # The connection the thread kept between batches goes with it: back to the pool on
+            # PostgreSQL, where a stopped writer's would otherwise stay checked out for good.
+            connection.close()
+
+    def _write_until_stopped(self) -> None:
         while True:
             self._wakeup.wait(timeout=1.0)
             self._wakeup.clear()
@@ -205,10 +213,17 @@ class RowWriter:
         )
         return sql, fields
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued, then stop the thread, which gives its connection back (exit,
+        tests). Not for async code."""
         with self._lock:
             self._stopping = True
-        self.flush()
+        self.flush(timeout)
+        thread = self._thread
+        if thread is not None:
+            self._hurry.set()
+            self._wakeup.set()
+            thread.join(timeout)
 
 
 def prepare_row(row: dict[str, Any], shape: tuple[str, ...], fields: list[Field[Any, Any]]) -> list[Any]:
