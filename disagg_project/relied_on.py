@@ -293,7 +293,9 @@ RELIANCES: tuple[Reliance, ...] = (
             "_reschedule_timeout",
         ),
         "workers/wire/connection.py (WorkerResponseHandler)",
-        "wraps the parser set_response_params makes; skips data_received (restart the read timer, feed the parser)",
+        "wraps the parser set_response_params makes, and counts a connection's requests there (called once per "
+        "request, in the request's task: workers.wire.connection.connection_reused); skips data_received (restart "
+        "the read timer, feed the parser)",
         "aiohttp 3.14.5",
     ),
     Reliance(

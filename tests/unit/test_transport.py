@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import gzip
 import ssl
 import time
 import tracemalloc
@@ -15,10 +16,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from tests.support.chunked import LAST_CHUNK, chunk
-from tests.support.scripted import Request, ScriptedServer, read_request
+from tests.support.scripted import Request, ScriptedServer, answering, read_request, response
 from tests.support.tls import self_signed_certificate
 from tests.support.worker_transport import Pushed, answer_every_request, fetch, ok, wait_for, worker_transport
 from workers.wire import client
@@ -27,7 +29,8 @@ from workers.exceptions import WorkerError
 from workers.wire.transport import BODY_SLICE_BYTES, body_reader, push_body
 
 
-async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -> None:
+@pytest.mark.parametrize("via_httpx", [False, True], ids=["send", "httpx-interface"])
+async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact(via_httpx: bool) -> None:
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -36,8 +39,8 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -
             writer.write(ok(b"answer %d" % len(seen)))
 
     async with ScriptedServer(handler) as server, worker_transport() as transport:
-        first = await fetch(transport, server.url + "/v1/chat?x=1", body=b'{"a": 1}')
-        second = await fetch(transport, server.url + "/v1/chat?x=1")
+        first = await fetch(transport, server.url + "/v1/chat?x=1", body=b'{"a": 1}', via_httpx=via_httpx)
+        second = await fetch(transport, server.url + "/v1/chat?x=1", via_httpx=via_httpx)
     assert (first.status_code, first.content, second.content) == (200, b"answer 1", b"answer 2")
     assert server.connections == 1
     head, _, body = seen[0].partition(b"\r\n\r\n")
@@ -45,7 +48,8 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_intact() -
     assert b"content-length: 8" in head.lower() and body == b'{"a": 1}'
 
 
-async def test_a_large_body_arrives_whole_with_its_length_and_on_a_retry_too() -> None:
+@pytest.mark.parametrize("via_httpx", [False, True], ids=["send", "httpx-interface"])
+async def test_a_large_body_arrives_whole_with_its_length_and_on_a_retry_too(via_httpx: bool) -> None:
     # Bodies past BODY_SLICE_BYTES go out a slice at a time: still framed by Content-Length (an
     # engine may not take a chunked request), and the stale keep-alive retry sends all of it again.
     large = bytes(range(256)) * (3 * BODY_SLICE_BYTES // 256 + 7)
@@ -64,8 +68,8 @@ async def test_a_large_body_arrives_whole_with_its_length_and_on_a_retry_too() -
         await answer_every_request(reader, writer, number)
 
     async with ScriptedServer(handler) as server, worker_transport() as transport:
-        assert (await fetch(transport, server.url, body=large)).content == b"first"
-        assert (await fetch(transport, server.url, body=large)).content == b"retried"
+        assert (await fetch(transport, server.url, body=large, via_httpx=via_httpx)).content == b"first"
+        assert (await fetch(transport, server.url, body=large, via_httpx=via_httpx)).content == b"retried"
     assert server.connections == 2
     for request in seen:
         fields = {name.lower(): value for name, value in request.fields}
@@ -449,6 +453,22 @@ async def test_the_client_maps_a_huge_head_to_a_worker_error() -> None:
     assert server.sent < 16 * 1024 * 1024  # cut at the limit, not read to the end
     assert caught.value.status >= 500
     assert "127.0.0.1" not in str(caught.value)
+
+
+@pytest.mark.parametrize("encoding", [None, "gzip"])
+async def test_the_client_reads_a_json_answer_whole_and_a_compressed_one_decoded(encoding: str | None) -> None:
+    # The client reads an answer straight from the transport; a worker that compresses it anyway
+    # (the gateway asks for no encoding) is read through httpx's decoders.
+    answer = orjson.dumps({"ids": list(range(20_000))})
+    headers = {"content-encoding": encoding} if encoding else None
+    wire = gzip.compress(answer) if encoding else answer
+    respond = answering(lambda _: response(200, wire, content_type="application/json", headers=headers))
+    async with ScriptedServer(respond) as server:
+        got = await client.post_json(server.url + "/v1/chat/completions", {}, stage="context", timeout=10.0)
+        again = await client.post_json(server.url + "/v1/chat/completions", {}, stage="context", timeout=10.0)
+        await client.transport().aclose()
+    assert got == again == {"ids": list(range(20_000))}
+    assert server.connections == 1
 
 
 # --- pushed bodies (workers.wire.transport.push_body: aiohttp's reader internals, checked here) ------------

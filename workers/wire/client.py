@@ -1,5 +1,5 @@
-"""HTTP to workers: JSON calls and OpenAI SSE streams over httpx, on the worker transport
-(`workers.wire.transport`: aiohttp's pool and parser), one per event loop.
+"""HTTP to workers: JSON calls and OpenAI SSE streams, answered as httpx responses, on the worker
+transport (`workers.wire.transport`: aiohttp's pool and parser), one per event loop.
 
     completion = await post_completion(url, body, stage="context")   # validated chat.completion
     stream = await open_stream(url, body, stage="generation")        # headers in
@@ -21,9 +21,8 @@ read incrementally and cut at its size limit.
 from __future__ import annotations
 
 import asyncio
-import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
@@ -36,7 +35,7 @@ from workers.wire.chat_stream import ChunkStream
 from workers.wire.error_reading import Wordings, worker_error
 from workers.wire.raw_ints import loads_keeping_ints
 from workers.wire.shapes import ShapeError, check_completion
-from workers.wire.transport import WorkerTransport
+from workers.wire.transport import WorkerTransport, body_reader
 
 _transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WorkerTransport] = weakref.WeakKeyDictionary()
 
@@ -81,25 +80,17 @@ async def close_transport() -> None:
         await worker_transport.aclose()
 
 
-@functools.cache
-def _timeouts(deadline_s: float) -> dict[str, float | None]:
-    """The transport's own timeouts: connecting only (a connect timeout is "unreachable", which
-    may be retried elsewhere). Reads get none: the caller's phase deadline covers them."""
-    connect = min(settings.WORKER_CONNECT_TIMEOUT_S, deadline_s)
-    return {"connect": connect, "pool": connect, "read": None, "write": None}
-
-
-@functools.lru_cache(maxsize=1024)
-def _url(url: str) -> httpx.URL:
-    return httpx.URL(url)  # endpoints are few: parse each once
+def _connect_timeout(deadline_s: float) -> float:
+    """The transport's own timeout: connecting only, for a pool slot and for the connection (a
+    connect timeout is "unreachable", which may be retried elsewhere). Reads get none: the
+    caller's phase deadline covers them."""
+    return min(settings.WORKER_CONNECT_TIMEOUT_S, deadline_s)
 
 
 async def _send(method: str, url: str, content: bytes | None, headers: dict[str, str], deadline_s: float) -> httpx.Response:
     """Send and return the response with its body unread (the caller reads or streams it)."""
-    request = httpx.Request(method, _url(url), content=content, headers=headers, extensions={"timeout": _timeouts(deadline_s)})
-    response = await transport().handle_async_request(request)
-    response.request = request
-    return response
+    connect = _connect_timeout(deadline_s)
+    return await transport().send(method, url, headers, content, connect, None, connect)
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -120,12 +111,25 @@ async def _read_bounded(response: httpx.Response, limit: int, stage: str) -> byt
         raise AnswerTooLarge(502, _too_large(stage, limit), stage=stage, code="answer_too_large")
     parts: list[bytes] = []
     size = 0
-    async for part in response.aiter_bytes():
+    async for part in _body_parts(response):
         size += len(part)
         if size > limit:
             raise AnswerTooLarge(502, _too_large(stage, limit), stage=stage, code="answer_too_large")
         parts.append(part)
     return b"".join(parts)
+
+
+async def _body_parts(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's bytes as they arrive. Straight from the transport (`body_reader`): httpx's
+    decoding layers cost more than the rest of a small call's read; through them only when the
+    worker compressed the body although the gateway asked for no encoding."""
+    if response.headers.get("content-encoding", "identity").lower() != "identity":
+        async for part in response.aiter_bytes():
+            yield part
+        return
+    read = body_reader(response)
+    while part := await read():
+        yield part
 
 
 def _too_large(stage: str, limit: int) -> str:
@@ -136,7 +140,7 @@ async def _error_body(response: httpx.Response) -> bytes:
     """The first ERROR_BODY_BYTES of an error answer (a message is short; the rest is dropped)."""
     parts: list[bytes] = []
     size = 0
-    async for part in response.aiter_bytes():
+    async for part in _body_parts(response):
         parts.append(part)
         size += len(part)
         if size >= ERROR_BODY_BYTES:

@@ -30,6 +30,7 @@ if those change.
 from __future__ import annotations
 
 import functools
+from contextvars import ContextVar
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -38,6 +39,12 @@ from aiohttp.client_proto import ResponseHandler
 from aiohttp.streams import StreamReader
 
 from workers.wire.chunked import ChunkedDecoder, ChunkedFramingError
+
+#: Whether the latest request of the current task went out on a connection that had carried one
+#: before (set when the request starts on its connection; `WorkerTransport.send` resets it first).
+#: A kept-alive connection may have been closed by the worker just as it was reused: such a request
+#: is sent again (workers.wire.transport).
+connection_reused: ContextVar[bool] = ContextVar("connection_reused", default=False)
 
 # What a parser's feed_data returns to aiohttp: the messages (heads) completed, whether the
 # connection was upgraded, and the bytes after an upgrade.
@@ -205,7 +212,13 @@ class WorkerResponseHandler(ResponseHandler):
             return
         super().data_received(data)
 
+    # Requests this connection has carried, the current one included.
+    requests_carried = 0
+
     def set_response_params(self, **params: Any) -> None:
+        # Called once per request, from the request's own task, as it starts on this connection.
+        self.requests_carried += 1
+        connection_reused.set(self.requests_carried > 1)
         early_bytes = bool(self._tail)  # bytes before the request: aiohttp's parser sees them alone
         super().set_response_params(**params)
         if not early_bytes and self._parser is not None:
@@ -217,4 +230,4 @@ def use_worker_protocol(connector: aiohttp.BaseConnector) -> None:
     connector._factory = functools.partial(WorkerResponseHandler, loop=connector._loop)  # type: ignore[assignment]
 
 
-__all__ = ["BodySink", "RelayedBodyParser", "WorkerResponseHandler", "use_worker_protocol"]
+__all__ = ["BodySink", "RelayedBodyParser", "WorkerResponseHandler", "connection_reused", "use_worker_protocol"]

@@ -5,9 +5,12 @@ A chunked body (every streamed answer) is decoded by the gateway's own decoder i
 `data_received` to the push, where aiohttp's path made about a dozen).
 
     transport = WorkerTransport(max_connections=4096, keepalive_expiry=4.0)
-    response = await transport.handle_async_request(httpx.Request("POST", url, content=body))
-    async for chunk in response.aiter_raw(): ...
+    response = await transport.send("POST", url, {"content-type": "application/json"}, body, connect_timeout=5.0)
+    read = body_reader(response)  # or push_body(response, on_data, on_end)
+    while chunk := await read(): ...
     await response.aclose()     # back to the pool if the answer was read whole, else closed
+
+(`handle_async_request(httpx.Request(...))`, httpx's transport interface, does the same.)
 
 Why a library and not our own: a hand-written HTTP/1.1 client (asyncio protocols + httptools) was
 compared with this one by `bench/transport.py` (issue 10, at commit 8d54448; the numbers are in
@@ -29,7 +32,8 @@ What this adds to `httpx_aiohttp.AiohttpTransport`, and why:
 - **The stale keep-alive retry.** aiohttp resends a request whose reused connection the server
   had closed only for idempotent methods; worker calls are POSTs. A request that went out on a
   *reused* connection and got only a hang-up (`ServerDisconnectedError`, or a reset) is sent once
-  more on a fresh connection (a trace hook tells a reused connection from a new one); a fresh
+  more on a fresh connection (the connection's protocol tells a reused connection from a new one:
+  `workers.wire.connection.connection_reused`; aiohttp's trace hooks did too, at ~15 µs a call); a fresh
   connection's hang-up is not retried (the worker may have seen the request). Without it, the
   race would count as an endpoint failure for health and the breakers.
 - **Bounded response heads.** aiohttp bounds the header count and each field's size while
@@ -40,6 +44,11 @@ What this adds to `httpx_aiohttp.AiohttpTransport`, and why:
   it), keep-alive expiry and a per-endpoint connection bound from the settings, no cookies, no
   added `User-Agent`/`Accept-Encoding`, no proxy from the environment. aiohttp sets TCP_NODELAY
   on every connection itself.
+- **No httpx request per call.** The gateway's calls (`send`) pass plain headers and build no
+  `httpx.Request`; only a failure's exception gets one (`exc.request`). Through httpx's request
+  and its headers, aiohttp's trace hooks (now `connection_reused`) and httpx's body decoders, a
+  small worker call cost ~70 µs more of the gateway's CPU (`_fetch` against a local server:
+  ~280 against ~210 µs a call, bare aiohttp ~170).
 - **A large request body goes out in slices** (`BODY_SLICE_BYTES`, with its Content-Length, not
   chunked): aiohttp writes a bytes body with one `transport.write`, which copies it twice (joined
   to the head, then into the transport's buffer) in one turn of the event loop — for a 32 MiB
@@ -51,15 +60,14 @@ from __future__ import annotations
 
 import functools
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
-from types import SimpleNamespace
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
-from workers.wire.connection import RelayedBodyParser, use_worker_protocol
+from workers.wire.connection import RelayedBodyParser, connection_reused, use_worker_protocol
 
 # aiohttp pauses reading from a connection when twice this many body bytes are unread.
 READ_BUFSIZE = 128 * 1024
@@ -76,15 +84,6 @@ async def _slices(body: bytes) -> AsyncIterator[memoryview]:
     view = memoryview(body)
     for start in range(0, len(view), BODY_SLICE_BYTES):
         yield view[start : start + BODY_SLICE_BYTES]
-
-
-async def _note_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace, _params: Any) -> None:
-    context.trace_request_ctx.reused = True
-
-
-_REUSE_TRACE = aiohttp.TraceConfig()
-_REUSE_TRACE.on_connection_reuseconn.append(_note_reuse)
-_REUSE_TRACE.freeze()
 
 
 @functools.lru_cache(maxsize=64)
@@ -120,10 +119,15 @@ def _mapped(exc: BaseException) -> httpx.TransportError | None:
     return None
 
 
+#: The request a failure's httpx exception names (`exc.request`), built only when one fails: worker
+#: calls do not build an `httpx.Request` (~17 µs each) on their way out.
+RequestOf = Callable[[], httpx.Request]
+
+
 class _ResponseStream(httpx.AsyncByteStream):
-    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, request_of: RequestOf) -> None:
         self._response = response
-        self._request = request
+        self._request_of = request_of
         self._content = response.content
         self._failed: httpx.TransportError | None = None  # raised by the next read()
 
@@ -143,7 +147,7 @@ class _ResponseStream(httpx.AsyncByteStream):
             mapped = _mapped(exc)
             if mapped is None:
                 raise
-            mapped.request = self._request
+            mapped.request = self._request_of()
             # aiohttp raises a lost connection as soon as it has seen it, even while bytes that
             # arrived before it are still buffered: a dying worker's last tokens belong to the
             # answer, so hand them over first. `_buffer`/`_read_nowait` are aiohttp internals
@@ -183,19 +187,19 @@ class PushedBody:
     and `body_ended` at its end, and the reader is left alone."""
 
     __slots__ = (
-        "_content", "_request", "on_data", "_on_end", "_finished", "_low_water", "_transport", "_max_size", "_parser",
+        "_content", "_request_of", "on_data", "_on_end", "_finished", "_low_water", "_transport", "_max_size", "_parser",
     )
 
     def __init__(
         self,
         content: aiohttp.StreamReader,
-        request: httpx.Request,
+        request_of: RequestOf,
         on_data: Callable[[bytes], bool],
         on_end: Callable[[BaseException | None], None],
         parser: RelayedBodyParser | None = None,
     ) -> None:
         self._content = content
-        self._request = request
+        self._request_of = request_of
         self.on_data = on_data
         self._on_end = on_end
         self._finished = False
@@ -256,7 +260,7 @@ class PushedBody:
         if mapped is None:
             self._on_end(exc)  # not a connection failure: raised as it is, as a read would
             return
-        mapped.request = self._request
+        mapped.request = self._request_of()
         self._on_end(mapped)
 
     def body_ended(self, error: BaseException | None) -> None:
@@ -318,10 +322,10 @@ def push_body(
         raise RuntimeError("the response body is already being read")
     parser = getattr(content._protocol, "_parser", None)
     if isinstance(parser, RelayedBodyParser) and parser.decoding is content:
-        waiter = PushedBody(content, stream._request, on_data, on_end, parser)
+        waiter = PushedBody(content, stream._request_of, on_data, on_end, parser)
         waiter.attach()
         return waiter
-    waiter = PushedBody(content, stream._request, on_data, on_end)
+    waiter = PushedBody(content, stream._request_of, on_data, on_end)
     if content._exception is not None:
         # What arrived before the failure, first.
         if not content._buffer or on_data(content._read_nowait(-1)):
@@ -394,55 +398,84 @@ class WorkerTransport(AiohttpTransport):
             max_headers=self.max_response_headers,
             max_field_size=field_size,
             max_line_size=field_size,
-            trace_configs=[_REUSE_TRACE],
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """httpx's transport interface (tests, the simulator's transfers): `send` with the request's parts."""
+        timeouts = request.extensions.get("timeout") or {}
+        return await self.send(
+            request.method,
+            str(request.url),
+            request.headers,
+            request.content or None,  # in memory: worker calls never stream a request body
+            timeouts.get("connect"),
+            timeouts.get("read"),
+            timeouts.get("pool"),
+            request_of=lambda: request,
+        )
+
+    async def send(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        connect_timeout: float | None,
+        read_timeout: float | None = None,
+        pool_timeout: float | None = None,
+        *,
+        request_of: RequestOf | None = None,
+    ) -> httpx.Response:
+        """Send a request and return its response with the body unread, without building an
+        `httpx.Request` for it (the gateway's own worker calls: `workers.wire.client`). A failure
+        raises httpx's exception for it, naming the request `request_of()` builds (by default a
+        bare one of `method` and `url`)."""
         if not isinstance(self.client, aiohttp.ClientSession):
             self.client = self.get_client()
         session = self.client
-        timeouts = request.extensions.get("timeout") or {}
-        timeout = _client_timeout(timeouts.get("connect"), timeouts.get("read"), timeouts.get("pool"))
-        url = str(request.url)
-        body = request.content or None  # in memory: worker calls never stream a request body
+        timeout = _client_timeout(connect_timeout, read_timeout, pool_timeout)
+        if request_of is None:
+            request_of = functools.partial(httpx.Request, method, url)
+        sliced = body is not None and len(body) > BODY_SLICE_BYTES
+        if sliced:
+            # With its Content-Length: aiohttp would send a body of slices chunked.
+            headers = {**headers, "content-length": str(len(body or b""))}
         for attempt in (1, 2):
-            trace = SimpleNamespace(reused=False)
+            connection_reused.set(False)
             try:
                 response = await session.request(
-                    request.method,
+                    method,
                     url,
-                    # httpx's headers carry the body's Content-Length: a sliced body is not chunked.
-                    headers=request.headers,
-                    data=_slices(body) if body is not None and len(body) > BODY_SLICE_BYTES else body,
+                    headers=headers,
+                    data=_slices(body) if sliced and body is not None else body,
                     allow_redirects=False,
                     timeout=timeout,
-                    trace_request_ctx=trace,
                 )
                 break
             except Exception as exc:
                 stale = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and not isinstance(
                     exc, aiohttp.ClientConnectorError
                 )
-                if stale and trace.reused and attempt == 1:
+                if stale and connection_reused.get() and attempt == 1:
                     # A kept-alive connection the server closed as we reused it: the request never
                     # got an answer, so it goes out once more on a fresh connection.
                     continue
                 mapped = _mapped(exc)
                 if mapped is None:
                     raise
-                mapped.request = request
+                mapped.request = request_of()
                 raise mapped from None
         raw_headers = response.raw_headers
         head_bytes = sum(len(name) + len(value) + 4 for name, value in raw_headers)
         if head_bytes > self.max_response_header_bytes:
             response.close()
             raise MalformedResponse(
-                f"the response head exceeds {self.max_response_header_bytes} bytes", request=request
+                f"the response head exceeds {self.max_response_header_bytes} bytes", request=request_of()
             )
         return httpx.Response(
             response.status,
             headers=raw_headers,
-            stream=_ResponseStream(response, request),
+            stream=_ResponseStream(response, request_of),
             extensions={"http_version": b"HTTP/1.1"},
         )
 
