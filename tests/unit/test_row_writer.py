@@ -70,11 +70,11 @@ def reservation_row(reservation_id: str, outcome: str = "") -> dict[str, Any]:
 
 #: A complete audit row.
 AUDIT_ROW: dict[str, Any] = {
-        "request_id": "req_prepared", "received_at": NOW, "route": "POST /v1/messages", "model": "m",
-        "stream": True, "status": "completed", "stage": "done", "http_status": 200, "error_type": "",
-        "error_message": "", "pool_name": "p", "context_endpoint": "", "generation_endpoint": "http://g",
-        "headers_sent_ms": 1.5, "context_done_ms": None, "first_token_ms": 2.25, "finished_ms": 9.0,
-        "pings_sent": 3, "input_tokens": 11, "output_tokens": 22, "api_key_name": "k", "gateway_instance": "gw",
+    "request_id": "req_prepared", "received_at": NOW, "route": "POST /v1/messages", "model": "m",
+    "stream": True, "status": "completed", "stage": "done", "http_status": 200, "error_type": "",
+    "error_message": "", "pool_name": "p", "context_endpoint": "", "generation_endpoint": "http://g",
+    "headers_sent_ms": 1.5, "context_done_ms": None, "first_token_ms": 2.25, "finished_ms": 9.0,
+    "pings_sent": 3, "input_tokens": 11, "output_tokens": 22, "api_key_name": "k", "gateway_instance": "gw",
 }  # fmt: skip
 
 
