@@ -19,8 +19,8 @@ from typing import Any
 
 from django.db.models import Count
 
+from disagg_project import GATEWAY_INSTANCE
 from workers.cluster.db_thread import DatabaseThread
-from workers.cluster.instance import GATEWAY_INSTANCE
 from workers.models import ModelRoute, ModelRoutePool, Reservation, WorkerEndpoint, WorkerPool
 
 
