@@ -26,7 +26,7 @@ from messages_api.limits import shared
 from messages_api.limits.local import LocalLimits
 from messages_api.limits.policy import NO_LIMITS, BucketState, Decision, KeyLimits, Usage
 
-__all__ = ["KeyLimits", "KeyLease", "NO_LIMITS", "Usage", "check_limits", "local_limits", "refuse_early"]
+__all__ = ["check_limits", "KeyLease", "KeyLimits", "local_limits", "NO_LIMITS", "refuse_early", "Usage"]
 
 local_limits = LocalLimits()
 

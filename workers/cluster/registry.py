@@ -243,4 +243,4 @@ def get_registry() -> Registry:
     return _registry
 
 
-__all__ = ["ClusterSnapshot", "EndpointInfo", "PoolInfo", "Registry", "get_registry", "load_snapshot"]
+__all__ = ["ClusterSnapshot", "EndpointInfo", "get_registry", "load_snapshot", "PoolInfo", "Registry"]
