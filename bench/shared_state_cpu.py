@@ -39,7 +39,7 @@ CALLS = """
 import asyncio, json, os, sys, time
 import django
 django.setup()
-from workers import Script, get_shared_state
+from disagg_project import Script, get_shared_state
 
 n = int(sys.argv[1])
 one = Script("return 1")

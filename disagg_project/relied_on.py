@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 
-__all__ = ["PINNED_SOURCES", "RELIANCES", "PinnedSource", "Reliance", "installed_version", "missing", "resolve"]
+__all__ = ["installed_version", "missing", "PINNED_SOURCES", "PinnedSource", "Reliance", "RELIANCES", "resolve"]
 
 
 @dataclass(frozen=True)

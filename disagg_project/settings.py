@@ -421,7 +421,7 @@ REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
 # came. A transaction's cost is mostly the pages it rewrites (SQLite: ~13 for one audit row, whose
 # table has nine indexes; rows written together share most of them), so the window sets the
 # writer's CPU: at 10 streams/s, 1.1 ms per stream at 50 ms and 0.56 at 250 ms
-# (workers/cluster/writer.py). It is also how long a row may live only in memory.
+# (disagg_project/writer.py). It is also how long a row may live only in memory.
 AUDIT_FLUSH_INTERVAL_S = env_float("AUDIT_FLUSH_INTERVAL_S", 0.25)
 # Requests refused without a valid API key are all counted (gateway_unauthenticated_rejections_total)
 # but only this many per second per process get an audit row, so a flood cannot fill the database.

@@ -14,10 +14,10 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
+from disagg_project import GuardedAdmin, ReadOnlyAdmin
 from messages_api.auth import KEY_PREFIX, generate_key, hash_key
 from messages_api.models import ApiKey, MessageRequest, RequestStatus
 from messages_api.usage_report import KeyUsagePages
-from workers import GuardedAdmin, ReadOnlyAdmin
 from workers.models import Reservation, WorkerEndpoint, WorkerPool
 
 CONSOLE_CSS = {"all": ("messages_api/admin/console.css",)}

@@ -16,10 +16,11 @@ from typing import Any
 
 from django.conf import settings
 
+from disagg_project import GATEWAY_INSTANCE, get_writer
 from messages_api import metrics, usage
 from messages_api.models import MessageRequest, RequestStatus
 from messages_api.request_context import loggable
-from workers import GATEWAY_INSTANCE, RunTrace, Traced, get_writer
+from workers import RunTrace, Traced
 
 access_log = logging.getLogger("messages_api.access")
 

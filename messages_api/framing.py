@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["PING_FRAME", "encode_event", "encode_events", "text_delta_frame"]
+__all__ = ["encode_event", "encode_events", "PING_FRAME", "text_delta_frame"]
 
 # Byte-for-byte what the real API sends (note the space after the colon: it is not orjson output).
 PING_FRAME: bytes = b'event: ping\ndata: {"type": "ping"}\n\n'

@@ -19,4 +19,4 @@ class RequestIdFilter(logging.Filter):
 
 
 # Re-exported: the API's modules escape a client's text with it (the workers' code, a worker's).
-__all__ = ["RequestIdFilter", "current_request_id", "loggable"]
+__all__ = ["current_request_id", "loggable", "RequestIdFilter"]

@@ -69,7 +69,7 @@ def release_test_database(django_db_setup: Any, django_db_blocker: Any) -> Itera
     from django.db import connection
 
     from messages_api.usage import get_recorder
-    from workers.cluster.writer import get_writer
+    from disagg_project.writer import get_writer
 
     with django_db_blocker.unblock():
         get_writer().flush()

@@ -12,9 +12,12 @@ has (`workers.models`); `tests/unit/test_layers.py` enforces it. Inside, the pac
     routing/     picking an endpoint: the router, the prefix index, reservations
     admission/   endpoint capacity and the fair admission queue of requests waiting for it
     schedule/    one chat request through the cluster: the pipeline and what it records
-    cluster/     the cluster's state in this process: registry, health, recovery, the row writer,
-                 and what processes share through Redis (shared_state)
+    cluster/     the cluster's state in this process: registry, health, recovery, the services
+                 it starts, and what this process alone knows (local_state, for the admin)
     sim/         a simulated worker for every dialect (`manage.py simworker`)
+
+What both apps share (Redis shared state, ids, the row writer, the admin's base classes, the
+management commands' helpers) is in `disagg_project`, and used through its `__all__`.
 
 The names load lazily: Django imports this package before its models are ready.
 """
@@ -24,89 +27,60 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-# Public name → its module.
+# Public name → (module, attribute).
 _HOMES = {
-    "ChatRun": "workers.schedule.pipeline",
-    "RenderedChat": "workers.schedule.rendered_chat",
-    "RunTrace": "workers.schedule.trace",
-    "Traced": "workers.schedule.trace",
-    "count_prompt_tokens": "workers.schedule.prompt_tokens",
-    "WorkerError": "workers.exceptions",
-    "ContextLengthExceeded": "workers.exceptions",
-    "NoEndpointAvailable": "workers.exceptions",
-    "OutputLimitExceeded": "workers.exceptions",
-    "StopRelay": "workers.exceptions",
-    "PoolInfo": "workers.cluster.registry",
-    "get_registry": "workers.cluster.registry",
-    "GATEWAY_INSTANCE": "workers.cluster.instance",
-    "new_id": "workers.cluster.instance",
-    "get_writer": "workers.cluster.writer",
-    "process_abandoned": "workers.cluster.recovery",
-    "start_services": "workers.cluster.services",
-    "close_transport": "workers.wire.client",
-    "candidates": "workers.routing.router",
-    "choose_pool": "workers.routing.router",
-    "Served": "workers.cluster.registry",
-    "AGGREGATED": "workers.protocols.base",
-    "ReadOnlyAdmin": "workers.admin",
-    "Priority": "workers.admission.queue",
-    "limit_argument": "workers.management.arguments",
-    "log_change": "workers.management.changes",
-    "Script": "workers.cluster.shared_state",
-    "get_shared_state": "workers.cluster.shared_state",
-    "shared_leases": "workers.cluster.shared_state",
-    "lease_expiry": "workers.cluster.shared_state",
-    "GuardedAdmin": "workers.admin",
-    "local_state": "workers.cluster.local_state",
+    "AGGREGATED": ("workers.protocols.base", "AGGREGATED"),
+    "candidates": ("workers.routing.router", "candidates"),
+    "ChatRun": ("workers.schedule.pipeline", "ChatRun"),
+    "choose_pool": ("workers.routing.router", "choose_pool"),
+    "close_transport": ("workers.wire.client", "close_transport"),
+    "ContextLengthExceeded": ("workers.exceptions", "ContextLengthExceeded"),
+    "count_prompt_tokens": ("workers.schedule.prompt_tokens", "count_prompt_tokens"),
+    "get_registry": ("workers.cluster.registry", "get_registry"),
+    "local_state": ("workers.cluster.local_state", "local_state"),
+    "NoEndpointAvailable": ("workers.exceptions", "NoEndpointAvailable"),
+    "OutputLimitExceeded": ("workers.exceptions", "OutputLimitExceeded"),
+    "PoolInfo": ("workers.cluster.registry", "PoolInfo"),
+    "Priority": ("workers.admission.queue", "Priority"),
+    "process_abandoned": ("workers.cluster.recovery", "process_abandoned"),
+    "RenderedChat": ("workers.schedule.rendered_chat", "RenderedChat"),
+    "RunTrace": ("workers.schedule.trace", "RunTrace"),
+    "Served": ("workers.cluster.registry", "Served"),
+    "start_services": ("workers.cluster.services", "start_services"),
+    "StopRelay": ("workers.exceptions", "StopRelay"),
+    "Traced": ("workers.schedule.trace", "Traced"),
+    "WorkerError": ("workers.exceptions", "WorkerError"),
 }
 __all__ = [
     "AGGREGATED",
+    "candidates",
     "ChatRun",
-    "RenderedChat",
+    "choose_pool",
+    "close_transport",
     "ContextLengthExceeded",
-    "GATEWAY_INSTANCE",
-    "GuardedAdmin",
+    "count_prompt_tokens",
+    "get_registry",
+    "local_state",
     "NoEndpointAvailable",
     "OutputLimitExceeded",
     "PoolInfo",
     "Priority",
-    "ReadOnlyAdmin",
-    "Served",
-    "Script",
-    "StopRelay",
+    "process_abandoned",
+    "RenderedChat",
     "RunTrace",
+    "Served",
+    "start_services",
+    "StopRelay",
     "Traced",
     "WorkerError",
-    "candidates",
-    "choose_pool",
-    "close_transport",
-    "count_prompt_tokens",
-    "get_registry",
-    "get_shared_state",
-    "lease_expiry",
-    "limit_argument",
-    "log_change",
-    "new_id",
-    "local_state",
-    "get_writer",
-    "process_abandoned",
-    "shared_leases",
-    "start_services",
 ]
 
 if TYPE_CHECKING:
-    from workers.admin import GuardedAdmin, ReadOnlyAdmin
     from workers.admission.queue import Priority
-    from workers.cluster.shared_state import Script, get_shared_state, lease_expiry
-    from workers.cluster.shared_state import leases as shared_leases
-    from workers.cluster.instance import GATEWAY_INSTANCE, new_id
     from workers.cluster.local_state import local_state
     from workers.cluster.recovery import process_abandoned
     from workers.cluster.registry import PoolInfo, Served, get_registry
     from workers.cluster.services import start_services
-    from workers.cluster.writer import get_writer
-    from workers.management.arguments import limit_argument
-    from workers.management.changes import log_change
     from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, StopRelay, WorkerError
     from workers.protocols.base import AGGREGATED
     from workers.routing.router import candidates, choose_pool
@@ -120,5 +94,5 @@ else:
     def __getattr__(name: str) -> object:
         if name not in _HOMES:
             raise AttributeError(f"module 'workers' has no attribute {name!r}")
-        module = importlib.import_module(_HOMES[name])
-        return getattr(module, "leases" if name == "shared_leases" else name)
+        module, attribute = _HOMES[name]
+        return getattr(importlib.import_module(module), attribute)

@@ -43,7 +43,7 @@ def check_pool_protocols(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
 # Environment settings that once had an effect, with what replaced them.
 RETIRED_SETTINGS = {
     "REDIS_MAX_CONNECTIONS": "the shared state now talks to Redis over one pipelined connection per "
-    "event loop (workers/cluster/redis_pipe.py); REDIS_MAX_IN_FLIGHT bounds the scripts in flight on it",
+    "event loop (disagg_project/redis_pipe.py); REDIS_MAX_IN_FLIGHT bounds the scripts in flight on it",
 }
 
 

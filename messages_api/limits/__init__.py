@@ -20,13 +20,13 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from disagg_project import lease_expiry, new_id
 from messages_api.errors import AnthropicError
 from messages_api.limits import shared
 from messages_api.limits.local import LocalLimits
 from messages_api.limits.policy import NO_LIMITS, BucketState, Decision, KeyLimits, Usage
-from workers import lease_expiry, new_id
 
-__all__ = ["KeyLimits", "KeyLease", "NO_LIMITS", "Usage", "check_limits", "local_limits", "refuse_early"]
+__all__ = ["check_limits", "KeyLease", "KeyLimits", "local_limits", "NO_LIMITS", "refuse_early", "Usage"]
 
 local_limits = LocalLimits()
 

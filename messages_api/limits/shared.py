@@ -9,8 +9,8 @@ from typing import Any
 
 from django.conf import settings
 
+from disagg_project import Script, get_shared_state, shared_leases
 from messages_api.limits.policy import BucketState, Decision, KeyLimits, Usage, bucket_state, costs, window_end, window_id
-from workers import Script, get_shared_state, shared_leases
 
 # KEYS: buckets (hash), leases (zset), day usage, month usage
 # ARGV: now, lease, lease expiry, concurrency,

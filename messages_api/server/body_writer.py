@@ -85,4 +85,4 @@ def body_writer(send: Any) -> BodyWriter | None:
     return write_body
 
 
-__all__ = ["BodyWriter", "body_writer"]
+__all__ = ["body_writer", "BodyWriter"]

@@ -40,7 +40,7 @@ from django.conf import settings
 from messages_api.auth import INVALID_KEY, MISSING_KEY, NOT_CACHED, CredentialError, Principal, key_cache, key_from_values
 from messages_api.routes import requires_api_key
 
-__all__ = ["FORWARDING_HEADERS", "KeyLookup", "Refusal", "body_limit", "check", "is_loopback", "metrics_refusal", "scope_path"]
+__all__ = ["body_limit", "check", "FORWARDING_HEADERS", "is_loopback", "KeyLookup", "metrics_refusal", "Refusal", "scope_path"]
 
 METRICS_PATH = "/metrics"
 # Headers a proxy adds: a request carrying one came through a proxy, whatever its socket peer is.

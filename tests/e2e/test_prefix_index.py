@@ -19,7 +19,7 @@ from workers.routing.prefix_index import PrefixIndex, Prompt, get_index
 from workers.schedule.rendered_chat import RenderedChat
 from workers.cluster.registry import EndpointInfo, PoolInfo
 from workers.routing.reservations import Reservation
-from workers.cluster.writer import get_writer
+from disagg_project.writer import get_writer
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 200}
 TOOLS = [{"type": "function", "function": {"name": f"tool{i}", "parameters": {"type": "object", "description": "x" * 300}}} for i in range(8)]

@@ -88,7 +88,7 @@ def test_a_zombie_on_this_host_is_dead() -> None:
 
 
 def test_this_process_is_never_dead() -> None:
-    from workers.cluster.instance import GATEWAY_INSTANCE
+    from disagg_project.ids import GATEWAY_INSTANCE
 
     row(GATEWAY_INSTANCE, seen_ago=HUNG_AFTER_S * 2)
     assert dead() == []

@@ -24,7 +24,7 @@ METRIC_MODULES = (
     "messages_api.server.loop_lag",
     "messages_api.server.http_guard",
     "workers.cluster.metrics",
-    "workers.cluster.shared_state",
+    "disagg_project.shared_state",
     "workers.admission.queue",
 )
 SCRAPE_LABELS = {"instance", "job"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from workers.cluster.instance import new_id
+from disagg_project.ids import new_id
 
 
 def test_ids_are_32_hex_digits_and_unique() -> None:

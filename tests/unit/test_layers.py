@@ -1,6 +1,7 @@
-"""Where things start and which way imports point: `workers` never imports `messages_api`; each
-product package reaches another only through the names it declares public; and the background
-services start once per process, not per request."""
+"""Where things start and which way imports point: `workers` never imports `messages_api`; the
+shared layer (`disagg_project`'s public names) imports neither app; each product package reaches
+another only through the names it declares public; and the background services start once per
+process, not per request."""
 
 from __future__ import annotations
 
@@ -70,9 +71,17 @@ def test_the_check_sees_a_reach_past_the_surface(tmp_path: Path) -> None:
         "messages_api/_layers_probe.py: from workers.routing.router import reserve",
         "messages_api/_layers_probe.py: from workers import Registry",
     ]
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "_layers_probe.py").write_text(
+        "from disagg_project.writer import get_writer\nfrom disagg_project import RowWriter\nfrom disagg_project import new_id\n"
+    )
+    assert crossing_violations("workers", root=tmp_path) == [
+        "workers/_layers_probe.py: from disagg_project.writer import get_writer",
+        "workers/_layers_probe.py: from disagg_project import RowWriter",
+    ]
 
 
-@pytest.mark.parametrize("package", ["messages_api", "workers"])
+@pytest.mark.parametrize("package", PRODUCT_PACKAGES)
 def test_every_declared_name_resolves(package: str) -> None:
     """`__all__` is not a promise the lazy loader cannot keep."""
     module = importlib.import_module(package)
@@ -82,6 +91,48 @@ def test_every_declared_name_resolves(package: str) -> None:
 
 
 WORKERS = PROJECT_ROOT / "workers"
+APPS = ("messages_api", "workers")
+
+
+def shared_layer_violations(root: Path = PROJECT_ROOT) -> list[str]:
+    """Imports of either app by a module behind `disagg_project.__all__`, or by a project module
+    it imports in turn (the wiring, asgi.py and urls.py, is not behind it and imports both)."""
+    homes = importlib.import_module("disagg_project")._HOMES
+    to_visit = sorted({module for module, _ in homes.values()})
+    seen: set[str] = set()
+    violations = []
+    while to_visit:
+        module = to_visit.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = root / (module.replace(".", "/") + ".py")
+        for imported, names in imports_of(path):
+            if imported.split(".")[0] in APPS:
+                violations.append(f"{path.relative_to(root)}: {imported}")
+            elif imported.startswith("disagg_project."):
+                to_visit.append(imported)
+            elif imported == "disagg_project":
+                to_visit.extend(homes[name][0] if name in homes else f"disagg_project.{name}" for name in names)
+    return violations
+
+
+def test_the_shared_layer_imports_neither_app() -> None:
+    """What both apps use cannot lean on either: `workers` would import `messages_api` through it,
+    and either app's import would load the other."""
+    assert shared_layer_violations() == []
+
+
+def test_the_shared_layer_check_sees_an_app_import(tmp_path: Path) -> None:
+    (tmp_path / "disagg_project").mkdir()
+    for module, _ in importlib.import_module("disagg_project")._HOMES.values():
+        (tmp_path / (module.replace(".", "/") + ".py")).write_text("")
+    (tmp_path / "disagg_project" / "ids.py").write_text("from disagg_project.probe import x\n")
+    (tmp_path / "disagg_project" / "probe.py").write_text("from workers import ChatRun\nimport messages_api.models\n")
+    assert shared_layer_violations(root=tmp_path) == [
+        "disagg_project/probe.py: workers",
+        "disagg_project/probe.py: messages_api.models",
+    ]
 
 
 def test_workers_never_imports_the_front_door() -> None:

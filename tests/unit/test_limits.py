@@ -21,7 +21,7 @@ from messages_api.limits import shared as shared_limits
 from messages_api.limits.local import LocalLimits
 from messages_api.limits.policy import KeyLimits, Usage, window_end, window_id
 from tests.support.redis import redis_url_or_skip
-from workers.cluster.shared_state import get_shared_state
+from disagg_project.shared_state import get_shared_state
 
 # The clock the checks are given: today's, since Redis expires keys by its own (a time in the past
 # would expire them at once).

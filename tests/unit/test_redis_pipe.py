@@ -1,4 +1,4 @@
-"""workers/cluster/redis_pipe.py against a scripted Redis (tests/support/fake_redis.py): replies
+"""disagg_project/redis_pipe.py against a scripted Redis (tests/support/fake_redis.py): replies
 matched in order out of one pipelined stream, error replies, commands of one turn in one write,
 a connection lost or silent mid-flight failing every caller at once, and the bound on commands in
 flight."""
@@ -17,7 +17,7 @@ import hiredis
 import pytest
 
 from tests.support.fake_redis import FakeRedis, encode
-from workers.cluster.redis_pipe import RedisPipe, ReplyError, parse_url
+from disagg_project.redis_pipe import RedisPipe, ReplyError, parse_url
 
 
 def echo(command: list[bytes]) -> bytes:

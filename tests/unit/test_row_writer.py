@@ -11,9 +11,9 @@ import pytest
 from django.db import connection, models
 
 from messages_api.models import MessageRequest
-from workers import GATEWAY_INSTANCE
+from disagg_project import GATEWAY_INSTANCE
 from workers.models import Reservation
-from workers.cluster.writer import PASSED_THROUGH, SLICE_ROWS, RowWriter, _column_field, prepare_row
+from disagg_project.writer import PASSED_THROUGH, SLICE_ROWS, RowWriter, _column_field, prepare_row
 
 NOW = datetime(2026, 12, 4, 15, 0, 0, 123456, tzinfo=timezone.utc)
 

@@ -1,4 +1,4 @@
-"""workers/cluster/shared_state.py: scripts run by their SHA and sent whole when Redis lost them,
+"""disagg_project/shared_state.py: scripts run by their SHA and sent whole when Redis lost them,
 a Redis that fails or goes silent answered from the process's own state (counted, retried after
 REDIS_RETRY_S), a restarted Redis reconnected to, one connection per event loop, background calls
 without a task of their own; against a scripted Redis and the real one."""
@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from tests.support.fake_redis import FakeRedis, encode
 from tests.support.redis import redis_url_or_skip
-from workers.cluster.shared_state import Script, SharedState
+from disagg_project.shared_state import Script, SharedState
 
 SCRIPT = Script("return ARGV[1]")
 

@@ -17,13 +17,13 @@ from collections.abc import Callable, Hashable
 
 from django.conf import settings
 
+from disagg_project import new_id
 from workers.admission import capacity
 from workers.admission.headroom import activity, free_slots, slots_to_keep
 from workers.admission.queue import AdmissionQueue, AdmissionRefused, Priority, Ticket, get_queue
-from workers.cluster.instance import new_id
 from workers.cluster.registry import EndpointInfo
 
-__all__ = ["AdmissionRefused", "Priority", "Ticket", "activity", "admit"]
+__all__ = ["activity", "AdmissionRefused", "admit", "Priority", "Ticket"]
 
 Counts = Callable[[int], tuple[int, int]]
 

@@ -4,7 +4,7 @@
 With Redis (`REDIS_URL`) a slot is a lease in a sorted set per endpoint, taken by one atomic
 script (one round trip) and released by another, in the background. Each process renews its
 leases every third of `CAPACITY_LEASE_S`, so the slots of a process that dies free themselves
-within that time (`workers.cluster.shared_state.LeaseBook`). Without Redis, or while it fails, each process counts what it holds itself plus
+within that time (`disagg_project.shared_state.LeaseBook`). Without Redis, or while it fails, each process counts what it holds itself plus
 what the others held at the last registry refresh (`EndpointInfo.remote_open`): exact within a
 process, as fresh as the refresh across them.
 
@@ -17,8 +17,9 @@ import time
 
 from django.conf import settings
 
+from disagg_project import Script, get_shared_state
+from disagg_project import shared_leases as leases
 from workers.cluster.registry import EndpointInfo
-from workers.cluster.shared_state import Script, get_shared_state, leases
 
 # KEYS: leases (zset lease → expiry), tokens (hash lease → tokens)
 # ARGV: now, expiry, lease, tokens, capacity (-1: none), capacity_tokens (-1: none)

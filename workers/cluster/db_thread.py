@@ -10,7 +10,7 @@ opening and closing the connection (the `PRAGMA`s of `init_command`, Django's ~3
 registered on it) was ~30 % of the ~6.5 ms per second an idle process spent.
 
 Each `DatabaseThread` is one thread, so its Django connection (thread-local) outlives the call:
-- SQLite: kept open between calls, as the row writer keeps its own (`workers.cluster.writer`). It is
+- SQLite: kept open between calls, as the row writer keeps its own (`disagg_project.writer`). It is
   closed after a call that raised, so the next one starts on a fresh connection.
 - Any other backend (PostgreSQL, whose connections come from psycopg's pool): handed back after
   every call as before (`close_old_connections`), so a background thread never holds a pooled

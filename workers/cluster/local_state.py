@@ -13,9 +13,9 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from disagg_project import GATEWAY_INSTANCE
 from workers.admission.queue import Priority, waiting_here
 from workers.cluster.health import health
-from workers.cluster.instance import GATEWAY_INSTANCE
 from workers.cluster.registry import get_registry
 from workers.routing.reservations import ledger
 

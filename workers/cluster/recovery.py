@@ -23,7 +23,7 @@ from pathlib import Path
 from django.conf import settings
 from django.dispatch import Signal
 
-from workers.cluster.instance import GATEWAY_INSTANCE
+from disagg_project import GATEWAY_INSTANCE
 from workers.models import GatewayProcess, Outcome, Reservation
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from typing import Any
 
 from django.db.models import Count
 
+from disagg_project import GATEWAY_INSTANCE
 from workers.cluster.db_thread import DatabaseThread
-from workers.cluster.instance import GATEWAY_INSTANCE
 from workers.models import ModelRoute, ModelRoutePool, Reservation, WorkerEndpoint, WorkerPool
 
 
@@ -243,4 +243,4 @@ def get_registry() -> Registry:
     return _registry
 
 
-__all__ = ["ClusterSnapshot", "EndpointInfo", "PoolInfo", "Registry", "get_registry", "load_snapshot"]
+__all__ = ["ClusterSnapshot", "EndpointInfo", "get_registry", "load_snapshot", "PoolInfo", "Registry"]

@@ -16,11 +16,11 @@ from collections.abc import Awaitable, Callable
 
 from django.conf import settings
 
+from disagg_project import shared_leases as leases
 from workers.cluster import recovery
 from workers.cluster.db_thread import DatabaseThread
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
-from workers.cluster.shared_state import leases
 
 logger = logging.getLogger(__name__)
 

@@ -73,6 +73,6 @@ def misconfiguration(protocol: str, schedule_style: str, max_local_prefill_token
 
 
 __all__ = [
-    "AGGREGATED", "DEFAULT", "PROTOCOLS", "Call", "ContextPeer", "Handoff", "WorkerProtocol", "choices", "error_wordings", "lookup",
-    "misconfiguration", "register",
+    "AGGREGATED", "Call", "choices", "ContextPeer", "DEFAULT", "error_wordings", "Handoff", "lookup", "misconfiguration",
+    "PROTOCOLS", "register", "WorkerProtocol",
 ]

@@ -375,4 +375,4 @@ def get_index() -> PrefixIndex:
     return _index
 
 
-__all__ = ["PrefixIndex", "Prompt", "PromptKey", "get_index"]
+__all__ = ["get_index", "PrefixIndex", "Prompt", "PromptKey"]

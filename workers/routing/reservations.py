@@ -12,14 +12,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from disagg_project import GATEWAY_INSTANCE, get_writer, new_id
 from workers.admission import capacity
 from workers.admission.headroom import activity
 from workers.admission.queue import notify_freed
-from workers.cluster.instance import GATEWAY_INSTANCE, new_id
 from workers.models import Outcome
 from workers.models import Reservation as ReservationRow
 from workers.cluster.registry import EndpointInfo
-from workers.cluster.writer import get_writer
 
 
 class ReservationLedger:

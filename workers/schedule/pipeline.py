@@ -650,4 +650,4 @@ def completion_as_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
     return chunks
 
 
-__all__ = ["ChatRun", "RunTrace", "WorkerError", "completion_as_chunks"]
+__all__ = ["ChatRun", "completion_as_chunks", "RunTrace", "WorkerError"]

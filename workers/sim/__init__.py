@@ -9,4 +9,4 @@ from .app import SimApp
 from .config import ROLES, Role, SimConfig
 from .server import serve
 
-__all__ = ["ROLES", "Role", "SimApp", "SimConfig", "serve"]
+__all__ = ["Role", "ROLES", "serve", "SimApp", "SimConfig"]

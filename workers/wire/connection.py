@@ -230,4 +230,4 @@ def use_worker_protocol(connector: aiohttp.BaseConnector) -> None:
     connector._factory = functools.partial(WorkerResponseHandler, loop=connector._loop)  # type: ignore[assignment]
 
 
-__all__ = ["BodySink", "RelayedBodyParser", "WorkerResponseHandler", "connection_reused", "use_worker_protocol"]
+__all__ = ["BodySink", "connection_reused", "RelayedBodyParser", "use_worker_protocol", "WorkerResponseHandler"]

@@ -134,4 +134,4 @@ def worker_error(
     return WorkerError(status, message, stage=stage, code=code, retry_after=retry_after, detail=detail)
 
 
-__all__ = ["Wording", "Wordings", "worker_error", "wording"]
+__all__ = ["Wording", "wording", "Wordings", "worker_error"]

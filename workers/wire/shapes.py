@@ -139,4 +139,4 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0  # bool is an int subclass, and never a count
 
 
-__all__ = ["ShapeError", "check_chunk", "check_completion"]
+__all__ = ["check_chunk", "check_completion", "ShapeError"]

@@ -480,4 +480,4 @@ class WorkerTransport(AiohttpTransport):
         )
 
 
-__all__ = ["PushedBody", "WorkerTransport", "body_reader", "push_body"]
+__all__ = ["body_reader", "push_body", "PushedBody", "WorkerTransport"]

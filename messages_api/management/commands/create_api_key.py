@@ -4,9 +4,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from disagg_project import log_change
 from messages_api.auth import create_api_key
 from messages_api.models import ApiKey
-from workers import log_change
 
 
 class Command(BaseCommand):

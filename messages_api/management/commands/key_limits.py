@@ -7,8 +7,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from disagg_project import limit_argument, log_change
 from messages_api.models import ApiKey, KeyPriority
-from workers import limit_argument, log_change
 
 # Option → the key's field.
 LIMIT_OPTIONS = {

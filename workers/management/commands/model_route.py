@@ -14,7 +14,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from workers.management.changes import log_change
+from disagg_project import log_change
 from workers.models import ModelRoute, ModelRoutePool, WorkerPool
 
 

@@ -9,9 +9,8 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.validators import URLValidator
 
+from disagg_project import limit_argument, log_change
 from workers import protocols
-from workers.management.arguments import limit_argument
-from workers.management.changes import log_change
 from workers.models import (
     CacheScope,
     Role,

@@ -32,4 +32,4 @@ def get(name: str) -> Dialect:
         raise ValueError(f"unknown sim protocol {name!r} (known: {', '.join(names())})") from None
 
 
-__all__ = ["DEFAULT", "DIALECTS", "ContextIssue", "Dialect", "get", "names"]
+__all__ = ["ContextIssue", "DEFAULT", "Dialect", "DIALECTS", "get", "names"]

@@ -1,4 +1,5 @@
-"""What the management commands change, logged (logger `gateway.changes`, INFO).
+"""What the management commands of both apps share: `limit_argument`, the argument type of a
+limit, and `log_change`, which logs what a command changed (logger `gateway.changes`, INFO).
 
 Changes made in the admin are in its history (Django's LogEntry: who, when, which fields), which
 needs a user; a command run from a shell has none, so each command that changes keys, limits,
@@ -30,4 +31,12 @@ def operator() -> str:
 def log_change(command: str, message: str, *args: Any) -> None:
     """One line: `<command> by <account>: <message % args>`."""
     changes.info("%s by %s: " + message, command, operator(), *args)
+
+
+def limit_argument(value: str) -> int:
+    """A limit on the command line: a whole number, where 0 or `none` means no limit (given as 0)."""
+    number = 0 if value.strip().lower() == "none" else int(value)
+    if number < 0:
+        raise ValueError(value)
+    return number
 

@@ -28,7 +28,7 @@ from typing import Any
 from django.conf import settings
 from prometheus_client import Counter, Gauge
 
-from workers.cluster.redis_pipe import RedisPipe, ReplyError
+from disagg_project.redis_pipe import RedisPipe, ReplyError
 
 logger = logging.getLogger(__name__)
 
