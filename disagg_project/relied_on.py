@@ -236,14 +236,14 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance(
         "twisted.internet.tcp.Port", ("socket",),
-        "disagg_project/asgi.py (_no_delay_on_listening_sockets)",
+        "disagg_project/daphne.py (no_delay_on_listening_sockets)",
         "TCP_NODELAY set on the listening socket, which accepted connections inherit",
         "Twisted 26.10.0",
     ),
     Reliance(
         "twisted.internet.asyncioreactor.AsyncioSelectorReactor", ("_asyncioEventloop",),
-        "disagg_project/asgi.py (_start_services_with_daphne)",
-        "the asyncio loop daphne runs: background services and the state dump are started on it",
+        "disagg_project/daphne.py (running_daphne)",
+        "the asyncio loop daphne runs: the hooks that run on it (background services, state dump, loop monitor, ...) get it",
         "Twisted 26.10.0",
     ),
     # --- Channels -------------------------------------------------------------------------------
