@@ -158,7 +158,7 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(
         "twisted.web.http.HTTPChannel",
         ("requests", "_command", "_path", "_networkProducer", "_waitingForTransport", "paused", "getPeer"),
-        "messages_api/server/http_guard.py (GuardedChannel.allHeadersReceived, _hold, _key_looked_up)",
+        "messages_api/server/http_guard.py (GuardedChannel.allHeadersReceived, _refuse_for, _hold, _key_looked_up; typed by _Channel)",
         "the request's target and headers read once its headers are in; the connection held (not read, not "
         "parsed) while its API key is looked up, and released as Twisted's own flow control would",
         "Twisted 26.10.0",
