@@ -112,8 +112,8 @@ def _close_worker_transport() -> Deferred[None]:
 # --- the hooks, in order ------------------------------------------------------------------------
 
 HOOKS: tuple[Hook, ...] = (
-    # What daphne builds. Both run at import, before `Server.run()` builds its factory and listens:
-    # later they would change nothing.
+    # What daphne builds: changed at import, before `Server.run()` builds its factory and accepts
+    # a connection.
     #
     # Daphne's HTTP factory replaced by one whose channels bound what a client sends while Twisted
     # parses it (size, read deadline, what the headers decide) and answer in Anthropic's envelope
@@ -128,7 +128,7 @@ HOOKS: tuple[Hook, ...] = (
     # recovery) start on the loop's first turn: daphne has no ASGI lifespan, and they must not wait
     # for a first request. The garbage collector's tuning follows them in the same task: by the
     # loop's first turn all of start-up has loaded, which it freezes out of the collector's reach
-    # (disagg_project/gc_tuning.py). The first callback scheduled on the loop, so the first to run.
+    # (disagg_project/gc_tuning.py). Put on the loop's queue ahead of TCP_NODELAY below.
     Hook("background services, then the collector's tuning", _services_on_first_turn),
     #
     # What the process runs with, set now. None depends on another; the order is the one they
@@ -151,7 +151,8 @@ HOOKS: tuple[Hook, ...] = (
     # (disagg_project/log_queue.py).
     Hook("log queue", lambda daphne: log_queue.install()),
     #
-    # What runs once the reactor does, in the order it is scheduled.
+    # What is scheduled for later: when the reactor starts (`callWhenRunning`, before the loop's
+    # first turn), on the loop's first turn, at shutdown.
     #
     # Daphne's stdout access lines handed to a logger, so they go through the log queue above
     # (messages_api/server/access_log.py); replaced once the reactor runs, when daphne's servers
