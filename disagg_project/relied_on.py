@@ -158,7 +158,7 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(
         "twisted.web.http.HTTPChannel",
         ("requests", "_command", "_path", "_networkProducer", "_waitingForTransport", "paused", "getPeer"),
-        "messages_api/server/http_guard.py (GuardedChannel.allHeadersReceived, _hold, _key_looked_up)",
+        "messages_api/server/http_guard.py (GuardedChannel.allHeadersReceived, _refuse_for, _hold, _key_looked_up; typed by _Channel)",
         "the request's target and headers read once its headers are in; the connection held (not read, not "
         "parsed) while its API key is looked up, and released as Twisted's own flow control would",
         "Twisted 26.10.0",
@@ -236,14 +236,14 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance(
         "twisted.internet.tcp.Port", ("socket",),
-        "disagg_project/asgi.py (_no_delay_on_listening_sockets)",
+        "disagg_project/daphne.py (no_delay_on_listening_sockets)",
         "TCP_NODELAY set on the listening socket, which accepted connections inherit",
         "Twisted 26.10.0",
     ),
     Reliance(
         "twisted.internet.asyncioreactor.AsyncioSelectorReactor", ("_asyncioEventloop",),
-        "disagg_project/asgi.py (_start_services_with_daphne)",
-        "the asyncio loop daphne runs: background services and the state dump are started on it",
+        "disagg_project/daphne.py (running_daphne)",
+        "the asyncio loop daphne runs: the hooks that run on it (background services, state dump, loop monitor, ...) get it",
         "Twisted 26.10.0",
     ),
     # --- Channels -------------------------------------------------------------------------------

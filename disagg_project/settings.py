@@ -401,7 +401,7 @@ ADMISSION_LOWER_CLASS_FLOOR = env_int("ADMISSION_LOWER_CLASS_FLOOR", 1)
 ADMISSION_LOWER_CLASS_HEADROOM = env_float("ADMISSION_LOWER_CLASS_HEADROOM", 0.25)
 # How long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval;
 # Python's default 0.005). Daphne's loop thread waits for it behind the thread that parses large
-# bodies (disagg_project/asgi.py): bench/large_requests.py, 20,000-block bodies in a loop, /health
+# bodies (disagg_project/daphne.py): bench/large_requests.py, 20,000-block bodies in a loop, /health
 # p99 111 ms at 0.005, 53 ms at 0.0005.
 PYTHON_SWITCH_INTERVAL_S = env_float("PYTHON_SWITCH_INTERVAL_S", 0.0005)
 # The garbage collector's thresholds (gc.set_threshold: allocations before a young pass, young

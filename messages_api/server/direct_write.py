@@ -11,14 +11,14 @@ take (a slow client) or when anything is already queued (so bytes never overtake
 While daphne answers one ASGI message (`GuardedRequest.handle_reply`, messages_api/server/http_guard.py)
 the connection is held (`hold()`/`release()`): what that message writes goes out in one send at
 its end. Twisted writes a response's head (`HTTPChannel.writeHeaders`), then the body or its first
-chunk, and `Request.finish` the last chunk's terminator, each on its own: a small answer was two
-or three sends (head, body, `0\r\n\r\n`), each a TCP segment the client wakes up for; now one. The
-per-token frames of a stream (messages_api/server/body_writer.py) are never held.
+chunk, and `Request.finish` the last chunk's terminator, each on its own; held, a small answer
+(head, body, `0\r\n\r\n`) is one send, one TCP segment the client wakes up for. The per-token
+frames of a stream (messages_api/server/body_writer.py) are never held.
 
-Installed by `install()` (from `disagg_project.asgi`, under daphne) as the transport class of
-every accepted TCP connection (`tcp.Port.transport`). `GATEWAY_DIRECT_WRITES=0` turns it off. The
+Installed by `install()` (a hook of disagg_project/daphne.py) as the transport class of every
+accepted TCP connection (`tcp.Port.transport`). `GATEWAY_DIRECT_WRITES=0` turns it off. The
 Twisted internals it relies on are listed in disagg_project/relied_on.py (tests/unit/test_relied_on.py
-checks them).
+checks them). History: bench/results/2026-12-06-daphne-hooks-history.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The HTTP intake guard: what a client sends is bounded while daphne's parser reads it.
 
 Daphne serves HTTP/1.1 through Twisted's parser, which writes a request's whole body to a file
-before daphne looks at the request; daphne then queues the body to the application in 8 KiB
-messages, all at once. The consumer's own 413 therefore came after the memory was spent: four
-parallel 400 MB uploads without an API key took a gateway from 93 to 1,723 MiB. Twisted's own
-rejections are bare (an empty `400`; a header line over 16 KiB: the connection closed without an
-answer), and its idle timer restarts on every byte, so a client sending one byte a second holds a
-connection for ever.
-
-This module plugs into the parser where each of these is decided, per connection, before any
-application runs:
+before daphne looks at the request, then queues it to the application all at once; Twisted's own
+rejections are bare (an empty `400`, or the connection closed without an answer), and its idle
+timer restarts on every byte. This module plugs into the parser where each of these is decided,
+per connection, before any application runs:
 
 - a declared `Content-Length` over MESSAGES_MAX_BODY_BYTES: 413 once the headers are in, before
   a byte of the body is read (and instead of `100 Continue`); on a path that is not an API route
@@ -37,14 +32,9 @@ And per connection, from its accept (`GuardedHTTPFactory`):
   silence (Twisted's idle timer, which restarts on every byte: a request in progress is bounded
   by the read deadline above instead).
 
-Statuses and types. Each answer is Anthropic's envelope
-(`{"type":"error","error":{"type":..,"message":..},"request_id":"req_.."}`, JSON, `request-id`
-header). A body over the limit is Anthropic's documented 413 `request_too_large`. A header
-section too large has no Anthropic status; 431 (RFC 6585) is the one HTTP defines for it, and
-`request_too_large` is Anthropic's type for a request over a byte limit; the SDKs raise their
-generic status error for it and do not retry, as for 413. A request not received in time is
-HTTP's 408 with Anthropic's `timeout_error`; the SDKs retry 408 (with 409, 429 and 5xx),
-which is right for a slow link. Malformed HTTP is 400 `invalid_request_error`.
+The classes here only adapt Twisted and daphne: what each event earns (status, message, type),
+the answer's bytes and the audit row of an unauthenticated refusal are decided in
+messages_api/server/refusals.py, each answer in Anthropic's envelope with a `request-id` header.
 
 How a refusal ends: the answer is written with `connection: close`, the write side is shut (a FIN
 after the answer) and whatever the client still sends is read and dropped, for at most
@@ -53,11 +43,11 @@ kernel send a reset, which can destroy the answer before a client that is still 
 reads it.
 
 Installation: `install()` makes daphne's `Server.run()` build its HTTP factory from
-`GuardedHTTPFactory` (it instantiates the module global `daphne.server.HTTPFactory`);
-`disagg_project/asgi.py` calls it when loaded under daphne, whose command line imports the
-application before it runs the server. Every daphne and Twisted internal used here is listed in
+`GuardedHTTPFactory` (it instantiates the module global `daphne.server.HTTPFactory`); it is one of
+the hooks of disagg_project/daphne.py. Every daphne and Twisted internal used here is listed in
 disagg_project/relied_on.py (an override of a method that was renamed would silently do nothing);
-tests/unit/test_relied_on.py fails when an upgrade changes one.
+tests/unit/test_relied_on.py fails when an upgrade changes one. Measurements and history:
+bench/results/2026-12-06-daphne-hooks-history.md.
 """
 
 from __future__ import annotations
@@ -65,11 +55,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter as Tally
-from http import HTTPStatus
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, cast
 
-import orjson
 from daphne.http_protocol import HTTPFactory, WebRequest
 from django.conf import settings
 from prometheus_client import Counter
@@ -78,15 +67,14 @@ from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 
-from messages_api.audit import AuditRecord, RateSampler, new_request_id, sample_anonymous
-from messages_api.auth import INVALID_KEY, Principal
-from messages_api.errors import error_body, error_type_for_status
-from messages_api.models import RequestStatus
+from messages_api.audit import RateSampler
+from messages_api.auth import Principal
 from messages_api.request_context import loggable
-from messages_api.server import header_gate
+from messages_api.server import header_gate, refusals
 from messages_api.server.direct_write import DirectWriteServer
+from messages_api.server.header_gate import Refusal
 
-__all__ = ["GuardedChannel", "GuardedHTTPFactory", "GuardedRequest", "install", "refusal_bytes"]
+__all__ = ["GuardedChannel", "GuardedHTTPFactory", "GuardedRequest", "install"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +83,6 @@ logger = logging.getLogger(__name__)
 # upload in well under this; a client on a slow link that never reads while writing loses the
 # answer either way.
 LINGER_S = 2.0
-
-# Anthropic's type for a request over a byte limit, also for the header section's 431.
-TOO_LARGE = "request_too_large"
 
 refused = Counter(
     "gateway_http_refused",
@@ -111,25 +96,49 @@ connections_refused = Counter(
 _cap_log_sampler: RateSampler | None = None
 
 
-def refusal_bytes(status: int, message: str, error_type: str | None = None, request_id: str | None = None) -> bytes:
-    """A complete HTTP/1.1 answer in Anthropic's envelope that closes the connection."""
-    request_id = request_id or new_request_id()
-    body = orjson.dumps(error_body(error_type or error_type_for_status(status), message, request_id))
-    head = (
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
-        "content-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n"
-        f"request-id: {request_id}\r\n"
-        "connection: close\r\n\r\n"
-    )
-    return head.encode("ascii") + body
+# --- the Twisted attributes the channel reads, typed --------------------------------------------
+# Twisted leaves HTTPChannel's methods unannotated (each call an untyped call to mypy), types
+# `_path` by the Request it also stores there, and declares its zope interfaces' methods without
+# `self` (which mypy, without the zope plugin, cannot call on an instance). `GuardedChannel._twisted`
+# is the channel itself seen through these Protocols.
+
+
+class _Producer(Protocol):
+    """The transport as the channel's push producer (`_networkProducer`: IPushProducer)."""
+
+    def pauseProducing(self) -> None: ...
+    def resumeProducing(self) -> None: ...
+
+
+class _Transport(Protocol):
+    """The connection's transport (ITCPTransport; `DirectWriteServer` under the gateway)."""
+
+    def write(self, data: bytes) -> None: ...
+    def abortConnection(self) -> None: ...
+    def getPeer(self) -> Any: ...
+
+
+class _Channel(Protocol):
+    """What GuardedChannel reads and calls of Twisted's HTTPChannel (listed in relied_on.py)."""
+
+    _path: bytes  # the request line's target, kept until the request's content is complete
+    _networkProducer: _Producer
+    transport: _Transport | None
+
+    def callLater(self, seconds: float, call: Callable[[], None]) -> DelayedCall: ...
+    def setTimeout(self, period: float | None) -> object: ...
+    def getPeer(self) -> Any: ...
+    def loseConnection(self) -> None: ...
 
 
 class GuardedChannel(HTTPChannel):
     """Twisted's HTTP/1.1 channel with the limits above; everything after a request's body has
-    arrived (daphne's processing, the response, disconnect detection) is Twisted's own."""
+    arrived (daphne's processing, the response, disconnect detection) is Twisted's own. Each
+    override asks a function of messages_api/server/refusals.py (or header_gate) for its verdict
+    and carries it out."""
 
-    # HTTPChannel's methods carry no annotations, so each call to one is an untyped call to mypy.
+    # The super() calls below hand on to HTTPChannel's unannotated handlers: each is an untyped
+    # call to mypy.
 
     _refused: int | None = None  # the status of the refusal sent, once one is
     # What `callLater` returns: every reactor's (and the test clock's) `callLater` makes a
@@ -144,6 +153,11 @@ class GuardedChannel(HTTPChannel):
     # The client address this connection counts against (GuardedHTTPFactory's cap), if any.
     _counted: tuple[GuardedHTTPFactory, str] | None = None
 
+    @property
+    def _twisted(self) -> _Channel:
+        """This channel, typed as what it reads of Twisted (see `_Channel`)."""
+        return cast(_Channel, self)
+
     def dataReceived(self, data: bytes) -> None:
         if self._refused is not None:
             return  # lingering after a refusal: read and drop
@@ -151,35 +165,38 @@ class GuardedChannel(HTTPChannel):
             # The first byte of a request (the connection's first, or the next on a kept-alive
             # connection) starts its clock; Twisted's idle timer restarts on every byte.
             timeout = settings.MESSAGES_BODY_READ_TIMEOUT_S
-            self._intake_deadline = self.callLater(timeout, self._intake_timed_out)  # type: ignore[no-untyped-call]  # untyped Twisted
-        super().dataReceived(data)  # type: ignore[no-untyped-call]  # untyped Twisted
+            self._intake_deadline = self._twisted.callLater(timeout, self._intake_timed_out)
+        super().dataReceived(data)  # type: ignore[no-untyped-call]
         if self._key_lookup is not None:
             # Held (the parser keeps what came in its buffer): the transport may have been resumed
             # by Twisted's write-side flow control; no more than this read is taken meanwhile.
-            self._networkProducer.pauseProducing()  # type: ignore[misc]  # a zope interface method (see refuse)
+            self._twisted._networkProducer.pauseProducing()
 
     def allHeadersReceived(self) -> None:
+        twisted = self._twisted
+        target = twisted._path
         request = self.requests[-1]
-        limit = header_gate.body_limit(self._target())
+        limit = header_gate.body_limit(target)
         if isinstance(request, GuardedRequest):
             request.body_limit = limit  # for a chunked body, counted as it is decoded
         # `length` is the declared Content-Length (None when chunked), known before the body.
-        if self.length is not None and self.length > limit:
-            self.refuse(413, body_too_large_message(limit), TOO_LARGE)
+        too_large = refusals.declared_length_refusal(self.length, limit)
+        if too_large is not None:
+            self.refuse(too_large)
             return  # not Twisted's: no `100 Continue`, no body file
         headers = request.requestHeaders
         # Daphne takes the scope's root path from this header, which would let a client move the
         # path the router matches away from the one checked below; no deployment of ours sets it.
         headers.removeHeader(b"daphne-root-path")
-        peer = self.getPeer() if self.transport is not None else None  # type: ignore[no-untyped-call]  # untyped Twisted
-        verdict = header_gate.check(self._target(), headers, getattr(peer, "host", None))
-        if isinstance(verdict, header_gate.Refusal):
+        peer = twisted.getPeer() if self.transport is not None else None
+        verdict = header_gate.check(target, headers, getattr(peer, "host", None))
+        if isinstance(verdict, Refusal):
             self._refuse_for(verdict)
             return
         if isinstance(verdict, header_gate.KeyLookup):
             self._hold(verdict.future)
             return
-        super().allHeadersReceived()  # type: ignore[no-untyped-call]  # untyped Twisted
+        super().allHeadersReceived()  # type: ignore[no-untyped-call]
 
     def allContentReceived(self) -> None:
         if self._refused is not None:
@@ -189,13 +206,7 @@ class GuardedChannel(HTTPChannel):
             return
         self._cancel(self._intake_deadline)
         self._intake_deadline = None
-        super().allContentReceived()  # type: ignore[no-untyped-call]  # untyped Twisted
-
-    def _target(self) -> bytes:
-        """The request line's target (Twisted keeps it until the request's content is complete)."""
-        # HTTPChannel's source reuses the name it stores from for a Request: mypy infers that type.
-        target: bytes = self._path  # type: ignore[assignment]
-        return target
+        super().allContentReceived()  # type: ignore[no-untyped-call]
 
     # --- the key's lookup -----------------------------------------------------------------------
 
@@ -204,16 +215,16 @@ class GuardedChannel(HTTPChannel):
         what has arrived of the body stays in the parser's buffer, the rest in the socket."""
         self._key_lookup = lookup
         self.paused = True  # LineReceiver's loop stops at this flag
-        self._networkProducer.pauseProducing()  # type: ignore[misc]  # a zope interface method (see refuse)
+        self._twisted._networkProducer.pauseProducing()
         lookup.add_done_callback(self._key_looked_up)
 
     def _key_looked_up(self, lookup: asyncio.Future[Principal | None]) -> None:
         if self._key_lookup is not lookup or self._refused is not None or self.transport is None:
             return  # the connection ended, or the request was refused (its read deadline) meanwhile
         self._key_lookup = None
-        # A failed lookup lets the request through: the consumer looks again and answers it.
-        if not lookup.cancelled() and lookup.exception() is None and lookup.result() is None:
-            self._refuse_for(header_gate.Refusal(401, INVALID_KEY, "authentication_error", unauthenticated=True))
+        refusal = refusals.key_lookup_refusal(lookup)
+        if refusal is not None:
+            self._refuse_for(refusal)
             return
         super().allHeadersReceived()  # type: ignore[no-untyped-call]  # the `100 Continue`, the body file
         if self._content_waits:
@@ -221,40 +232,31 @@ class GuardedChannel(HTTPChannel):
             self.allContentReceived()
         self.paused = False
         if not self._waitingForTransport:
-            self._networkProducer.resumeProducing()  # type: ignore[misc]  # a zope interface method (see refuse)
+            self._twisted._networkProducer.resumeProducing()
         self.dataReceived(b"")  # parse what arrived meanwhile
 
-    def _refuse_for(self, refusal: header_gate.Refusal) -> None:
+    def _refuse_for(self, refusal: Refusal) -> None:
         if not refusal.unauthenticated:
-            self.refuse(refusal.status, refusal.message, refusal.error_type)
+            self.refuse(refusal)
             return
-        # As the consumers do for a request without a valid key: counted always, its audit row
-        # (and access log line) only sampled (AUDIT_UNAUTHENTICATED_SAMPLE_PER_S).
-        path = header_gate.scope_path(self._target()) or "?"
-        record = AuditRecord(route=f"{self._command.decode('ascii', 'replace')} {path}")
-        detail = sample_anonymous(refusal.message)
-        record.end(
-            RequestStatus.REJECTED,
-            http_status=refusal.status,
-            error_type=refusal.error_type,
-            error_message=detail or refusal.message,
-            persist=detail is not None,
-        )
-        self.refuse(refusal.status, refusal.message, refusal.error_type, request_id=record.request_id, log=False)
+        # Counted always, its audit row (and access log line) only sampled: logged there, not here.
+        request_id = refusals.record_unauthenticated(refusal, self._command, self._twisted._path)
+        self.refuse(refusal, request_id=request_id, log=False)
 
     def lineLengthExceeded(self, line: bytes) -> None:
-        self.refuse(431, f"A request line or header is longer than the limit of {self.MAX_LENGTH} bytes", TOO_LARGE)
+        self.refuse(refusals.line_too_long(self.MAX_LENGTH))
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted's one answer for every parse failure; its counters say which limit it was.
-        if self._receivedHeaderSize > self.totalHeadersSize:
-            self.refuse(431, f"The request line and headers are larger than the limit of {self.totalHeadersSize} bytes", TOO_LARGE)
-        elif self._receivedHeaderCount > self.maxHeaders:
-            self.refuse(431, f"The request has more than the limit of {self.maxHeaders} headers", TOO_LARGE)
-        elif not self.line_mode:
-            self.refuse(400, "The request body's chunked encoding is malformed")
-        else:
-            self.refuse(400, "The request line or headers are malformed")
+        self.refuse(
+            refusals.parse_failure(
+                header_bytes=self._receivedHeaderSize,
+                header_bytes_limit=self.totalHeadersSize,
+                header_count=self._receivedHeaderCount,
+                header_count_limit=self.maxHeaders,
+                in_headers=bool(self.line_mode),
+            )
+        )
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._cancel(self._intake_deadline)
@@ -263,51 +265,49 @@ class GuardedChannel(HTTPChannel):
         counted, self._counted = self._counted, None
         if counted is not None:
             counted[0].connection_closed(counted[1])
-        super().connectionLost(reason)  # type: ignore[no-untyped-call]  # untyped Twisted
+        super().connectionLost(reason)  # type: ignore[no-untyped-call]
 
     # --- the refusal ----------------------------------------------------------------------------
 
-    def refuse(
-        self, status: int, message: str, error_type: str | None = None, *, request_id: str | None = None, log: bool = True
-    ) -> None:
-        """Answer `status` in Anthropic's envelope, stop parsing, and close (lingering)."""
-        transport = self.transport
+    def refuse(self, refusal: Refusal, *, request_id: str | None = None, log: bool = True) -> None:
+        """Answer `refusal` in Anthropic's envelope, stop parsing, and close (lingering)."""
+        twisted = self._twisted
+        transport = twisted.transport
         if self._refused is not None or transport is None:
             return
+        status = refusal.status
         self._refused = status
         self._cancel(self._intake_deadline)
         self._intake_deadline = None
         # Twisted's idle timer: the linger decides from now on.
-        self.setTimeout(None)  # type: ignore[no-untyped-call]  # untyped Twisted
+        twisted.setTimeout(None)
         self._buffer = b""  # input the line parser has not reached is never parsed now
         self.persistent = False
         if self._key_lookup is not None:
             # Held for a key lookup: read again, so the linger drains what the client still sends.
             self._key_lookup = None
-            self._networkProducer.resumeProducing()  # type: ignore[misc]  # a zope interface method (below)
+            twisted._networkProducer.resumeProducing()
         refused.labels(status=str(status)).inc()
         if log:
-            logger.info("refused a request from %s with %s: %s", _peer(transport), status, loggable(message))
-        # ITransport.write is a zope.interface method, declared without `self`: mypy (without the
-        # zope plugin) counts one argument too many.
-        transport.write(refusal_bytes(status, message, error_type, request_id))  # type: ignore[call-arg,misc]
+            logger.info("refused a request from %s with %s: %s", _peer(transport), status, loggable(refusal.message))
+        transport.write(refusals.refusal_bytes(refusal, request_id))
         lose_write = getattr(transport, "loseWriteConnection", None)
         if lose_write is None:
-            self.loseConnection()  # type: ignore[no-untyped-call]  # untyped Twisted
+            twisted.loseConnection()
             return
         lose_write()
-        self._linger = self.callLater(LINGER_S, self._end_linger)  # type: ignore[no-untyped-call]  # untyped Twisted
+        self._linger = twisted.callLater(LINGER_S, self._end_linger)
 
     def _intake_timed_out(self) -> None:
         self._intake_deadline = None
         if not self._handlingRequest:
-            seconds = settings.MESSAGES_BODY_READ_TIMEOUT_S
-            self.refuse(408, f"The request was not received within {seconds:g} seconds", "timeout_error")
+            self.refuse(refusals.read_timed_out(settings.MESSAGES_BODY_READ_TIMEOUT_S))
 
     def _end_linger(self) -> None:
         self._linger = None
-        if self.transport is not None:
-            self.transport.abortConnection()
+        transport = self._twisted.transport
+        if transport is not None:
+            transport.abortConnection()
 
     @staticmethod
     def _cancel(call: DelayedCall | None) -> None:
@@ -346,24 +346,15 @@ class GuardedRequest(WebRequest):  # type: ignore[misc]  # daphne is untyped: We
             # Only a chunked body gets here: a declared length over the limit was refused earlier.
             channel = self.channel
             if isinstance(channel, GuardedChannel):
-                channel.refuse(413, body_too_large_message(limit), TOO_LARGE)
+                channel.refuse(refusals.body_too_large(limit))
             return
         super().handleContentChunk(data)
 
     def basic_error(self, status: int, status_text: bytes, body: str) -> None:
         """Daphne's HTML error page (bad path bytes, invalid header, application crash or
         timeout) in Anthropic's envelope; `body` is daphne's one-line reason, never a traceback."""
-        request_id = new_request_id()
-        self.handle_reply(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"request-id", request_id.encode())],
-            }
-        )
-        self.handle_reply(
-            {"type": "http.response.body", "body": orjson.dumps(error_body(error_type_for_status(status), body, request_id))}
-        )
+        for message in refusals.error_page(status, body):
+            self.handle_reply(message)
 
 
 class GuardedHTTPFactory(HTTPFactory):  # type: ignore[misc]  # daphne is untyped: HTTPFactory is Any
@@ -379,10 +370,9 @@ class GuardedHTTPFactory(HTTPFactory):  # type: ignore[misc]  # daphne is untype
         self.open_per_address: Tally[str] = Tally()
 
     def log(self, request: Any) -> None:
-        # Twisted's own access line (combined log format) for every request. At daphne's default
-        # verbosity (1) daphne sends Twisted's log nowhere, so the line was formatted for no one:
-        # ~20 µs a request, 2 % of the gateway's CPU under a flood of refusals (tenants.py,
-        # `limited`). Daphne's access log and the gateway's own are unaffected.
+        # Twisted's own access line (combined log format) for every request, only where daphne
+        # sends Twisted's log: at its default verbosity (1) it goes nowhere, so it is not formatted.
+        # Daphne's access log and the gateway's own are unaffected.
         if getattr(self.server, "verbosity", 1) > 1:
             super().log(request)
 
@@ -427,10 +417,6 @@ def _log_cap(host: str, cap: int) -> None:
             "closed a connection from %s at accept: %d open from that address already (GATEWAY_MAX_CONNECTIONS_PER_ADDRESS)%s",
             host, cap, f" (and {skipped} more not logged since the last)" if skipped else "",
         )
-
-
-def body_too_large_message(limit: int) -> str:
-    return f"Request body is larger than the limit of {limit} bytes"
 
 
 def install(daphne_server: ModuleType) -> None:

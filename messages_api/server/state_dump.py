@@ -8,7 +8,7 @@ Two parts, because a stuck request is stuck in one of two ways:
   asyncio's own `Task.print_stack` shows only a suspended task's outermost frame; this follows
   `cr_await` through every coroutine and async generator down to that future.
 
-Installed under daphne by `disagg_project.asgi`. SIGUSR1 is otherwise unused here (Twisted and
+Installed under daphne by a hook of disagg_project/daphne.py. SIGUSR1 is otherwise unused here (Twisted and
 daphne handle SIGINT and SIGTERM).
 """
 
