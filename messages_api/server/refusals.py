@@ -29,7 +29,6 @@ from messages_api.models import RequestStatus
 from messages_api.server.header_gate import Refusal, scope_path
 
 __all__ = [
-    "TOO_LARGE",
     "body_too_large",
     "declared_length_refusal",
     "error_page",
@@ -40,6 +39,7 @@ __all__ = [
     "record_unauthenticated",
     "refusal_bytes",
     "route_of",
+    "TOO_LARGE",
 ]
 
 # Anthropic's type for a request over a byte limit, also for the header section's 431.
