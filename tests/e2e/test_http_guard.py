@@ -225,7 +225,7 @@ def test_the_factory_builds_guarded_channels_and_requests() -> None:
 
 
 def test_the_overrides_replace_methods_twisted_defines_on_these_classes() -> None:
-    # That every internal overridden or read still exists: tests/unit/test_relied_on.py.
+    # That every internal overridden or read still exists: tests/unit/disagg_project/test_relied_on.py.
     for name in ("allHeadersReceived", "allContentReceived", "_respondToBadRequestAndDisconnect", "dataReceived"):
         assert name in vars(HTTPChannel), name
     assert "handleContentChunk" in vars(HTTPChannel.requestFactory)
