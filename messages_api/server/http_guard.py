@@ -57,7 +57,7 @@ Installation: `install()` makes daphne's `Server.run()` build its HTTP factory f
 `disagg_project/asgi.py` calls it when loaded under daphne, whose command line imports the
 application before it runs the server. Every daphne and Twisted internal used here is listed in
 disagg_project/relied_on.py (an override of a method that was renamed would silently do nothing);
-tests/unit/disagg_project/test_relied_on.py fails when an upgrade changes one.
+tests/unit/test_relied_on.py fails when an upgrade changes one.
 """
 
 from __future__ import annotations
