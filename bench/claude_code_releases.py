@@ -26,7 +26,7 @@ tests/support/cluster.py's register_cluster, and the model catalogue `make run` 
 (quickstart's Claude names and patterns routed to the sim pool). Per release, three runs, each with
 an API key of its own (the audit rows are told apart by key):
 
-- request: the test module's capture_claude_code_request: `claude -p "Say hello"` against a local
+- request: tests/support/claude_code.py's capture_claude_code_request: `claude -p "Say hello"` against a local
   recorder; its first `POST /v1/messages` is checked in-process with the gateway's
   validate_messages_request and to_chat_request, and its shape kept (top-level fields,
   anthropic-beta values, roles, content block types, endpoints called) so that what a release
@@ -237,7 +237,7 @@ def cli_run(gateway_url: str, key: str, prompt: str, workdir: Path, *extra: str,
 
 def run_tool(gateway_url: str, cluster: Any, workdir: Path, version: str) -> dict[str, Any]:
     """test_claude_code_runs_the_tool_the_sim_calls's task and checks."""
-    from tests.e2e.test_claude_code import requests_with, sim_output
+    from tests.support.simworkers import requests_with, sim_output
 
     key_name = f"cc-{version}-tool"
     key = new_key(key_name)
@@ -338,7 +338,7 @@ def run_request(version: str, workdir: Path) -> dict[str, Any]:
     from messages_api.convert import to_chat_request
     from messages_api.errors import AnthropicError
     from messages_api.validation import validate_messages_request
-    from tests.e2e.test_claude_code import capture_claude_code_request
+    from tests.support.claude_code import capture_claude_code_request
 
     record: dict[str, Any] = {"failed": []}
     try:
@@ -494,8 +494,7 @@ def main() -> None:
     django.setup()
     from django.core.management import call_command
 
-    from tests.e2e.test_claude_code import call_command_quietly
-    from tests.support.cluster import register_cluster, wait_registered, wait_until
+    from tests.support.cluster import call_command_quietly, register_cluster, wait_registered, wait_until
     from tests.support.gateway import Gateway
     from tests.support.simworkers import start_simworker
     from workers.management.commands import quickstart

@@ -1,5 +1,5 @@
 """Per-token cost of the reframer's hot path: `StreamReframer.feed` on a vLLM-shaped text chunk
-with continuous usage, alone and with `encode_event` (moved here from tests/unit/test_reframe.py, where
+with continuous usage, alone and with `encode_event` (moved here from tests/unit/messages_api/test_reframe.py, where
 a timing loop slowed the suite and asserted nothing; the test keeps the correctness check).
 
     .venv/bin/python bench/reframe_cost.py            # 20,000 chunks, best of 5

@@ -7,7 +7,7 @@ socket at once, relaying a token in one call). Each such use is listed here: the
 class or function, by dotted name), the names read, set, overridden or called on it, our module
 that does so and why, and the package version the use was checked against.
 
-tests/unit/test_relied_on.py fails when a name disappears (`missing()`), when a pinned source
+tests/unit/disagg_project/test_relied_on.py fails when a name disappears (`missing()`), when a pinned source
 changes, and when an installed package's version differs from the one recorded: after an upgrade,
 re-check each reliance on that package against its new source, then update `checked_against`.
 

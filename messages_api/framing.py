@@ -29,7 +29,7 @@ def encode_events(events: list[dict[str, Any]]) -> bytes:
 
 
 # `encode_event` of {"type": "content_block_delta", "index": i, "delta": {"type": "text_delta",
-# "text": t}}, around the index and the JSON string of the text (tests/unit/test_sse.py checks
+# "text": t}}, around the index and the JSON string of the text (tests/unit/workers/wire/test_sse_decoder.py checks
 # the two agree).
 _TEXT_DELTA_HEAD = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":'
 _TEXT_DELTA_TAIL = b"}}\n\n"

@@ -32,7 +32,7 @@ smaller one, or none (`output_tokens`).
 This runs once per generated token, so the text path is a handful of dict lookups and one
 event dict; nothing is copied.
 
-Micro-benchmark (this machine, Python 3.11; tests/unit/test_reframe.py::test_text_chunk_cost prints it
+Micro-benchmark (this machine, Python 3.11; tests/unit/messages_api/test_reframe.py::test_text_chunk_cost prints it
 with -s): ~0.4-0.5 µs per text chunk for `feed`, ~0.8-0.9 µs with `sse.encode_event` of its
 event, against a 10 µs budget.
 """

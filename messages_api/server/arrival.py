@@ -8,7 +8,7 @@ that much later than promised.
 
 Daphne stamps each HTTP request when it has parsed it (`WebRequest.request_start`, wall-clock
 seconds; it uses it for its access log) and hands the application a `send` bound to that request
-object. `tests/unit/test_arrival.py` checks this against daphne's own `Server.create_application`, so
+object. `tests/unit/messages_api/server/test_arrival.py` checks this against daphne's own `Server.create_application`, so
 an upgrade that changes it fails there (the names are listed in disagg_project/relied_on.py); any
 other server falls back to "now".
 """

@@ -16,7 +16,7 @@ finishes the request and logs it) and every other message still go through `send
 It reads what daphne's `Server.create_application` binds into the application's `send`
 (`functools.partial(server.handle_reply, request)`, as messages_api/server/arrival.py does) and
 daphne's and Twisted's request and server attributes listed in disagg_project/relied_on.py
-(tests/unit/test_relied_on.py checks that they exist); tests/unit/test_body_writer.py checks the
+(tests/unit/disagg_project/test_relied_on.py checks that they exist); tests/unit/messages_api/server/test_body_writer.py checks the
 bytes against daphne's path. Any other server: None, and the consumer queues its middle frames
 for `send` instead (messages_api/server/send_queue.py).
 """

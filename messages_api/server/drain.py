@@ -13,7 +13,7 @@ behaviour. While draining, `/ready` answers 503 (`is_draining()`), so a load bal
 holds connections to this process stops choosing it.
 
 This reads daphne's server through the listening port's factory (`Port.factory.server
-.connections`): internals listed in disagg_project/relied_on.py (tests/unit/test_relied_on.py checks
+.connections`): internals listed in disagg_project/relied_on.py (tests/unit/disagg_project/test_relied_on.py checks
 that they exist).
 daphne is imported only when the drain is installed: importing `daphne.server` installs Twisted's
 reactor, which no other process (a management command, the views' import) should do.

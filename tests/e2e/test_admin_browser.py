@@ -13,32 +13,16 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, logged_in_page, send
 from tests.support.cluster import audit_row, register_cluster, wait_registered
-from tests.support.browser import logged_in_page
-from tests.support.gateway import PROJECT_ROOT, Gateway
+from tests.support.gateway import Gateway
 from tests.support.simworkers import SimWorker
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-]
-SCREENSHOTS = PROJECT_ROOT / ".gateway" / "screenshots"
 NEW_ENDPOINT_URL = "http://127.0.0.1:9/"  # discard port: nothing answers there
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)"
 )
-
-
-def send(gateway: Gateway, headers: dict[str, str], model: str, text: str) -> httpx.Response:
-    payload = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": text}]}
-    return httpx.post(gateway.url + "/v1/messages", json=payload, headers=headers, timeout=30)
 
 
 def test_operator_admin_in_a_browser(

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_admin_browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, send
+from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, logged_in_page, send
 from tests.support.cluster import audit_row, register_cluster, wait_registered
-from tests.support.browser import logged_in_page
 from tests.support.gateway import Gateway
 from tests.support.simworkers import SimWorker
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.test_http_guard import exchange
+from tests.support.conversation import exchange
 from tests.support.gateway import Gateway
 
 

@@ -9,7 +9,7 @@
 - `test_claude_code_runs_the_tool_the_sim_calls`: a two-turn agent loop (the sim calls Read, Claude
   Code runs it and sends the tool_result back).
 - `test_replayed_claude_code_request_through_the_gateway` sends `fixtures/claude_code_request.json` (one request
-  Claude Code 2.1.197 sent, captured with `capture_claude_code_request` below) through the
+  Claude Code 2.1.197 sent, captured with tests/support/claude_code.py's `capture_claude_code_request`) through the
   gateway with httpx, streamed and not, and checks the answer with the SDK's own types and
   stream accumulator, and what the workers were sent.
 - `test_session_key_*`: the session affinity key from Claude Code's header and, without it, from
@@ -28,10 +28,7 @@ Regenerate the fixture with `.venv/bin/python -m tests.e2e.test_claude_code`.
 from __future__ import annotations
 
 import copy
-import io
-import functools
 import json
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,110 +44,24 @@ from anthropic.types import Message
 from anthropic.types.beta import BetaMessage, BetaRawMessageStreamEvent
 from pydantic import TypeAdapter
 
+from tests.support.claude_code import UNSAVED_HEADERS, capture_claude_code_request, claude_command, run_claude
 from tests.support.cluster import (
     Cluster,
     audit_row,
+    call_command_quietly,
     register_cluster,
     wait_registered,
     wait_until,
 )
-from tests.support.claude_code import claude_command, run_claude
 from tests.support.gateway import PROJECT_ROOT, Gateway
-from tests.support.scripted import Request as ScriptedRequest
-from tests.support.scripted import ScriptedServer, answering, response
-from tests.support.simworkers import SimWorker, start_simworker
+from tests.support.simworkers import SimWorker, requests_with, sim_output, start_simworker
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "claude_code_request.json"
 BILLING_MARKER = "x-anthropic-billing-header:"
-# Connection-bound headers are not kept in the fixture; credentials never are.
-UNSAVED_HEADERS = {"x-api-key", "authorization", "host", "content-length"}
 EVENTS = TypeAdapter(BetaRawMessageStreamEvent)
 
 
 # --- running Claude Code ---------------------------------------------------------------------------
-
-
-# --- capturing what Claude Code sends --------------------------------------------------------------
-
-
-def _canned_stream(text: str) -> bytes:
-    events = [
-        {
-            "type": "message_start",
-            "message": {
-                "id": "msg_capture",
-                "type": "message",
-                "role": "assistant",
-                "model": "sim-model",
-                "content": [],
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": {"input_tokens": 10, "output_tokens": 1},
-            },
-        },
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
-        {"type": "content_block_stop", "index": 0},
-        {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": 2}},
-        {"type": "message_stop"},
-    ]
-    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
-
-
-def _record_and_answer(captured: list[dict[str, Any]], request: ScriptedRequest) -> bytes:
-    """Records the request in `captured`; answers like the API would (a canned text reply)."""
-    if request.method not in ("HEAD", "GET", "POST"):
-        return response(501)  # unrecorded, as http.server answered a method it had no handler for
-    body: Any = None
-    if request.method == "POST":
-        try:
-            body = json.loads(request.body)
-        except ValueError:
-            body = request.body.decode(errors="replace")
-    captured.append({"method": request.method, "path": request.path, "headers": dict(request.fields), "body": body})
-    api_headers = {"request-id": "req_capture"}
-    if request.method == "HEAD":
-        return response(200)
-    if request.method == "GET":
-        payload: dict[str, Any] = {"data": [], "has_more": False, "first_id": None, "last_id": None}
-    elif request.path.startswith("/v1/messages/count_tokens"):
-        payload = {"input_tokens": 10}
-    elif isinstance(body, dict) and body.get("stream"):
-        return response(200, _canned_stream("captured"), content_type="text/event-stream", headers=api_headers)
-    else:
-        payload = {
-            "id": "msg_capture",
-            "type": "message",
-            "role": "assistant",
-            "model": "sim-model",
-            "content": [{"type": "text", "text": "captured"}],
-            "stop_reason": "end_turn",
-            "stop_sequence": None,
-            "usage": {"input_tokens": 10, "output_tokens": 2},
-        }
-    return response(200, json.dumps(payload).encode(), content_type="application/json", headers=api_headers)
-
-
-def capture_claude_code_request(prompt: str = "Say hello") -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run Claude Code once against a local recorder; return its main request and all requests.
-
-    The main request is its (first) `POST /v1/messages`, in the fixture's form: path, headers
-    without credentials and connection-bound ones, and the JSON body.
-    """
-    captured: list[dict[str, Any]] = []
-    recorder = answering(functools.partial(_record_and_answer, captured))
-    with ScriptedServer(recorder) as server, tempfile.TemporaryDirectory() as workdir:
-        result = run_claude(server.url, "sk-gw-capture-placeholder", prompt, Path(workdir))
-    assert result.returncode == 0, f"claude exited {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
-    posts = [r for r in captured if r["method"] == "POST" and r["path"].split("?")[0] == "/v1/messages"]
-    assert posts, f"Claude Code sent no POST /v1/messages: {[(r['method'], r['path']) for r in captured]}"
-    main = posts[0]
-    request = {
-        "path": main["path"],
-        "headers": {k: v for k, v in main["headers"].items() if k.lower() not in UNSAVED_HEADERS},
-        "body": main["body"],
-    }
-    return request, captured
 
 
 # --- fixtures --------------------------------------------------------------------------------------
@@ -184,23 +95,6 @@ def load_fixture() -> dict[str, Any]:
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-def sim_output(generation_request: dict[str, Any]) -> str:
-    """The text the sim generated for a request its generation worker logged (it is deterministic)."""
-    from workers.sim.output import plan_generation
-    from workers.sim.schema import parse_chat_request
-    from workers.sim.tokenizer import tokenize_chat
-
-    request = parse_chat_request(generation_request)
-    prompt = request.prompt_token_ids if request.prompt_token_ids is not None else tokenize_chat(request.messages, request.tools)
-    limit = request.max_tokens if request.max_tokens is not None else 1 << 30
-    return plan_generation(prompt, request.directives, tools=request.tools, limit=limit, stop=request.stop).content
-
-
-def requests_with(worker: SimWorker, needle: str) -> list[dict[str, Any]]:
-    """The worker's logged requests with `needle` in some message, oldest first."""
-    return [r for r in worker.requests() if needle in json.dumps(r.get("messages"), ensure_ascii=False)]
 
 
 def assert_worker_request_is_converted(sent: dict[str, Any], original: dict[str, Any]) -> None:
@@ -550,12 +444,6 @@ def test_claude_code_with_no_model_variables_uses_the_routed_claude_names_and_di
     cached = json.loads((tmp_path / "home" / ".claude" / "cache" / "gateway-models.json").read_text())
     assert cached["baseUrl"] == gateway.url
     assert {m["id"] for m in cached["models"]} >= {name for name, _ in quickstart.CLAUDE_MODELS}
-
-
-def call_command_quietly(*args: Any, **options: Any) -> None:
-    from django.core.management import call_command
-
-    call_command(*args, stdout=io.StringIO(), **options)
 
 
 @pytest.mark.parametrize(("method", "path"), [("HEAD", "/"), ("GET", "/"), ("HEAD", "/api/hello"), ("GET", "/api/hello")])

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_http_guard import Conversation
+from tests.support.conversation import Conversation
 from tests.support.gateway import Gateway
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -17,6 +17,7 @@ from channels.testing import ApplicationCommunicator
 from messages_api.consumers import MessagesConsumer
 from messages_api.reframe import StreamReframer
 from tests.support.cluster import Cluster, audit_row, consumer_scope, reservations_closed
+from tests.support.communicator import read_response, sse_events
 from workers.cluster.registry import get_registry
 from workers.schedule.pipeline import ChatRun
 
@@ -35,22 +36,6 @@ def break_reframer_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
         return feed(self, chunk)
 
     monkeypatch.setattr(StreamReframer, "feed", broken_feed)
-
-
-async def read_response(communicator: ApplicationCommunicator) -> tuple[int, dict[bytes, bytes], bytes]:
-    start = await communicator.receive_output(10)
-    assert start["type"] == "http.response.start"
-    body = b""
-    while True:
-        message = await communicator.receive_output(10)
-        assert message["type"] == "http.response.body"
-        body += message.get("body", b"")
-        if not message.get("more_body", False):
-            return start["status"], dict(start["headers"]), body
-
-
-def sse_events(body: bytes) -> list[dict[str, Any]]:
-    return [orjson.loads(frame.split(b"\ndata: ", 1)[1]) for frame in body.split(b"\n\n") if frame]
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])

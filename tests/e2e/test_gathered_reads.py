@@ -9,8 +9,8 @@ import pytest
 from channels.testing import ApplicationCommunicator
 
 from messages_api.consumers import FrameWriter, MessagesConsumer
-from tests.e2e.test_consumer_errors import read_response, sse_events
 from tests.support.cluster import Cluster, consumer_scope
+from tests.support.communicator import read_response, sse_events
 from workers.cluster.registry import get_registry
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from tests.e2e.test_http_guard import Answer, Conversation, exchange
+from tests.support.conversation import Answer, Conversation, exchange
 from tests.support.gateway import Gateway
 from tests.support.prometheus import metric_value
 

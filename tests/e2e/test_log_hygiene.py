@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_http_guard import exchange
 from tests.support.cluster import wait_until
+from tests.support.conversation import exchange
 from tests.support.gateway import Gateway
 from tests.support.prometheus import metric_value
 

@@ -209,7 +209,7 @@ def test_sigterm_drains_then_exits(
 
 def test_daphnes_http_factory_is_built_with_its_server() -> None:
     # The drain finds the server as each listening port's `factory.server`; that the names exist is
-    # tests/unit/test_relied_on.py's check.
+    # tests/unit/disagg_project/test_relied_on.py's check.
     assert HTTPFactory.__init__.__code__.co_varnames[1] == "server"
     assert "def run" in inspect.getsource(Server)
 

@@ -1,10 +1,27 @@
-"""The admin in a real browser: a page logged in as a staff user, recording every answer ≥ 400."""
+"""The admin in a real browser: Debian's Chromium and its options, where screenshots go, a page
+logged in as a staff user (recording every answer ≥ 400), and `send`, a request for the pages to show."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import httpx
 from playwright.sync_api import Browser, Page, expect
+
+from tests.support.gateway import PROJECT_ROOT, Gateway
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+SCREENSHOTS = PROJECT_ROOT / ".gateway" / "screenshots"
 
 
 def logged_in_page(
@@ -22,3 +39,8 @@ def logged_in_page(
     page.click("input[type=submit]")
     expect(page.locator("#user-tools")).to_contain_text(username)
     return page, bad_responses
+
+
+def send(gateway: Gateway, headers: dict[str, str], model: str, text: str) -> httpx.Response:
+    payload = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": text}]}
+    return httpx.post(gateway.url + "/v1/messages", json=payload, headers=headers, timeout=30)

@@ -3,7 +3,7 @@
 they come).
 
 Reading is the product's own decoder, workers.wire.chunked: what uses it here decodes what the
-gateway sends, and tests nothing of the decoder. tests/unit/test_chunked.py, which does test that
+gateway sends, and tests nothing of the decoder. tests/unit/workers/wire/test_chunked.py, which does test that
 decoder, checks it against `chunked` below, written independently of it.
 """
 

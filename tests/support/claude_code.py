@@ -1,16 +1,22 @@
-"""Running the real Claude Code CLI (`claude -p`) against a gateway, in a clean environment."""
+"""Running the real Claude Code CLI (`claude -p`) against a gateway, in a clean environment, and
+capturing what it sends (`capture_claude_code_request`: a local recorder answering as the API would)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.support.gateway import PROJECT_ROOT
+from tests.support.scripted import Request as ScriptedRequest
+from tests.support.scripted import ScriptedServer, answering, response
 
 # Which installed release the tests run: an npm prefix, relative to the project unless absolute.
 # CI installs the pinned release (.ci/claude-code-version) in .ci/node, and the newest published one
@@ -120,3 +126,89 @@ def run_claude(
         text=True,
         timeout=CLAUDE_TIMEOUT_S,
     )
+
+
+# --- capturing what Claude Code sends --------------------------------------------------------------
+
+# Connection-bound headers are not kept in the fixture; credentials never are.
+UNSAVED_HEADERS = {"x-api-key", "authorization", "host", "content-length"}
+
+
+def _canned_stream(text: str) -> bytes:
+    events = [
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_capture",
+                "type": "message",
+                "role": "assistant",
+                "model": "sim-model",
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 10, "output_tokens": 1},
+            },
+        },
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": 2}},
+        {"type": "message_stop"},
+    ]
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+def _record_and_answer(captured: list[dict[str, Any]], request: ScriptedRequest) -> bytes:
+    """Records the request in `captured`; answers like the API would (a canned text reply)."""
+    if request.method not in ("HEAD", "GET", "POST"):
+        return response(501)  # unrecorded, as http.server answered a method it had no handler for
+    body: Any = None
+    if request.method == "POST":
+        try:
+            body = json.loads(request.body)
+        except ValueError:
+            body = request.body.decode(errors="replace")
+    captured.append({"method": request.method, "path": request.path, "headers": dict(request.fields), "body": body})
+    api_headers = {"request-id": "req_capture"}
+    if request.method == "HEAD":
+        return response(200)
+    if request.method == "GET":
+        payload: dict[str, Any] = {"data": [], "has_more": False, "first_id": None, "last_id": None}
+    elif request.path.startswith("/v1/messages/count_tokens"):
+        payload = {"input_tokens": 10}
+    elif isinstance(body, dict) and body.get("stream"):
+        return response(200, _canned_stream("captured"), content_type="text/event-stream", headers=api_headers)
+    else:
+        payload = {
+            "id": "msg_capture",
+            "type": "message",
+            "role": "assistant",
+            "model": "sim-model",
+            "content": [{"type": "text", "text": "captured"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 2},
+        }
+    return response(200, json.dumps(payload).encode(), content_type="application/json", headers=api_headers)
+
+
+def capture_claude_code_request(prompt: str = "Say hello") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run Claude Code once against a local recorder; return its main request and all requests.
+
+    The main request is its (first) `POST /v1/messages`, in the fixture's form: path, headers
+    without credentials and connection-bound ones, and the JSON body.
+    """
+    captured: list[dict[str, Any]] = []
+    recorder = answering(functools.partial(_record_and_answer, captured))
+    with ScriptedServer(recorder) as server, tempfile.TemporaryDirectory() as workdir:
+        result = run_claude(server.url, "sk-gw-capture-placeholder", prompt, Path(workdir))
+    assert result.returncode == 0, f"claude exited {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    posts = [r for r in captured if r["method"] == "POST" and r["path"].split("?")[0] == "/v1/messages"]
+    assert posts, f"Claude Code sent no POST /v1/messages: {[(r['method'], r['path']) for r in captured]}"
+    main = posts[0]
+    request = {
+        "path": main["path"],
+        "headers": {k: v for k, v in main["headers"].items() if k.lower() not in UNSAVED_HEADERS},
+        "body": main["body"],
+    }
+    return request, captured

@@ -3,6 +3,7 @@ key, and conditions polled until they hold (never fixed sleeps)."""
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -149,3 +150,11 @@ def reservations_closed(request_id: str, timeout: float = 10.0) -> list[Any]:
         return rows if rows and all(r.released_at is not None for r in rows) else None
 
     return wait_until(find, timeout, message=f"reservations of {request_id} not all released")
+
+
+def call_command_quietly(*args: Any, **options: Any) -> None:
+    """A management command run in-process with its output dropped (the operators' commands print
+    what they changed)."""
+    from django.core.management import call_command
+
+    call_command(*args, stdout=io.StringIO(), **options)

@@ -1,5 +1,5 @@
-"""What the tests of the worker transport (tests/unit/test_transport.py) and of its connection
-protocol (tests/unit/test_worker_protocol.py) share: a transport that is closed after the test,
+"""What the tests of the worker transport (tests/unit/workers/wire/test_transport.py) and of its connection
+protocol (tests/unit/workers/wire/test_connection.py) share: a transport that is closed after the test,
 one request read to its end, the scripted server's usual answer, and a receiver for pushed
 bodies. The servers themselves are tests/support/scripted.py's."""
 

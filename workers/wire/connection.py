@@ -23,7 +23,7 @@ Relies on aiohttp's `ResponseHandler` calling `self._parser.feed_data`/`feed_eof
 and setting `_parser` in `set_response_params`, on its `data_received` doing nothing but feed the
 parser when no read timeout (`_read_timeout`, `_read_timeout_handle`) is to be restarted, and on
 the connector building protocols with `_factory`, all listed in disagg_project/relied_on.py;
-tests/unit/test_relied_on.py, tests/unit/test_worker_protocol.py and tests/unit/test_transport.py fail
+tests/unit/disagg_project/test_relied_on.py, tests/unit/workers/wire/test_connection.py and tests/unit/workers/wire/test_transport.py fail
 if those change.
 """
 

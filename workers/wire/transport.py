@@ -151,7 +151,7 @@ class _ResponseStream(httpx.AsyncByteStream):
             # aiohttp raises a lost connection as soon as it has seen it, even while bytes that
             # arrived before it are still buffered: a dying worker's last tokens belong to the
             # answer, so hand them over first. `_buffer`/`_read_nowait` are aiohttp internals
-            # (listed in disagg_project/relied_on.py; tests/unit/test_transport.py fails if they change).
+            # (listed in disagg_project/relied_on.py; tests/unit/workers/wire/test_transport.py fails if they change).
             leftover = content._read_nowait(-1) if content._buffer else b""
             if leftover:
                 self._failed = mapped
@@ -178,8 +178,8 @@ class PushedBody:
     `set_exception(exc)` (the connection failed); `done()` is all it asks of the future
     otherwise. `StreamReader._waiter`, `_buffer`, `_eof`, `_exception`, `_low_water`, `_protocol`
     (and its `_reading_paused`) and `_read_nowait` are aiohttp internals, and `max_size` asyncio's
-    selector transport's, all listed in disagg_project/relied_on.py (tests/unit/test_relied_on.py
-    fails if one disappears); tests/unit/test_transport.py and tests/e2e/test_stream_fairness.py
+    selector transport's, all listed in disagg_project/relied_on.py (tests/unit/disagg_project/test_relied_on.py
+    fails if one disappears); tests/unit/workers/wire/test_transport.py and tests/e2e/test_stream_fairness.py
     fail if they change.
 
     A chunked body decoded by `workers.wire.connection.RelayedBodyParser` (a worker's stream,

@@ -2,7 +2,7 @@
 head, and every other body, by aiohttp's parser), against real TCP servers scripted byte by byte.
 What the relay needs of it: the body intact however the worker's writes split it, pushed or read,
 the connection back in the pool after a body read to its end, and never reused after a broken one.
-The push and keep-alive behaviour both paths share is tested in tests/unit/test_transport.py."""
+The push and keep-alive behaviour both paths share is tested in tests/unit/workers/wire/test_transport.py."""
 
 from __future__ import annotations
 

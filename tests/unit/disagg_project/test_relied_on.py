@@ -19,7 +19,7 @@ from disagg_project.relied_on import (
     missing,
 )
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 REGISTRY = "disagg_project/relied_on.py"
 
 

@@ -115,7 +115,7 @@ def test_install_makes_accepted_connections_direct_writers() -> None:
 
 
 def test_the_overridden_methods_are_the_ones_twisted_defines() -> None:
-    # That every Twisted name used still exists: tests/unit/test_relied_on.py.
+    # That every Twisted name used still exists: tests/unit/disagg_project/test_relied_on.py.
     assert "write" in vars(abstract.FileDescriptor) and "writeSequence" in vars(abstract.FileDescriptor)
 
 

@@ -19,7 +19,7 @@ from workers.schedule.prompt_tokens import estimate_prompt_tokens
 from workers.protocols import Call, ContextPeer, WorkerProtocol
 from workers.schedule.rendered_chat import RenderedChat
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "claude_code_request.json"
+FIXTURE = Path(__file__).resolve().parents[3] / "fixtures" / "claude_code_request.json"
 
 
 def claude_code_chat() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The management commands that change keys, limits, pools, endpoints and routes each log what they
 changed (logger `gateway.changes`): the command, who ran it, the old and new values, never a
-secret. (Changes made in the admin are in its LogEntry history: tests/unit/test_admin_users.py.)"""
+secret. (Changes made in the admin are in its LogEntry history: tests/unit/disagg_project/test_admin.py.)"""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def test_a_tool_orjson_cannot_write_is_counted_by_its_repr() -> None:
 def test_claude_codes_request_is_estimated_as_the_regex_counted_it() -> None:
     """The replayed Claude Code request: the messages are ASCII but for a few characters, so the
     estimate stays within 1 % of the regex count over the same texts (tools over their JSON)."""
-    fixture = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "claude_code_request.json").read_text())["body"]
+    fixture = json.loads((Path(__file__).resolve().parents[3] / "fixtures" / "claude_code_request.json").read_text())["body"]
     chat = to_chat_request({**fixture, "model": "m", "max_tokens": 4})
     by_regex = 0
     for message in chat["messages"]:

@@ -1,5 +1,6 @@
 """Usage per API key and hour: the in-memory tally, increments from several processes adding up in
-the same rows, the per-key metrics behind their setting, and the admin's page and CSV."""
+the same rows, the per-key metrics behind their setting, and the admin's page and CSV
+(messages_api/usage_report.py). The charts: tests/unit/messages_api/test_usage_chart.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from messages_api.audit import AuditRecord
 from messages_api.models import ApiKey, KeyUsage, RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.usage import Tally, UsageRecorder, hour_of, hour_start
-from messages_api.usage_chart import Series, chart, compact, nice_ceiling
 from messages_api.usage_report import DAYS, HOURS, buckets
 
 H = hour_of(datetime(2026, 12, 4, 15, 30, tzinfo=timezone.utc))
@@ -315,20 +315,3 @@ def test_buckets_sum_hours_into_days(used_key: ApiKey) -> None:
     assert len(hours) == 24 and hours[-1].start == now_hour() and hours[0].start == now_hour() - timedelta(hours=23)
     assert len(days) == 30 and days[-1].start == now_hour().replace(hour=0)
     assert sum(b.requests for b in days) == 18 and sum(b.requests for b in hours) == 8
-
-
-# --- the chart -----------------------------------------------------------------------------------
-
-
-def test_chart_scale_and_numbers() -> None:
-    assert [nice_ceiling(v) for v in (0, 0.3, 1, 7, 11, 240, 260, 999)] == [1, 0.5, 1, 10, 20, 250, 500, 1000]
-    assert [compact(v) for v in (0, 12, 0.5, 2500, 1_234_567)] == ["0", "12", "0.5", "2.5k", "1.23M"]
-
-
-def test_chart_escapes_its_text_and_has_a_point_per_value() -> None:
-    svg = chart("<t>", ["a", "b", "<c>"], [Series("x<y", "#000", [1, 2, 3]), Series("z", "#111", [0, 0, 4])], kind="bars")
-    assert "<t>" not in svg and "<c>" not in svg and "x<y" not in svg
-    assert svg.count('class="point"') == 6
-    assert 'data-value="4"' in svg
-    lines = chart("l", ["a", "b"], [Series("s", "#000", [1.5, 0])], kind="lines")
-    assert lines.count("<circle") == 2 and 'data-value="1.500"' in lines

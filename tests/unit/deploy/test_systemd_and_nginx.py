@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 SYSTEMD = PROJECT_ROOT / "deploy" / "systemd"
 SOCKET = SYSTEMD / "disagg-gateway.socket"
 SERVICE = SYSTEMD / "disagg-gateway.service"

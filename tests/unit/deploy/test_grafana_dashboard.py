@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "disagg-gateway.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "disagg-gateway.json"
 # Where the gateway defines its metrics (imported here, as a gateway process imports them).
 METRIC_MODULES = (
     "messages_api.metrics",

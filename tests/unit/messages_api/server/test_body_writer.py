@@ -139,7 +139,7 @@ async def test_any_other_send_has_no_writer() -> None:
 def test_the_writer_repeats_daphnes_own_checks() -> None:
     # `send` is daphne's Server.handle_reply bound to the request (checked above with a real one);
     # the checks the writer repeats are daphne's own, on these names. (That every name still
-    # exists: tests/unit/test_relied_on.py.)
+    # exists: tests/unit/disagg_project/test_relied_on.py.)
     assert "connections" in Server.handle_reply.__code__.co_names
     assert "handle_reply" in vars(Server)
     for name in ("finished", "channel", "_response_started"):
