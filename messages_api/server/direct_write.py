@@ -17,7 +17,7 @@ frames of a stream (messages_api/server/body_writer.py) are never held.
 
 Installed by `install()` (a hook of disagg_project/daphne.py) as the transport class of every
 accepted TCP connection (`tcp.Port.transport`). `GATEWAY_DIRECT_WRITES=0` turns it off. The
-Twisted internals it relies on are listed in disagg_project/relied_on.py (tests/unit/test_relied_on.py
+Twisted internals it relies on are listed in disagg_project/relied_on.py (tests/unit/disagg_project/test_relied_on.py
 checks them). History: bench/results/2026-12-06-daphne-hooks-history.md.
 """
 

@@ -46,7 +46,7 @@ Installation: `install()` makes daphne's `Server.run()` build its HTTP factory f
 `GuardedHTTPFactory` (it instantiates the module global `daphne.server.HTTPFactory`); it is one of
 the hooks of disagg_project/daphne.py. Every daphne and Twisted internal used here is listed in
 disagg_project/relied_on.py (an override of a method that was renamed would silently do nothing);
-tests/unit/test_relied_on.py fails when an upgrade changes one. Measurements and history:
+tests/unit/disagg_project/test_relied_on.py fails when an upgrade changes one. Measurements and history:
 bench/results/2026-12-06-daphne-hooks-history.md.
 """
 
