@@ -452,6 +452,19 @@ class StreamReframer:
         """A thinking or text piece longer than CHARS_PER_TOKEN (already counted as a piece): its
         characters counted, and its delta, cut where the count reaches max_tokens (which then ends
         the message)."""
+        # `_measure`, inlined: this is the path of every chunk of an engine that sends several
+        # tokens at once.
+        long_chars = self._long_chars + len(piece)
+        room = self._long_limit - long_chars
+        if room < CHARS_PER_TOKEN:
+            self._long_delta_at_the_limit(block_type, piece, out)
+            return
+        self._long_chars = long_chars
+        delta = {"type": "thinking_delta", "thinking": piece} if block_type == THINKING else {"type": "text_delta", "text": piece}
+        self._content_delta(block_type, delta, out)
+
+    def _long_delta_at_the_limit(self, block_type: str, piece: str, out: list[dict[str, Any]]) -> None:
+        """`_long_delta` of a piece that brings the count to max_tokens, or would take it past."""
         fits = self._measure(piece)
         delta = {"type": "thinking_delta", "thinking": fits} if block_type == THINKING else {"type": "text_delta", "text": fits}
         self._content_delta(block_type, delta, out)
