@@ -431,11 +431,10 @@ AUDIT_UNAUTHENTICATED_SAMPLE_PER_S = env_float("AUDIT_UNAUTHENTICATED_SAMPLE_PER
 # process (bursts of as many), each saying how many it stands for. An accepted request always
 # gets its row.
 AUDIT_REFUSED_SAMPLE_PER_S = env_float("AUDIT_REFUSED_SAMPLE_PER_S", 5.0)
-# Usage per API key and UTC hour (messages_api/usage.py): each process adds up its requests in
-# memory and adds them to the database this often (and at exit); the admin's usage page lags by
-# at most this much. `prune_audit` deletes hours older than USAGE_HOURS_RETENTION_DAYS (at least
-# 31: the admin charts the last 30 days, and days are sums of hours).
-USAGE_FLUSH_INTERVAL_S = env_float("USAGE_FLUSH_INTERVAL_S", 5.0)
+# Usage per API key and UTC hour (messages_api/usage.py) is written with the audit rows, in their
+# transaction (AUDIT_FLUSH_INTERVAL_S). `prune_audit` deletes hours older than
+# USAGE_HOURS_RETENTION_DAYS (at least 31: the admin charts the last 30 days, and days are sums of
+# hours).
 USAGE_HOURS_RETENTION_DAYS = env_int("USAGE_HOURS_RETENTION_DAYS", 90)
 
 # Health: each process probes every endpoint's /health; an endpoint is unhealthy after

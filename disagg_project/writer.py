@@ -23,6 +23,12 @@ requests/s 529 against 608 sliced).
 The cost is a window of at most `AUDIT_FLUSH_INTERVAL_S` (plus the write itself) in which a row is
 only in memory: a process killed in that window loses it. Crash recovery closes what did reach the
 database; a reservation that never did was never visible to another process either.
+
+What must be exactly as durable as a row goes with it: a model's `Companion` (`accompany`) keeps
+what was handed over with its rows (`upsert(..., along=item)`), and the writer writes it in the
+same transaction as the batch those rows are in, after them. Handing over happens under the
+writer's lock, the same as queueing the row, so a crash loses both or neither (the audit's usage
+counts, messages_api/usage.py).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import atexit
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import connection, models, transaction
@@ -64,6 +70,24 @@ PASSED_THROUGH: dict[type[Field[Any, Any]], tuple[type, ...]] = {
 }
 
 
+class Companion(Protocol):
+    """What is written with a model's rows, in their transaction (`RowWriter.accompany`)."""
+
+    def keep(self, item: Any) -> None:
+        """Hold `item`, handed over with a row (`upsert(..., along=item)`) or alone (after `nudge`).
+        Called under the writer's lock: quick, no I/O, never calling the writer back."""
+
+    def take(self) -> Any:
+        """What was kept since the last take, now the writer's (under its lock); None for nothing."""
+
+    def write(self, taken: Any) -> None:
+        """Write what `take` returned, inside the transaction of the model's rows (after them).
+        Raising fails the transaction: rows and all are retried."""
+
+    def give_back(self, taken: Any) -> None:
+        """The batch failed for good (its rows are lost): keep `taken` for the next one."""
+
+
 class RowWriter:
     def __init__(self, flush_interval: float) -> None:
         self.flush_interval = flush_interval
@@ -76,16 +100,19 @@ class RowWriter:
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._thread: threading.Thread | None = None
+        self._companions: dict[type[Model], Companion] = {}
+        self._kept = False  # a companion holds something for the next batch
         self._stopping = False
         self.rows_written = 0
         self.batches_written = 0
         self.write_errors = 0
 
-    def upsert(self, model: type[Model], unique_field: str, values: dict[str, Any]) -> None:
+    def upsert(self, model: type[Model], unique_field: str, values: dict[str, Any], *, along: Any = None) -> None:
         """Queue the current state of one row, identified by `values[unique_field]`.
 
         `values` is the whole row (every column but the primary key): it is inserted, or written
-        over the row with the same `unique_field`.
+        over the row with the same `unique_field`. `along`, if not None, goes to the model's
+        companion (`accompany`) and is written in the transaction that writes this state.
         """
         key = (model, str(values[unique_field]))
         with self._lock:
@@ -100,6 +127,24 @@ class RowWriter:
                 pending[key] = dict(values)
             else:
                 previous.update(values)
+            if along is not None:
+                self._companions[model].keep(along)
+                self._kept = True
+            self._ensure_thread()
+        if wake:
+            self._wakeup.set()
+
+    def accompany(self, model: type[Model], companion: Companion) -> None:
+        """Write what `companion` keeps in the transactions of `model`'s rows (one per model)."""
+        with self._lock:
+            self._companions[model] = companion
+
+    def nudge(self) -> None:
+        """A companion kept something without a row: write it with the next batch, which starts
+        now if none is pending. Not to be called from a companion's `keep`."""
+        with self._lock:
+            wake = not self._pending and not self._kept
+            self._kept = True
             self._ensure_thread()
         if wake:
             self._wakeup.set()
@@ -108,7 +153,7 @@ class RowWriter:
         """Block until everything queued so far is written (tests, shutdown). Not for async code."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._pending or self._in_flight:
+            while self._pending or self._kept or self._in_flight:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -139,31 +184,44 @@ class RowWriter:
             self._hurry.clear()
             with self._lock:
                 batch, self._pending = self._pending, {}
-                self._in_flight = len(batch)
-            if batch:
-                self._write(batch)
+                # Taken with the rows, under the same lock: what went along with a row is in its batch.
+                taken = {}
+                if self._kept:
+                    self._kept = False
+                    for model, companion in self._companions.items():
+                        items = companion.take()
+                        if items is not None:
+                            taken[model] = items
+                self._in_flight = len(batch) + len(taken)
+            if batch or taken:
+                self._write(batch, taken)
             with self._lock:
                 self._in_flight = 0
                 self._idle.notify_all()
-                if self._stopping and not self._pending:
+                if self._stopping and not self._pending and not self._kept:
                     return
 
-    def _write(self, batch: dict[RowKey, dict[str, Any]]) -> None:
-        by_model: dict[type[Model], list[dict[str, Any]]] = {}
+    def _write(self, batch: dict[RowKey, dict[str, Any]], taken: dict[type[Model], Any]) -> None:
+        by_model: dict[type[Model], list[dict[str, Any]]] = {model: [] for model in taken}
         for (model, _), values in batch.items():
             by_model.setdefault(model, []).append(values)
-        # One transaction per table: the writer never holds one table's lock while it waits for
-        # another's, so it cannot deadlock with anything that locks tables in another order.
+        # One transaction per table (and what accompanies its rows): the writer never holds one
+        # table's lock while it waits for another's, so it cannot deadlock with anything that
+        # locks tables in another order. A companion's rows are its own concern: the audit's
+        # usage rows are taken in one order by every writer (messages_api/usage.py).
         for model, rows in by_model.items():
-            self._write_model(model, rows)
+            self._write_model(model, rows, taken.get(model))
 
-    def _write_model(self, model: type[Model], rows: list[dict[str, Any]]) -> None:
+    def _write_model(self, model: type[Model], rows: list[dict[str, Any]], taken: Any = None) -> None:
         for attempt in range(3):
             try:
                 # The thread keeps its connection between batches (opening one per batch cost
                 # more than the writes); it is dropped and reopened only after an error.
                 with transaction.atomic():
-                    self._upsert_rows(model, rows)
+                    if rows:
+                        self._upsert_rows(model, rows)
+                    if taken is not None:
+                        self._companions[model].write(taken)
                 self.rows_written += len(rows)
                 self.batches_written += 1
                 return
@@ -172,6 +230,8 @@ class RowWriter:
                 logger.exception("row writer: %d %s rows failed (attempt %d)", len(rows), model.__name__, attempt + 1)
                 connection.close()
                 time.sleep(0.2 * (attempt + 1))
+        if taken is not None:
+            self._companions[model].give_back(taken)
 
     def _upsert_rows(self, model: type[Model], rows: list[dict[str, Any]]) -> None:
         """One `INSERT … ON CONFLICT (unique) DO UPDATE` executed for all rows of a shape.

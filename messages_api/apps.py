@@ -8,6 +8,9 @@ class MessagesApiConfig(AppConfig):
 
     def ready(self) -> None:
         from messages_api.audit import close_abandoned_requests
+        from messages_api.usage import get_recorder
         from workers import process_abandoned
 
         process_abandoned.connect(close_abandoned_requests, dispatch_uid="messages_api.close_abandoned_requests")
+        # The audit rows carry their requests' usage: the row writer writes both in one transaction.
+        get_recorder()

@@ -2,7 +2,9 @@
 background writer: once `in_progress` when the request is accepted, once more when it ends.
 
 `end` is the only way to a terminal status and takes effect once, so every request ends in exactly
-one terminal row whichever path ends it.
+one terminal row whichever path ends it. A keyed request's usage goes with that row: the writer
+adds it in the transaction that writes the terminal state (messages_api/usage.py), and the
+recovery sweep counts the rows it closes in the transaction that closes them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 
 from disagg_project import GATEWAY_INSTANCE, get_writer
 from messages_api import metrics, usage
@@ -108,11 +111,11 @@ class AuditRecord:
         if self.run is not None:
             self._read_trace(self.run.trace)  # the metrics' labels need the run's final stage
         metrics.observe(self)
-        if self.api_key_name:
-            usage.note(self)
         if not persist:
+            if self.api_key_name:
+                usage.note(self)
             return True
-        self._write()
+        self._write(counted=bool(self.api_key_name))
         # The model and the error's message may be the client's text: escaped, so that a newline or
         # a terminal escape in them cannot forge or hide a log line.
         access_log.info(
@@ -123,10 +126,12 @@ class AuditRecord:
         )
         return True
 
-    def _write(self) -> None:
+    def _write(self, *, counted: bool = False) -> None:
+        """Queue the row's current state; `counted`: the terminal state of a keyed request, whose
+        usage the writer adds in the same transaction."""
         if self.run is not None:
             self._read_trace(self.run.trace)
-        get_writer().upsert(MessageRequest, "request_id", self.row())
+        get_writer().upsert(MessageRequest, "request_id", self.row(), along=self if counted else None)
 
     def _read_trace(self, trace: RunTrace) -> None:
         self.stage = trace.stage
@@ -240,8 +245,25 @@ def sample_refused(key_name: str, detail: str) -> str | None:
     return detail + (f" (and {skipped} more refusals of this key not recorded since the last)" if skipped else "")
 
 
+# Rows closed per statement (well under SQLite's and PostgreSQL's parameter limits).
+_CLOSED_PER_QUERY = 500
+
+
 def close_abandoned_requests(sender: object, instances: list[str], reason: str, **kwargs: Any) -> None:
-    """`workers.cluster.recovery.process_abandoned` receiver: a dead process's requests end `failed`."""
-    MessageRequest.objects.filter(gateway_instance__in=instances, status=RequestStatus.IN_PROGRESS).update(
-        status=RequestStatus.FAILED, error_type="api_error", error_message=reason
-    )
+    """`workers.cluster.recovery.process_abandoned` receiver: a dead process's requests end `failed`,
+    and count in their keys' usage, in one transaction (the rows locked while it runs: two sweeps
+    at once count each row once, PostgreSQL's row locks and SQLite's IMMEDIATE transactions alike)."""
+    with transaction.atomic():
+        rows = list(
+            MessageRequest.objects.select_for_update()
+            .filter(gateway_instance__in=instances, status=RequestStatus.IN_PROGRESS)
+            .order_by("pk")
+            .values("pk", *usage.ABANDONED_FIELDS)
+        )
+        if not rows:
+            return
+        for start in range(0, len(rows), _CLOSED_PER_QUERY):
+            MessageRequest.objects.filter(pk__in=[row["pk"] for row in rows[start : start + _CLOSED_PER_QUERY]]).update(
+                status=RequestStatus.FAILED, error_type="api_error", error_message=reason
+            )
+        usage.count_abandoned(rows, "api_error")

@@ -17,17 +17,27 @@ calls can interleave their argument fragments by `index`. So:
   client can still be told before it acts on them.
 
 The gateway enforces `max_tokens` itself (a worker may ignore it, and one that streamed 90 MB for
-`max_tokens: 64` was relayed whole). Each piece of content relayed (a text or thinking delta, a
-tool call's name or argument fragment) counts as at least one token, and a long one as one per
-`CHARS_PER_TOKEN` characters. A piece that arrives once the count has reached `max_tokens` is not
-relayed: `feed` raises `OutputLimitReached` (a `StopRelay`: the run stops reading the worker and
-cancels its request) and `finish` ends the message with stop_reason `max_tokens`. So a worker that
-honours the limit is not cut (its last piece brings the count to the limit at most, unless its
-tokens run longer than CHARS_PER_TOKEN characters, then only its finish and usage follow), and
-what is relayed is bounded twice: in pieces, by `max_tokens`, and in characters, by `max_tokens ×
-CHARS_PER_TOKEN`, plus the one piece that crossed the limit (one event, bounded by
-`WORKER_MAX_SSE_LINE_BYTES`). The count is also the output's size when the worker reports a
-smaller one, or none (`output_tokens`).
+`max_tokens: 64` was relayed whole). It counts what it relays, in tokens:
+
+- each piece of content (a text or thinking delta, a tool call's name or argument fragment)
+  counts one token: a piece carries at least one, so a worker that honours the limit never sends
+  more pieces than `max_tokens`;
+- the characters of long pieces (more than `CHARS_PER_TOKEN`) count too, one token per
+  `CHARS_PER_TOKEN` of them beyond the first `LONG_PIECE_ALLOWANCE`: a flood of few, huge pieces
+  is bounded by its characters. Short pieces (almost every token) are not measured, and one long
+  token (a run of indentation) is not taken for several: only an answer whose long pieces average
+  more than `CHARS_PER_TOKEN` characters per token, past the allowance, counts more tokens than it
+  has;
+- the count is the larger of the two (`relayed_tokens`).
+
+Content is relayed while the count stays within `max_tokens`: the piece that would take it past
+is cut there, within the piece (the prefix that fits, which a long piece always has), and a piece
+arriving once the count has reached the limit is not relayed. Either way `feed` raises
+`OutputLimitReached` (a `StopRelay`: the run stops reading the worker and cancels its request) and
+`finish` ends the message with stop_reason `max_tokens`. So what is relayed is at most
+`max_tokens` pieces and `max_tokens × CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE` characters of long
+ones (plus at most `CHARS_PER_TOKEN` per short piece), and `output_tokens` (the worker's count, or
+this one where it is larger) is never more than `max_tokens`.
 
 This runs once per generated token, so the text path is a handful of dict lookups and one
 event dict; nothing is copied.
@@ -51,7 +61,7 @@ from messages_api.errors import AnthropicError
 from messages_api.framing import text_delta_frame
 from workers import StopRelay
 
-__all__ = ["CHARS_PER_TOKEN", "OutputLimitReached", "StreamReframer"]
+__all__ = ["CHARS_PER_TOKEN", "LONG_PIECE_ALLOWANCE", "OutputLimitReached", "StreamReframer"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +114,21 @@ UNKNOWN_FINISH_REASON = (502, "The worker ended the answer with a finish reason 
 
 BAD_ARGUMENTS = "The worker returned tool call arguments that are not a JSON object"
 
-# Characters of content counted as one token at least: a piece of n characters counts as
-# ceil(n / 16) tokens, so `max_tokens × 16` characters bound what a worker that ignores the limit
-# gets relayed, however few its pieces. Why 16: a token is 3-4 characters of English text on
-# average and rarely more than 16 (long words, runs of indentation), a CJK character is about one
-# token, and an engine that sends several tokens per chunk sends their characters; so a worker
-# that honours max_tokens stays below the bound, with room for a stream of long tokens, while
-# one that floods gets about 16 bytes per token asked (64 KiB for max_tokens 4,096; at most four
-# times that in UTF-8, six in JSON escapes, still linear in max_tokens). A piece of at most 16
-# characters (almost every token) counts 1 without being measured: `text[16:]` is no call.
+# Characters of content per token that a long piece is counted by (see the module): `max_tokens ×
+# 16` characters of long pieces, plus the allowance, bound what a worker that ignores the limit gets
+# relayed, however few its pieces. Why 16: a token is 3-4 characters of English text on average and
+# rarely more than 16 (long words, runs of indentation), a CJK character is about one token, and an
+# engine that sends several tokens per chunk sends their characters; so a worker that honours
+# max_tokens stays below the bound, while one that floods gets about 16 bytes per token asked (64 KiB
+# for max_tokens 4,096; at most four times that in UTF-8, six in JSON escapes, still linear in
+# max_tokens). A piece of at most 16 characters (almost every token) is not measured: `text[16:]`
+# is no call.
 CHARS_PER_TOKEN = 16
+# Characters of long pieces not counted: one token can be long (a run of spaces or of `=` in code),
+# and with max_tokens 1 a single 40-character token would otherwise count 3 and be cut. A token of a
+# byte-level BPE vocabulary is at most a few dozen to ~128 bytes; 256 covers it with room, and costs
+# a flood 256 characters more.
+LONG_PIECE_ALLOWANCE = 256
 # `_stop_at` once the message is over: every piece is then past it.
 _OVER = -1
 
@@ -165,6 +180,9 @@ class StreamReframer:
         "_out",
         "_relayed",
         "_stop_at",
+        "_max_tokens",
+        "_long_chars",
+        "_long_limit",
     )
 
     def __init__(
@@ -201,11 +219,16 @@ class StreamReframer:
         # receives them, so `fail` sends them ahead of the error (and `finish`, ahead of the end,
         # after `OutputLimitReached`).
         self._out: list[dict[str, Any]] | None = None
-        # Tokens relayed, as counted here (see the module), and the count at which the next piece
-        # of content ends the message instead (_OVER once it is over: `text_frame` then takes
-        # nothing, the one comparison standing for both).
+        # Pieces relayed (see the module), and the count at which the next piece of content ends
+        # the message instead: `max_tokens`, or the pieces so far once the characters of long
+        # pieces brought the count to it (_OVER once it is over: `text_frame` then takes nothing,
+        # the one comparison standing for all three).
         self._relayed = 0
         self._stop_at = max_tokens if max_tokens is not None else sys.maxsize
+        self._max_tokens = max_tokens
+        # Characters of long pieces relayed, and how many the count allows (`_measure`).
+        self._long_chars = 0
+        self._long_limit = max_tokens * CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE if max_tokens is not None else sys.maxsize
 
     # -- public ------------------------------------------------------------------------------
 
@@ -237,17 +260,22 @@ class StreamReframer:
 
     @property
     def output_tokens(self) -> int:
-        """The worker's count, or what was relayed (`relayed_tokens`) when that is more: a worker
-        that reports none, or too few, is not taken at its word."""
+        """The worker's count, or what was relayed (`relayed_tokens`) when that is more (a worker
+        that reports none, or too few, is not taken at its word); never more than `max_tokens` (a
+        worker that ignored it generated more than was relayed)."""
         usage = self._usage
         reported: int = (usage.get("completion_tokens") or 0) if usage is not None else 0
-        return reported if reported > self._relayed else self._relayed
+        relayed = self.relayed_tokens
+        counted = reported if reported > relayed else relayed
+        limit = self._max_tokens
+        return counted if limit is None or counted <= limit else limit
 
     @property
     def relayed_tokens(self) -> int:
-        """The content relayed, in tokens as counted here: one per piece at least, one per
-        CHARS_PER_TOKEN characters of a long one."""
-        return self._relayed
+        """The content relayed, in tokens as counted here (see the module): one per piece, or the
+        characters of long pieces past the allowance, one per CHARS_PER_TOKEN, when they say more."""
+        by_chars = -(-(self._long_chars - LONG_PIECE_ALLOWANCE) // CHARS_PER_TOKEN)
+        return by_chars if by_chars > self._relayed else self._relayed
 
     @property
     def cache_read_input_tokens(self) -> int:
@@ -274,14 +302,20 @@ class StreamReframer:
                     # Counted inline, here and below: this is a reasoning model's per-token path.
                     if self._relayed >= self._stop_at:
                         self._limit_reached()
-                    self._relayed += -(-len(reasoning) // CHARS_PER_TOKEN) if reasoning[CHARS_PER_TOKEN:] else 1
-                    self._content_delta(THINKING, {"type": "thinking_delta", "thinking": reasoning}, out)
+                    self._relayed += 1
+                    if reasoning[CHARS_PER_TOKEN:]:
+                        self._long_delta(THINKING, reasoning, out)
+                    else:
+                        self._content_delta(THINKING, {"type": "thinking_delta", "thinking": reasoning}, out)
                 text = delta.get("content")
                 if text:
                     if self._relayed >= self._stop_at:
                         self._limit_reached()
-                    self._relayed += -(-len(text) // CHARS_PER_TOKEN) if text[CHARS_PER_TOKEN:] else 1
-                    self._content_delta(TEXT, {"type": "text_delta", "text": text}, out)
+                    self._relayed += 1
+                    if text[CHARS_PER_TOKEN:]:
+                        self._long_delta(TEXT, text, out)
+                    else:
+                        self._content_delta(TEXT, {"type": "text_delta", "text": text}, out)
                 tool_calls = delta.get("tool_calls")
                 if tool_calls:
                     self._tool_calls(tool_calls, out)
@@ -414,14 +448,50 @@ class StreamReframer:
             matched = choice.get("matched_stop")
         self._matched_stop = matched
 
+    def _long_delta(self, block_type: str, piece: str, out: list[dict[str, Any]]) -> None:
+        """A thinking or text piece longer than CHARS_PER_TOKEN (already counted as a piece): its
+        characters counted, and its delta, cut where the count reaches max_tokens (which then ends
+        the message)."""
+        # `_measure`, inlined: this is the path of every chunk of an engine that sends several
+        # tokens at once.
+        long_chars = self._long_chars + len(piece)
+        room = self._long_limit - long_chars
+        if room < CHARS_PER_TOKEN:
+            self._long_delta_at_the_limit(block_type, piece, out)
+            return
+        self._long_chars = long_chars
+        delta = {"type": "thinking_delta", "thinking": piece} if block_type == THINKING else {"type": "text_delta", "text": piece}
+        self._content_delta(block_type, delta, out)
+
+    def _long_delta_at_the_limit(self, block_type: str, piece: str, out: list[dict[str, Any]]) -> None:
+        """`_long_delta` of a piece that brings the count to max_tokens, or would take it past."""
+        fits = self._measure(piece)
+        delta = {"type": "thinking_delta", "thinking": fits} if block_type == THINKING else {"type": "text_delta", "text": fits}
+        self._content_delta(block_type, delta, out)
+        if fits is not piece:
+            self._limit_reached()
+
+    def _measure(self, piece: str) -> str:
+        """Count a long piece's characters (see the module); what of it may be relayed: the whole
+        piece, or (a new string) the prefix that brings the count to max_tokens. Once the count is
+        at max_tokens, the next piece ends the message."""
+        room = self._long_limit - self._long_chars
+        if len(piece) > room:
+            # At least CHARS_PER_TOKEN characters: below that the count was at the limit already.
+            piece = piece[:room]
+        self._long_chars += len(piece)
+        if self._long_limit - self._long_chars < CHARS_PER_TOKEN:  # one more character counts max_tokens + 1
+            self._stop_at = self._relayed
+        return piece
+
     def _limit_reached(self) -> NoReturn:
         """A piece of content past `max_tokens`: it is not relayed, and the message ends here, as
         an answer cut by max_tokens is (`finish`: stop_reason max_tokens, a tool call's arguments
         left as they are). The events of the current `feed` stay in `_out` for `finish`."""
         logger.warning(
-            "the worker sent more than max_tokens=%d: the answer ends there (%d tokens relayed, as counted)",
-            self._stop_at,
-            self._relayed,
+            "the worker sent more than max_tokens=%s: the answer ends there (%d tokens relayed, as counted)",
+            self._max_tokens,
+            self.relayed_tokens,
         )
         self._finish_reason = "length"
         self._matched_stop = None
@@ -483,10 +553,15 @@ class StreamReframer:
             function = tool_call.get("function")
             arguments = function.get("arguments") if function else None
             # A call's name or an argument fragment is content (a flood of new calls too).
+            cut = False
             if arguments or (function and function.get("name")):
                 if self._relayed >= self._stop_at:
                     self._limit_reached()
-                self._relayed += -(-len(arguments) // CHARS_PER_TOKEN) if arguments and arguments[CHARS_PER_TOKEN:] else 1
+                self._relayed += 1
+                if arguments and arguments[CHARS_PER_TOKEN:]:
+                    fits = self._measure(arguments)
+                    cut = fits is not arguments
+                    arguments = fits
             call = self._call_for(tool_call)
             if (
                 call is not self._open_call
@@ -510,6 +585,8 @@ class StreamReframer:
             elif call.started and arguments.strip():
                 # Its block is closed, and a closed call's arguments were a whole JSON object.
                 raise AnthropicError(500, BAD_ARGUMENTS, "api_error")
+            if cut:  # the fragment took the count to max_tokens: nothing after it
+                self._limit_reached()
 
     def _call_for(self, tool_call: dict[str, Any]) -> _ToolCall:
         function = tool_call.get("function") or {}

@@ -1,11 +1,25 @@
 """Usage per API key and UTC hour: requests, tokens, errors by type, time queued.
 
 Every request that ends with a key (`AuditRecord.end`) is added to this process's tally of its
-key and hour: a dict lookup and a few additions on the event loop, no query. A thread of the
-recorder's own adds the tallies to the database every `USAGE_FLUSH_INTERVAL_S`, at exit, and on
-`flush()`: one `INSERT … ON CONFLICT (api_key_id, hour) DO UPDATE SET requests = requests +
-excluded.requests, …` for all of them, on SQLite and PostgreSQL alike. Increments, not values: any
-number of gateway processes add to the same rows and the sums come out right.
+key and hour: a dict lookup and a few additions, no query. The tallies are added to the database as
+increments, not values: one `INSERT … ON CONFLICT (api_key_id, hour) DO UPDATE SET requests =
+requests + excluded.requests, …` for all of them, on SQLite and PostgreSQL alike, so any number of
+gateway processes add to the same rows and the sums come out right.
+
+A request's usage is counted in the transaction that makes its audit row terminal, so that after
+any crash the usage per key and hour is the sum over the terminal audit rows:
+
+- the process's recorder is the row writer's companion for audit rows (workers' `RowWriter.
+  accompany`): `AuditRecord.end` hands the record over with its terminal row, under the writer's
+  lock, and the writer adds the tallies taken with a batch in the transaction that writes the
+  batch's rows. A SIGKILL loses both, or neither (before, the tallies went every 5 s on a thread
+  of their own, and a kill lost up to 5 s of them while their rows were kept);
+- the recovery sweep, closing a dead process's rows that were still in progress as failed, counts
+  them in the same transaction (`count_abandoned`).
+
+A request refused without a row (a sampled-out refusal: `end(persist=False)`) is tallied alone and
+goes with the next batch. A batch the writer cannot write (its rows are lost) gives its tallies
+back for the next one: usage is never lost to a database hiccup.
 
 Errors by type are a JSON object per row, which neither database can add to in that statement
 portably: for the rows that have errors, the same transaction then reads the row and writes it back
@@ -16,15 +30,13 @@ order, so two processes never wait on each other's rows in opposite orders.
 The hour is the one the request was received in, as the audit row's `received_at`. A request is
 counted under its key's id (the audit record's `api_key_id`, set when the key was authenticated),
 so renaming a key changes nothing; one known only by name (`add` with a name) is found by name
-when the tallies are written. A key deleted in between (or renamed, for a name) loses that interval's tally,
-logged. A write that fails keeps the tallies for the next one; a process killed loses at most one
-interval of its own tallies.
+when the tallies are written. A key deleted in between (or renamed, for a name) loses that tally,
+logged.
 
-Why a thread of its own, not the row writer or a `DatabaseThread` task: the row writer writes rows'
-latest states, not increments, and a periodic task would need an event loop while tallies also come
-from management commands and tests. Every `USAGE_FLUSH_INTERVAL_S` (5 s), when there was traffic,
-it makes one lookup of the keys (that the ids still exist; the ids of names), one batched upsert,
-and a read and a write per row with errors.
+Per batch with keyed requests in it (at most one per `AUDIT_FLUSH_INTERVAL_S`), one lookup of the
+keys (that the ids still exist; the ids of names), one batched upsert, and a read and a write per
+row with errors. A `UsageRecorder` of its own (tests, tools) writes on `flush()`, or from a thread
+every `flush_interval`.
 """
 
 from __future__ import annotations
@@ -36,11 +48,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 from django.db.models import Field
 
-from messages_api.models import ApiKey, KeyUsage
+from messages_api.models import ApiKey, KeyUsage, MessageRequest
+from disagg_project import get_writer
 
 if TYPE_CHECKING:
     from messages_api.audit import AuditRecord
@@ -87,8 +99,11 @@ def hour_start(hour: int) -> datetime:
 
 
 class UsageRecorder:
-    def __init__(self, flush_interval: float) -> None:
-        self.flush_interval = flush_interval
+    """Tallies per (key, hour), written by `flush()`, by a thread of its own every `flush_interval`
+    (0: none), or with the audit rows when `with_rows` (see the module)."""
+
+    def __init__(self, flush_interval: float, *, with_rows: bool = False) -> None:
+        self.flush_interval = 0.0 if with_rows else flush_interval
         self._pending: dict[TallyKey, Tally] = {}
         self._lock = threading.Lock()  # the pending tallies
         self._write_lock = threading.Lock()  # one write at a time (the thread's, or a flush's)
@@ -97,6 +112,9 @@ class UsageRecorder:
         self.writes = 0
         self.write_errors = 0
         self.dropped_keys = 0
+        self._with_rows = with_rows
+        if with_rows:
+            get_writer().accompany(MessageRequest, self)
 
     def add(
         self,
@@ -125,8 +143,16 @@ class UsageRecorder:
                 tally.errors[error_type] = tally.errors.get(error_type, 0) + 1
 
     def note(self, record: AuditRecord) -> None:
+        """Count an ended request that has no row (written with the next batch of rows, when the
+        recorder goes with them)."""
+        self.keep(record)
+        if self._with_rows:
+            get_writer().nudge()
+
+    def keep(self, record: AuditRecord) -> None:
         """Count an ended request (its key, hour, tokens, error type, time queued): `add`, inlined
-        (this runs on the event loop for every request)."""
+        (this runs on the event loop for every request). The row writer calls it with the record's
+        terminal row (`Companion.keep`)."""
         key = (record.api_key_id or record.api_key_name, int(record.received_at.timestamp()) // HOUR_S)
         with self._lock:
             tally = self._pending.get(key)
@@ -149,6 +175,33 @@ class UsageRecorder:
             return {key: Tally(t.requests, t.input_tokens, t.output_tokens, t.cache_read_tokens, t.queued_ms_total, dict(t.errors))
                     for key, t in self._pending.items()}  # fmt: skip
 
+    # -- the row writer's companion (disagg_project.writer.Companion) --------------------------
+
+    def take(self) -> dict[TallyKey, Tally] | None:
+        """The tallies so far, for the writer's batch."""
+        with self._lock:
+            batch, self._pending = self._pending, {}
+        return batch or None
+
+    def write(self, taken: dict[TallyKey, Tally]) -> None:
+        """Add `taken` to the database, in the transaction of the batch's rows."""
+        self._write(taken)
+        self.writes += 1
+
+    def give_back(self, taken: dict[TallyKey, Tally]) -> None:
+        self.write_errors += 1
+        logger.error("usage: %d hourly tallies not written with their batch; kept for the next", len(taken))
+        self._merge_back(taken)
+
+    def _merge_back(self, batch: dict[TallyKey, Tally]) -> None:
+        with self._lock:
+            for key, tally in batch.items():
+                mine = self._pending.get(key)
+                if mine is None:
+                    self._pending[key] = tally
+                else:
+                    mine.add(tally)
+
     def flush(self) -> bool:
         """Write the tallies now, on the calling thread (tests, shutdown); whether it succeeded."""
         with self._write_lock:
@@ -162,13 +215,7 @@ class UsageRecorder:
                 self.write_errors += 1
                 logger.exception("usage: %d hourly tallies not written; kept for the next write", len(batch))
                 connection.close()
-                with self._lock:
-                    for key, tally in batch.items():
-                        mine = self._pending.get(key)
-                        if mine is None:
-                            self._pending[key] = tally
-                        else:
-                            mine.add(tally)
+                self._merge_back(batch)
                 return False
             finally:
                 if connection.vendor != "sqlite":
@@ -218,6 +265,33 @@ class UsageRecorder:
             for key_id, hour, tally in rows:
                 if tally.errors:
                     _merge_errors(key_id, hour_start(hour), tally.errors)
+
+
+def count_abandoned(rows: list[dict[str, Any]], error_type: str) -> None:
+    """Add to the usage the audit rows the recovery sweep is closing (each `MessageRequest.values()`
+    with the fields of `ABANDONED_FIELDS`), failed with `error_type`; inside the transaction that
+    closes them."""
+    recorder = UsageRecorder(0)
+    for row in rows:
+        key = row["api_key_id"] or row["api_key_name"]
+        if not key:
+            continue
+        recorder.add(
+            key, hour_of(row["received_at"]),
+            input_tokens=(row["input_tokens"] or 0) + (row["cache_creation_input_tokens"] or 0),
+            output_tokens=row["output_tokens"] or 0, cache_read_tokens=row["cache_read_input_tokens"] or 0,
+            queued_ms=row["queued_ms"] or 0.0, error_type=error_type,
+        )  # fmt: skip
+    batch = recorder.take()
+    if batch is not None:
+        recorder._write(batch)
+
+
+# The audit row's fields `count_abandoned` reads.
+ABANDONED_FIELDS = (
+    "api_key_id", "api_key_name", "received_at", "input_tokens", "cache_creation_input_tokens", "output_tokens",
+    "cache_read_input_tokens", "queued_ms",
+)  # fmt: skip
 
 
 def _key_ids(names: set[str]) -> dict[str, int]:
@@ -284,11 +358,14 @@ def get_recorder() -> UsageRecorder:
     if _recorder is None:
         with _recorder_lock:
             if _recorder is None:
-                _recorder = UsageRecorder(settings.USAGE_FLUSH_INTERVAL_S)
+                _recorder = UsageRecorder(0, with_rows=True)
                 atexit.register(_recorder.close)
     return _recorder
 
 
 def note(record: AuditRecord) -> None:
-    """Count an ended request of an API key (`AuditRecord.end`)."""
+    """Count an ended request of an API key that leaves no audit row (`AuditRecord.end`); one
+    with a row is handed to the row writer with it, for the process's recorder, which the app
+    attaches to the writer when it starts (apps.py)."""
     (_recorder or get_recorder()).note(record)
+

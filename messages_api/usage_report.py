@@ -178,7 +178,7 @@ class KeyUsagePages(admin.ModelAdmin[ApiKey]):
             "opts": self.opts,
             "original": api_key,
             "sections": [section(api_key, period, buckets(api_key.pk, period, now)) for period in (HOURS, DAYS)],
-            "flush_interval": settings.USAGE_FLUSH_INTERVAL_S,
+            "flush_interval": settings.AUDIT_FLUSH_INTERVAL_S,
             "now": now,
         }
         return TemplateResponse(request, "admin/messages_api/apikey/usage.html", context)

@@ -44,6 +44,8 @@ def check_pool_protocols(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
 RETIRED_SETTINGS = {
     "REDIS_MAX_CONNECTIONS": "the shared state now talks to Redis over one pipelined connection per "
     "event loop (disagg_project/redis_pipe.py); REDIS_MAX_IN_FLIGHT bounds the scripts in flight on it",
+    "USAGE_FLUSH_INTERVAL_S": "usage per key and hour is written with the audit rows, in their transaction "
+    "(AUDIT_FLUSH_INTERVAL_S), so that a crash cannot lose it while keeping the rows",
 }
 
 

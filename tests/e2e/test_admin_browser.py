@@ -173,7 +173,7 @@ def test_key_usage_page_in_a_browser(
     from messages_api.models import ApiKey, KeyUsage
     from tests.support.cluster import wait_until
 
-    gateway = gateways(USAGE_FLUSH_INTERVAL_S="0.2")
+    gateway = gateways()
     cluster = register_cluster(context_worker, generation_worker)
     wait_registered(gateway, cluster)
     api_key = ApiKey.objects.get(key_hash=hash_key(cluster.key))

@@ -1,9 +1,9 @@
 """The gateway enforces `max_tokens` itself, against a generation worker that ignores it: a
-scripted worker that floods its stream with content (many small tokens, or a few huge chunks)
-until the gateway hangs up. Streamed and non-streamed, the answer stops at the limit and ends
-normally with stop_reason `max_tokens`, its output_tokens counted from what was relayed (the
-worker reports none); the worker's connection is closed, and the gateway's memory does not grow
-with the flood.
+scripted worker that floods its stream with content (many small tokens, or fewer large or huge
+chunks) until the gateway hangs up. Streamed and non-streamed, the answer stops at the limit, the
+chunk that crosses it cut within itself, and ends normally with stop_reason `max_tokens`; its
+output_tokens, counted from what was relayed (the worker reports none), are `max_tokens`, never
+more. The worker's connection is closed, and the gateway's memory does not grow with the flood.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from messages_api.reframe import CHARS_PER_TOKEN  # a piece counts a token per 16 characters at least
+from messages_api.reframe import CHARS_PER_TOKEN, LONG_PIECE_ALLOWANCE
 from tests.support.cluster import Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
 from tests.support.fakeworker import HEALTH_ANSWER, chunk
 from tests.support.gateway import Gateway
@@ -111,15 +111,28 @@ def register(gateway: Gateway, context: SimWorker, generation: FloodingWorker) -
     return cluster
 
 
-def payload(chars: int, total: int, *, stream: bool) -> dict[str, Any]:
+def payload(chars: int, total: int, *, stream: bool, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     prompt = f"go [flood chars={chars} bytes={total}]"
-    return {"model": MODEL, "max_tokens": MAX_TOKENS, "stream": stream, "messages": [{"role": "user", "content": prompt}]}
+    return {"model": MODEL, "max_tokens": max_tokens, "stream": stream, "messages": [{"role": "user", "content": prompt}]}
 
 
-def streamed(gateway: Gateway, cluster: Cluster, chars: int, total: int) -> tuple[str, dict[str, Any], str]:
+def flood_text(chars: int) -> str:
+    """The content of one of the flooding worker's chunks of `chars` characters."""
+    return ("tok " * chars)[:chars]
+
+
+def cut_text(chars: int, max_tokens: int) -> str:
+    """What the gateway relays of a flood of `chars`-character chunks (reframe.py's count): past 16
+    characters a chunk is measured, and the text stops where its characters beyond the allowance
+    reach max_tokens × 16, within the chunk that gets there."""
+    allowed = max_tokens * CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE
+    return (flood_text(chars) * (allowed // chars + 1))[:allowed]
+
+
+def streamed(gateway: Gateway, cluster: Cluster, chars: int, total: int, max_tokens: int = MAX_TOKENS) -> tuple[str, dict[str, Any], str]:
     """The streamed answer's text, its message_delta and its request id, after checking that it
     ended normally: one text block, opened and closed, then message_delta and message_stop."""
-    s = RawStream.post_json(gateway.url + "/v1/messages", payload(chars, total, stream=True), cluster.headers())
+    s = RawStream.post_json(gateway.url + "/v1/messages", payload(chars, total, stream=True, max_tokens=max_tokens), cluster.headers())
     frames = [f for f in s.read_all(timeout=60) if f.event != "ping"]
     assert s.status == 200 and s.ended
     events = [f.event for f in frames]
@@ -129,9 +142,11 @@ def streamed(gateway: Gateway, cluster: Cluster, chars: int, total: int) -> tupl
     return text, frames[-2].data, s.response_headers["request-id"]
 
 
-def non_streamed(gateway: Gateway, cluster: Cluster, chars: int, total: int) -> tuple[dict[str, Any], str]:
+def non_streamed(gateway: Gateway, cluster: Cluster, chars: int, total: int, max_tokens: int = MAX_TOKENS) -> tuple[dict[str, Any], str]:
     """The non-streamed answer and its request id."""
-    response = httpx.post(gateway.url + "/v1/messages", json=payload(chars, total, stream=False), headers=cluster.headers(), timeout=60)
+    response = httpx.post(
+        gateway.url + "/v1/messages", json=payload(chars, total, stream=False, max_tokens=max_tokens), headers=cluster.headers(), timeout=60
+    )
     assert response.status_code == 200, response.text[:500]
     return response.json(), response.headers["request-id"]
 
@@ -170,6 +185,36 @@ def test_a_non_streamed_flood_of_tokens_stops_at_max_tokens(gateway: Gateway, co
     assert_completed_row(request_id, MAX_TOKENS)
 
 
+# --- larger chunks: the one that crosses the limit is cut within itself --------------------------
+
+
+@pytest.mark.parametrize("max_tokens", [1, 64, 1000])
+def test_a_flood_of_larger_chunks_is_cut_at_the_token(
+    gateway: Gateway, context_worker: SimWorker, flooding_worker: FloodingWorker, max_tokens: int
+) -> None:
+    # The probe's worker: 1000-character chunks. Cut at the end of the chunk, the answers counted
+    # 63, 126 and 1008 output tokens for max_tokens 1, 64 and 1000.
+    cluster = register(gateway, context_worker, flooding_worker)
+    # A flood far larger than the loopback socket buffers: a 4 MB one could be written whole
+    # before a loaded gateway's cut, and then no hang-up is seen (it failed that way beside a
+    # busy machine). The gateway hangs up after a few frames, so the size costs nothing.
+    chars, total = 1000, 64_000_000
+    expected = cut_text(chars, max_tokens)
+
+    text, delta, request_id = streamed(gateway, cluster, chars, total, max_tokens)
+    assert len(text) == len(expected) and text == expected
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == max_tokens
+    flooding_worker.wait_for_hang_up(1)
+    assert_completed_row(request_id, max_tokens)
+
+    message, request_id = non_streamed(gateway, cluster, chars, total, max_tokens)
+    assert message["content"] == [{"type": "text", "text": expected}]
+    assert message["stop_reason"] == "max_tokens" and message["usage"]["output_tokens"] == max_tokens
+    flooding_worker.wait_for_hang_up(2)
+    assert_completed_row(request_id, max_tokens)
+
+
 # --- a few huge chunks: the byte bound, and the gateway's memory ---------------------------------
 
 
@@ -200,18 +245,17 @@ def test_a_flood_of_huge_chunks_stops_at_the_byte_bound_and_memory_stays_flat(
     rss_before, peak_before = status_kib(pid, "VmRSS"), status_kib(pid, "VmHWM")
 
     message, _ = non_streamed(gateway, cluster, huge, total)
-    # The chunk that crossed the limit is relayed whole (one event is bounded by
-    # WORKER_MAX_SSE_LINE_BYTES); nothing after it.
-    assert message["content"] == [{"type": "text", "text": ("tok " * huge)[:huge]}]
+    # The first chunk crosses the limit: cut within itself where the count reaches it; nothing after.
+    assert message["content"] == [{"type": "text", "text": cut_text(huge, MAX_TOKENS)}]
     assert message["stop_reason"] == "max_tokens"
-    assert message["usage"]["output_tokens"] == huge // CHARS_PER_TOKEN
+    assert message["usage"]["output_tokens"] == MAX_TOKENS
     flooding_worker.wait_for_hang_up(1)
 
     text, delta, request_id = streamed(gateway, cluster, huge, total)
-    assert text == ("tok " * huge)[:huge]
-    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == huge // CHARS_PER_TOKEN
+    assert text == cut_text(huge, MAX_TOKENS)
+    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == MAX_TOKENS
     flooding_worker.wait_for_hang_up(2)
-    assert_completed_row(request_id, huge // CHARS_PER_TOKEN)
+    assert_completed_row(request_id, MAX_TOKENS)
     # Each flood was cut long before its end (the kernel's socket buffers take a few MB meanwhile).
     assert all(sent < total // 4 for sent in flooding_worker.sent[-2:]), flooding_worker.sent
 

@@ -89,7 +89,7 @@ def test_a_keys_refusals_are_all_counted_but_only_sampled_into_the_audit(
 ) -> None:
     from messages_api.models import KeyUsage, MessageRequest
 
-    gateway = gateways(AUDIT_REFUSED_SAMPLE_PER_S="2", USAGE_FLUSH_INTERVAL_S="0.2")
+    gateway = gateways(AUDIT_REFUSED_SAMPLE_PER_S="2")
     cluster = make_cluster(gateway)
     limit_key(cluster, requests_per_minute=1)
     assert post(gateway, cluster, "hello [sim tokens=2]").status_code == 200

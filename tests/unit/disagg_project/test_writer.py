@@ -170,3 +170,77 @@ def test_a_stopped_writer_gives_its_connection_back(transactional_db: Any) -> No
     writer.close()
     assert writer._thread is not None and not writer._thread.is_alive()
     assert checked_out() == before
+
+
+# --- what goes along with the rows, in their transaction -----------------------------------------
+
+
+class Notes:
+    """A companion that writes each kept item as a reservation row of its own (so that what it
+    wrote can be read back), failing its first `failures` writes."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.kept: list[str] = []
+        self.failures = failures
+        self.given_back: list[list[str]] = []
+
+    def keep(self, item: Any) -> None:
+        self.kept.append(item)
+
+    def take(self) -> Any:
+        taken, self.kept = self.kept, []
+        return taken or None
+
+    def write(self, taken: Any) -> None:
+        for item in taken:
+            Reservation.objects.create(**reservation_row(item))
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the companion's write failed")
+
+    def give_back(self, taken: Any) -> None:
+        self.given_back.append(taken)
+
+
+def test_what_goes_along_with_a_row_is_written_in_its_transaction(transactional_db: Any) -> None:
+    writer = RowWriter(30.0)
+    notes = Notes(failures=1)
+    writer.accompany(MessageRequest, notes)
+    try:
+        writer.upsert(MessageRequest, "request_id", AUDIT_ROW, along="note_1")
+        writer.upsert(MessageRequest, "request_id", {**AUDIT_ROW, "request_id": "req_no_note"})
+        assert writer.flush(timeout=10.0)
+        # The first attempt failed in the companion's write: rows and notes were rolled back
+        # together, then written together once.
+        assert writer.write_errors == 1 and writer.batches_written == 1
+        assert MessageRequest.objects.filter(request_id__in=["req_prepared", "req_no_note"]).count() == 2
+        assert list(Reservation.objects.filter(reservation_id__startswith="note_").values_list("reservation_id", flat=True)) == ["note_1"]
+    finally:
+        writer.close()
+
+
+def test_what_is_kept_without_a_row_goes_with_the_next_batch(transactional_db: Any) -> None:
+    writer = RowWriter(30.0)
+    notes = Notes()
+    writer.accompany(MessageRequest, notes)
+    try:
+        notes.keep("note_alone")
+        writer.nudge()
+        assert writer.flush(timeout=10.0)  # a flush waits for it, rows or not
+        assert Reservation.objects.filter(reservation_id="note_alone").exists()
+    finally:
+        writer.close()
+
+
+def test_a_batch_that_cannot_be_written_gives_back_what_went_along(transactional_db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # the retries' pauses
+    writer = RowWriter(30.0)
+    notes = Notes(failures=3)
+    writer.accompany(MessageRequest, notes)
+    try:
+        writer.upsert(MessageRequest, "request_id", AUDIT_ROW, along="note_lost")
+        assert writer.flush(timeout=10.0)
+        assert writer.write_errors == 3 and not MessageRequest.objects.filter(request_id="req_prepared").exists()
+        assert notes.given_back == [["note_lost"]] and not Reservation.objects.filter(reservation_id="note_lost").exists()
+    finally:
+        writer.close()

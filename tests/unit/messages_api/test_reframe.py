@@ -19,7 +19,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 
 from messages_api.accumulate import accumulate_message
 from messages_api.errors import AnthropicError
-from messages_api.reframe import CHARS_PER_TOKEN, OutputLimitReached, StreamReframer
+from messages_api.reframe import CHARS_PER_TOKEN, LONG_PIECE_ALLOWANCE, OutputLimitReached, StreamReframer
 from messages_api.framing import PING_FRAME, encode_event
 from tests.support.sdk import sdk_client, sdk_message
 from workers.schedule.pipeline import completion_as_chunks
@@ -917,26 +917,27 @@ def feed_until_the_limit(r: StreamReframer, chunks: Iterable[dict[str, Any]]) ->
     return events, fed
 
 
-def test_each_piece_counts_a_token_and_a_long_one_one_per_16_characters() -> None:
+def test_each_piece_counts_a_token_and_long_pieces_their_characters_past_the_allowance() -> None:
     r = reframer()
     pieces = [
-        (chunk(reasoning="y" * 40), 3),  # ceil(40 / 16)
-        (chunk("a"), 1),
-        (chunk("x" * CHARS_PER_TOKEN), 1),
-        (chunk("x" * (CHARS_PER_TOKEN + 1)), 2),
-        (chunk(tool_calls=[call(0, "", id="call_1", name="f")]), 1),  # a call's name
-        (chunk(tool_calls=[call(0, '{"q": "' + "z" * 30 + '"}')]), 3),  # 38 characters
-        (chunk(tool_calls=[call(0, "")]), 0),  # nothing
-        (chunk(""), 0),
-        (chunk(finish="tool_calls"), 0),
+        (chunk(reasoning="y" * 40), 1),  # one long token: not taken for several
+        (chunk("a"), 2),
+        (chunk("x" * CHARS_PER_TOKEN), 3),
+        (chunk("x" * (CHARS_PER_TOKEN + 1)), 4),
+        (chunk(tool_calls=[call(0, "", id="call_1", name="f")]), 5),  # a call's name
+        (chunk(tool_calls=[call(0, '{"q": "' + "z" * 30 + '"}')]), 6),  # 38 characters
+        (chunk(tool_calls=[call(0, "")]), 6),  # nothing
+        (chunk(""), 6),
+        # 40 + 17 + 38 + 400 characters of long pieces: past the allowance, 239 of them count.
+        (chunk("w" * 400), -(-(40 + 17 + 38 + 400 - LONG_PIECE_ALLOWANCE) // CHARS_PER_TOKEN)),
+        (chunk("b"), 15),  # a piece more, under the characters' count
+        (chunk(finish="stop"), 15),
     ]
-    expected = 0
-    for c, tokens in pieces:
+    for c, expected in pieces:
         r.feed(c)
-        expected += tokens
-        assert r.relayed_tokens == expected
-    assert r.output_tokens == expected == 11  # the worker reported none
-    assert r.finish()[-2]["usage"]["output_tokens"] == 11
+        assert r.relayed_tokens == expected, c
+    assert r.output_tokens == 15  # the worker reported none
+    assert r.finish()[-2]["usage"]["output_tokens"] == 15
 
 
 def test_the_workers_count_wins_when_it_is_larger() -> None:
@@ -948,6 +949,16 @@ def test_the_workers_count_wins_when_it_is_larger() -> None:
     for text in ("a", "b", "c"):
         r.feed(chunk(text, usage=usage(10, 1)))  # too few for what came: not taken at its word
     assert (r.relayed_tokens, r.output_tokens) == (3, 3)
+
+
+def test_output_tokens_never_exceed_max_tokens_whatever_the_worker_reports() -> None:
+    # A worker that ignored max_tokens but whose text fit the count (few, dense chunks).
+    r = reframer(max_tokens=4)
+    for text in ("one two three ", "four five six "):
+        r.feed(chunk(text, usage=usage(10, 40)))
+    events = r.feed(chunk(finish="stop", usage=usage(10, 40))) + r.finish()
+    assert r.relayed_tokens == 2 and r.output_tokens == 4
+    assert events[-2]["usage"]["output_tokens"] == 4
 
 
 def test_a_worker_that_honours_max_tokens_is_not_cut() -> None:
@@ -994,15 +1005,96 @@ def test_the_events_of_the_chunk_the_limit_cut_come_before_the_end() -> None:
     assert [block["type"] for block in message["content"]] == ["text", "thinking"] and message["stop_reason"] == "max_tokens"
 
 
-def test_a_few_huge_pieces_are_bounded_by_their_characters() -> None:
-    # One piece may cross the limit (one event is bounded by WORKER_MAX_SSE_LINE_BYTES); the
-    # next is not relayed, however few came.
-    huge = "x" * 100_000
-    r = reframer(max_tokens=64)
-    events, fed = feed_until_the_limit(r, [chunk("a"), chunk(huge), chunk(huge), chunk(huge)])
+@pytest.mark.parametrize("max_tokens", [1, 64, 1000])
+@pytest.mark.parametrize("frame", [1000, 100_000])
+def test_a_frame_past_the_limit_is_cut_within_itself(max_tokens: int, frame: int) -> None:
+    # The probe's worker: frames of `frame` characters, whatever max_tokens says. Before, the frame
+    # that crossed the limit went whole: 1 → 63, 64 → 126, 1000 → 1008 tokens with 1000 characters.
+    piece = ("tok " * frame)[:frame]
+    r = reframer(max_tokens=max_tokens)
+    events, fed = feed_until_the_limit(r, [chunk("a")] + [chunk(piece)] * 200)
+    text = final_message(events)["content"][0]["text"]
+    allowed = max_tokens * CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE
+    if max_tokens == 1:
+        assert fed == 1 and text == "a"  # the limit reached by the first piece: nothing more
+    else:
+        assert text == "a" + (piece * 200)[:allowed]  # the last frame cut where the count reaches the limit
+        assert fed == allowed // frame + 1
+    assert r.relayed_tokens == r.output_tokens == max_tokens
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens" and events[-2]["usage"]["output_tokens"] == max_tokens
+
+
+def test_a_first_frame_past_the_limit_is_cut_to_what_one_token_allows() -> None:
+    huge = "x" * 8_000_000
+    r = reframer(max_tokens=1)
+    events, fed = feed_until_the_limit(r, [chunk(huge), chunk("more")])
+    assert fed == 0
+    assert final_message(events)["content"] == [{"type": "text", "text": huge[: CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE]}]
+    assert r.output_tokens == 1 and events[-2]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_a_thinking_frame_past_the_limit_is_cut_too() -> None:
+    r = reframer(max_tokens=2)
+    events, fed = feed_until_the_limit(r, [chunk(reasoning="r" * 10_000), chunk("answer")])
+    assert fed == 0
+    message = final_message(events)
+    assert message["content"][0]["thinking"] == "r" * (2 * CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE)
+    assert len(message["content"]) == 1 and message["stop_reason"] == "max_tokens" and r.output_tokens == 2
+
+
+def test_a_frame_that_fills_the_count_exactly_is_relayed_and_the_next_piece_is_not() -> None:
+    allowed = 3 * CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE
+    r = reframer(max_tokens=3)
+    events, fed = feed_until_the_limit(r, [chunk("x" * allowed), chunk("y")])
+    assert fed == 1
+    assert final_message(events)["content"] == [{"type": "text", "text": "x" * allowed}]
+    assert r.output_tokens == 3 and r.text_frame(chunk("z")) is None
+
+
+def test_a_correct_worker_with_long_tokens_is_not_cut() -> None:
+    # One token of 40 spaces is all max_tokens 1 allows: it is one token, not three.
+    events, fed = feed_until_the_limit(reframer(max_tokens=1), [chunk(" " * 40, finish="length"), usage_chunk(5, 1)])
     assert fed == 2
-    assert final_message(events)["content"] == [{"type": "text", "text": "a" + huge}]
-    assert r.output_tokens == 1 + 100_000 // CHARS_PER_TOKEN
+    message = final_message(events)
+    assert message["content"] == [{"type": "text", "text": " " * 40}] and message["usage"]["output_tokens"] == 1
+    # Code: indentation runs of 64 characters between short tokens, max_tokens of them exactly.
+    tokens = ["\n" + " " * 63 if i % 4 == 0 else "x = 1" for i in range(40)]
+    chunks = [chunk(t) for t in tokens[:-1]] + [chunk(tokens[-1], finish="length"), usage_chunk(5, 40)]
+    events, fed = feed_until_the_limit(reframer(max_tokens=40), chunks)
+    assert fed == len(chunks)
+    assert final_message(events)["content"] == [{"type": "text", "text": "".join(tokens)}]
+    assert events[-2]["usage"]["output_tokens"] == 40
+
+
+def test_a_correct_engine_sending_several_tokens_per_chunk_is_not_cut() -> None:
+    # vLLM merges the outputs a busy client has not taken yet: chunks of a few tokens each.
+    words = [f" word{i % 10}" for i in range(256)]  # 6 characters a token
+    chunks = [chunk("".join(words[i : i + 8])) for i in range(0, 256, 8)] + [chunk(finish="length", usage=usage(9, 256))]
+    r = reframer(max_tokens=256)
+    events, fed = feed_until_the_limit(r, chunks)
+    assert fed == len(chunks) and r.output_tokens == 256
+    assert final_message(events)["content"] == [{"type": "text", "text": "".join(words)}]
+
+
+def test_a_random_worker_ignoring_max_tokens_never_gets_past_it() -> None:
+    rng = random.Random(42)
+    for _ in range(60):
+        max_tokens = rng.choice([1, 2, 3, 7, 64, 500])
+        sizes = [1, 4, 16, 17, 40, 300, 5000]
+        chunks = [
+            chunk("t" * rng.choice(sizes)) if rng.random() < 0.7 else chunk(reasoning="r" * rng.choice(sizes))
+            for _ in range(rng.randrange(0, 400))
+        ]
+        # Then a tool call whose arguments never end: always past the limit.
+        chunks.append(chunk(tool_calls=[call(0, '{"q": "', id="call_1", name="f")]))
+        chunks += [chunk(tool_calls=[call(0, "a" * rng.choice(sizes))]) for _ in range(600)]
+        r = reframer(max_tokens=max_tokens)
+        events, _ = feed_until_the_limit(r, chunks)
+        message = final_message(events)
+        assert r.relayed_tokens <= max_tokens and message["usage"]["output_tokens"] <= max_tokens
+        characters = sum(len(b.get("text", b.get("thinking", ""))) for b in message["content"])
+        characters += sum(len(e["delta"]["partial_json"]) for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+        assert characters <= 2 * max_tokens * CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE
 
 
 def test_a_tool_call_cut_by_the_limit_is_a_truncated_tool_use() -> None:
@@ -1031,7 +1123,7 @@ def test_a_flood_of_new_tool_calls_stops_at_the_limit() -> None:
 def test_the_limit_holds_for_a_complete_answer_from_the_context_phase() -> None:
     # A context worker that answered the whole request: one chunk with everything in it.
     response = {"choices": [{"message": {"content": "x" * 40, "reasoning_content": "r" * 40}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
-    events, fed = feed_until_the_limit(reframer(max_tokens=2), completion_as_chunks(response))
-    assert fed == 0  # the thinking fits (it crosses the limit), the text does not
+    events, fed = feed_until_the_limit(reframer(max_tokens=1), completion_as_chunks(response))
+    assert fed == 0  # the thinking fits (it brings the count to the limit), the text does not
     message = final_message(events)
     assert [block["type"] for block in message["content"]] == ["thinking"] and message["stop_reason"] == "max_tokens"

@@ -17,11 +17,12 @@ from django.test import Client, override_settings
 from prometheus_client import REGISTRY
 
 from messages_api import usage
-from messages_api.audit import AuditRecord
-from messages_api.models import ApiKey, KeyUsage, RequestStatus
+from messages_api.audit import AuditRecord, close_abandoned_requests
+from messages_api.models import ApiKey, KeyUsage, MessageRequest, RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.usage import Tally, UsageRecorder, hour_of, hour_start
 from messages_api.usage_report import DAYS, HOURS, buckets
+from disagg_project import get_writer
 
 H = hour_of(datetime(2026, 12, 4, 15, 30, tzinfo=timezone.utc))
 
@@ -188,6 +189,52 @@ def test_the_writer_thread_flushes_on_its_own(transactional_db: Any) -> None:
     assert recorder._thread is not None
     recorder._thread.join(5)
     assert not recorder._thread.is_alive()
+
+
+# --- usage with the audit rows: one transaction, and the recovery sweep ------------------------
+
+
+def keyed_record(key: ApiKey, request_id: str) -> AuditRecord:
+    record = AuditRecord(request_id=request_id, api_key_name=key.name, api_key_id=key.pk, received_at=hour_start(H) + timedelta(minutes=5))
+    record.input_tokens, record.cache_creation_input_tokens, record.output_tokens, record.cache_read_input_tokens = 10, 2, 7, 30
+    record.queued_ms = 4.0
+    return record
+
+
+def test_a_requests_usage_is_written_with_its_terminal_row(transactional_db: Any) -> None:
+    key = make_key("with-rows")
+    record = keyed_record(key, "req_with_rows")
+    record.begin()
+    record.end(RequestStatus.COMPLETED, http_status=200)
+    assert get_writer().flush()
+    assert usage.get_recorder().pending() == {}  # taken by the writer with the row
+    assert MessageRequest.objects.get(request_id="req_with_rows").status == "completed"
+    got = row(key, H)
+    assert (got.requests, got.input_tokens, got.output_tokens, got.cache_read_tokens, got.queued_ms_total, got.errors) == (1, 12, 7, 30, 4.0, {})
+
+
+def test_a_refusal_without_a_row_is_written_with_the_next_batch(transactional_db: Any) -> None:
+    key = make_key("refused")
+    AuditRecord(api_key_name=key.name, api_key_id=key.pk, received_at=hour_start(H)).end(
+        RequestStatus.REJECTED, http_status=429, error_type="rate_limit_error", persist=False
+    )
+    assert get_writer().flush()
+    assert (row(key, H).requests, row(key, H).errors) == (1, {"rate_limit_error": 1})
+
+
+def test_the_recovery_sweep_counts_the_rows_it_closes_once(transactional_db: Any) -> None:
+    key = make_key("abandoned")
+    for i in range(3):
+        record = keyed_record(key, f"req_abandoned_{i}")
+        record.output_tokens = i  # as far as it came
+        row_values = {**record.row(), "gateway_instance": "dead-host:1:x"}
+        MessageRequest.objects.create(**row_values)
+    MessageRequest.objects.create(**{**keyed_record(key, "req_done").row(), "status": "completed", "gateway_instance": "dead-host:1:x"})
+    for _ in range(2):  # a second sweep (another process's) finds nothing more to count
+        close_abandoned_requests(None, instances=["dead-host:1:x"], reason="the gateway process handling this request died")
+    assert set(MessageRequest.objects.filter(request_id__startswith="req_abandoned_").values_list("status", flat=True)) == {"failed"}
+    got = row(key, H)
+    assert (got.requests, got.input_tokens, got.output_tokens, got.errors) == (3, 36, 0 + 1 + 2, {"api_error": 3})
 
 
 # --- per-key metrics -----------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def test_an_unauthenticated_refusal_ends_its_record_and_writes_its_row_only_when
     sampled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rows: list[dict[str, Any]] = []
-    monkeypatch.setattr(AuditRecord, "_write", lambda record: rows.append(record.row()))
+    monkeypatch.setattr(AuditRecord, "_write", lambda record, **_: rows.append(record.row()))
     monkeypatch.setattr(refusals, "sample_anonymous", lambda detail: f"{detail} (and 2 more)" if sampled else None)
     refusal = Refusal(401, INVALID_KEY, "authentication_error", unauthenticated=True)
     request_id = refusals.record_unauthenticated(refusal, b"POST", b"/v1/messages")
