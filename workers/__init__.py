@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 _HOMES = {
     "ChatRun": "workers.schedule.pipeline",
     "RenderedChat": "workers.schedule.rendered_chat",
-    "RunTrace": "workers.schedule.trace",
-    "Traced": "workers.schedule.trace",
+    "RunProgress": "workers.schedule.progress",
+    "SupportsProgress": "workers.schedule.progress",
     "count_prompt_tokens": "workers.schedule.prompt_tokens",
     "WorkerError": "workers.exceptions",
     "ContextLengthExceeded": "workers.exceptions",
@@ -74,8 +74,8 @@ __all__ = [
     "Served",
     "Script",
     "StopRelay",
-    "RunTrace",
-    "Traced",
+    "RunProgress",
+    "SupportsProgress",
     "WorkerError",
     "candidates",
     "choose_pool",
@@ -113,7 +113,7 @@ if TYPE_CHECKING:
     from workers.schedule.pipeline import ChatRun
     from workers.schedule.rendered_chat import RenderedChat
     from workers.schedule.prompt_tokens import count_prompt_tokens
-    from workers.schedule.trace import RunTrace, Traced
+    from workers.schedule.progress import SupportsProgress, RunProgress
     from workers.wire.client import close_transport
 else:
 

@@ -3,7 +3,7 @@
     async with ChatRun(chat, pool=pool, request_id=rid, tenant=key_name) as run:
         await run.stream_ready(slow_after=1.0, on_slow=start_keepalives)  # raises its WorkerError
         await run.relay(sink)                # each chunk to sink, as the worker's bytes arrive
-    run.trace                                # stage, endpoints, timings (for the audit)
+    run.progress                             # stage, endpoints, timings (for the audit)
 
 `ChatRun` owns every task, worker request and reservation it creates, and its exit releases them
 exactly once whichever way the request ends: success, a worker failure, the client leaving
@@ -64,7 +64,7 @@ from workers.cluster.registry import EndpointInfo, PoolInfo
 from workers.schedule.rendered_chat import RenderedChat
 from workers.routing.reservations import Reservation
 from workers.routing.router import Placement
-from workers.schedule.trace import RunTrace
+from workers.schedule.progress import RunProgress
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class ChatRun:
         # Released once every worker request is sent: a Claude Code prompt is 80-190 KB of JSON,
         # and a stream may last minutes after that.
         self._rendered: RenderedChat | None = rendered if rendered is not None else RenderedChat(chat)
-        self._trace = RunTrace(stage=Stage.RECEIVED)
+        self._progress = RunProgress(stage=Stage.RECEIVED)
         self._generation_url = ""
 
         self._reservations: list[Reservation] = []
@@ -155,12 +155,12 @@ class ChatRun:
         return rendered.estimated_prompt_tokens() if rendered is not None else estimate_prompt_tokens(self.chat)
 
     @property
-    def trace(self) -> RunTrace:
+    def progress(self) -> RunProgress:
         """Where the request is, what it touched, and when (an immutable snapshot)."""
-        return self._trace
+        return self._progress
 
     def _note(self, **changes: Any) -> None:
-        self._trace = replace(self._trace, **changes)
+        self._progress = replace(self._progress, **changes)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -569,7 +569,7 @@ class ChatRun:
     def _queued(self, started: float) -> None:
         waited = time.monotonic() - started
         if waited > 0.001:
-            self._note(queued_s=self._trace.queued_s + waited)
+            self._note(queued_s=self._progress.queued_s + waited)
 
     def _release_stage(self, role: str, outcome: str) -> None:
         for reservation in self._reservations:
@@ -650,4 +650,4 @@ def completion_as_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
     return chunks
 
 
-__all__ = ["ChatRun", "RunTrace", "WorkerError", "completion_as_chunks"]
+__all__ = ["ChatRun", "RunProgress", "WorkerError", "completion_as_chunks"]
