@@ -430,7 +430,7 @@ class MessagesConsumer(ApiConsumer):
         record.pool_name = pool.name
         run = ChatRun(
             chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request),
-            tenant=record.api_key_name, priority=Priority[principal.priority.upper()], size=len(body),
+            tenant=record.api_key_name, priority=principal.priority, size=len(body),
             cache_salt=principal.cache_salt or None, rendered=rendered,
         )
         # Over a limit: 429 before the request is accepted (its row is `rejected`).
