@@ -113,6 +113,28 @@ def reported_prompt_tokens(answer: Mapping[str, Any]) -> int | None:
     return count if type(count) is int and count >= 0 else None
 
 
+def completion_as_chunks(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A non-streamed chat completion (a context worker's `Handoff.complete_answer`) as the
+    stream chunks that would have carried it: the delta, the finish, and the usage if it has one."""
+    choice = (response.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    delta: dict[str, Any] = {"role": "assistant"}
+    for key in ("content", "reasoning_content", "tool_calls"):
+        if message.get(key):
+            delta[key] = message[key]
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(delta["tool_calls"])]
+    base = {"id": response.get("id", ""), "object": "chat.completion.chunk", "model": response.get("model", "")}
+    stop_reason = {"stop_reason": choice["stop_reason"]} if choice.get("stop_reason") is not None else {}
+    chunks = [
+        {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason") or "stop", **stop_reason}]},
+    ]
+    if response.get("usage"):
+        chunks.append({**base, "choices": [], "usage": response["usage"]})
+    return chunks
+
+
 def answered_request(chat: Mapping[str, Any], *, without: Iterable[str] = ()) -> dict[str, Any]:
     """`chat` as a worker answers it in one JSON object (a context or prefill request): `stream`
     off and no `stream_options`, which engines refuse without `stream`; nor `GATEWAY_FIELDS`."""
