@@ -1,8 +1,9 @@
 """The interface every worker protocol implements, and the neutral handoff between its phases.
 
 A protocol turns one OpenAI chat request into the worker requests of a schedule and reads the
-context worker's answer. The pipeline (`workers.schedule.pipeline`) drives the schedule: it routes,
-reserves, sends, retries and cleans up, and never looks inside what a protocol builds or reads.
+context worker's answer. The pipeline (`workers.schedule.pipeline`, with the schedules'
+order in `workers.schedule.schedules`) drives the schedule: it routes, reserves, sends, retries
+and cleans up, and never looks inside what a protocol builds or reads.
 
 Schedules (`ScheduleStyle` values):
 
@@ -170,7 +171,7 @@ class WorkerProtocol(ABC):
     #: TensorRT-LLM's `cache_salt`): requests with different salts reuse none of each other's KV
     #: blocks. None where the engine has no such field: the gateway cannot keep one tenant's
     #: prompts out of another's cache hits there, and reports no cache hit to a pool that keeps
-    #: keys apart (`workers.schedule.pipeline`).
+    #: keys apart (`workers.schedule.cache_feedback.hide_cached_tokens`).
     cache_salt_field: ClassVar[str | None] = None
     #: A field of the context answer holding a large array of ints the gateway only relays to the
     #: generation worker (TensorRT-LLM's `prompt_token_ids`): read as its JSON text, never as

@@ -1,7 +1,7 @@
 """The orders of a request's worker calls, keyed by its pool's `ScheduleStyle` (`SCHEDULES`):
 
-- context first: send the context request, then the generation request carrying the handoff,
-  and stream it (the generation endpoint is already reserved);
+- context first: the context request, then the generation request carrying the handoff that
+  the context worker answered with, streamed;
 - generation first: the generation request goes out first and waits on its worker for the KV of
   the pairing id; the context request follows; a context failure cancels the generation request;
 - aggregated, or conditional: the pool's schedule is `aggregated`, or the prompt's uncached
@@ -12,9 +12,10 @@
   endpoint is expected to hold (`cache_aware` pools). Other pools know no match and compare the
   whole prompt, without the `match_length == 0` clause: a short prompt skips as before.
 
-A schedule decides only the order. What each request says is the pool's protocol's
-(`workers.protocols`); reserving, opening the generation stream, recording progress and releasing
-whatever is left when the request ends are the run's (`Steps`, which `ChatRun` implements).
+Every schedule starts with the generation endpoint reserved (the router picks it first) and
+decides only the order. What each request says is the pool's protocol's (`workers.protocols`);
+reserving, opening the generation stream, recording progress and releasing whatever is left when
+the request ends are the run's (`Steps`, which `ChatRun` implements).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from workers.wire.chat_stream import ChunkStream
 
 logger = logging.getLogger(__name__)
 
+
 class Steps(Protocol):
     """What a schedule asks of its run (`workers.schedule.pipeline.ChatRun`)."""
 
@@ -51,6 +53,7 @@ class Steps(Protocol):
     protocol: WorkerProtocol
     #: What the protocol may need beyond the chat body.
     call: Call
+    #: Told when an endpoint answers (it holds the prompt's prefix then).
     feedback: CacheFeedback
     #: The context worker issued a handoff a generation worker must take: the run's exit then
     #: lets the generation request's worker take it, whatever happened to the client.
@@ -61,7 +64,8 @@ class Steps(Protocol):
         """The prompt serialized once, for every worker body."""
 
     @property
-    def estimated_prompt_tokens(self) -> int: ...
+    def estimated_prompt_tokens(self) -> int:
+        """The prompt's tokens as estimated before any worker counted them."""
 
     def note(self, **changes: Any) -> None:
         """Record where the request is (`RunProgress` fields)."""
@@ -77,7 +81,9 @@ class Steps(Protocol):
         """The context worker's answer is the whole answer: no generation request follows."""
 
     async def open_generation(self, body: dict[str, Any]) -> None:
-        """Send the generation request and wait for its stream; raises its failure."""
+        """Send the generation request and wait for its stream; raises its failure. With a
+        handoff issued it goes as a task of its own, so that the run's exit can let its worker
+        take the KV whatever happens to the client."""
 
     def start_generation(self, body: dict[str, Any], *, waits_for_context: bool = False) -> asyncio.Task[ChunkStream]:
         """Send the generation request as a task of its own, now (`await_generation` waits)."""
