@@ -19,7 +19,7 @@ from django.conf import settings
 from messages_api import metrics, usage
 from messages_api.models import MessageRequest, RequestStatus
 from messages_api.request_context import loggable
-from workers import GATEWAY_INSTANCE, SupportsProgress, RunProgress, get_writer
+from workers import GATEWAY_INSTANCE, RunProgress, SupportsProgress, get_writer
 
 access_log = logging.getLogger("messages_api.access")
 

@@ -113,7 +113,7 @@ if TYPE_CHECKING:
     from workers.schedule.pipeline import ChatRun
     from workers.schedule.rendered_chat import RenderedChat
     from workers.schedule.prompt_tokens import count_prompt_tokens
-    from workers.schedule.progress import SupportsProgress, RunProgress
+    from workers.schedule.progress import RunProgress, SupportsProgress
     from workers.wire.client import close_transport
 else:
 
