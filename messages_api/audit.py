@@ -23,7 +23,7 @@ from disagg_project import GATEWAY_INSTANCE, get_writer
 from messages_api import metrics, usage
 from messages_api.models import MessageRequest, RequestStatus
 from messages_api.request_context import loggable
-from workers import RunTrace, Traced
+from workers import RunProgress, SupportsProgress
 
 access_log = logging.getLogger("messages_api.access")
 
@@ -62,9 +62,9 @@ class AuditRecord:
     api_key_id: int | None = None  # the authenticated key's row (its name may change later)
     begun: bool = False
     ended: bool = False
-    # The run serving the request, once there is one: its trace (stage, endpoints, timings) is
+    # The run serving the request, once there is one: its progress (stage, endpoints, timings) is
     # read whenever the row is written.
-    run: Traced | None = None
+    run: SupportsProgress | None = None
 
     def received_earlier(self, seconds: float) -> None:
         """The server had the request `seconds` before this record was made."""
@@ -109,7 +109,7 @@ class AuditRecord:
         self.error_message = error_message[:2000]
         self.finished_ms = self.since_received_ms()
         if self.run is not None:
-            self._read_trace(self.run.trace)  # the metrics' labels need the run's final stage
+            self._read_progress(self.run.progress)  # the metrics' labels need the run's final stage
         metrics.observe(self)
         if not persist:
             if self.api_key_name:
@@ -130,19 +130,19 @@ class AuditRecord:
         """Queue the row's current state; `counted`: the terminal state of a keyed request, whose
         usage the writer adds in the same transaction."""
         if self.run is not None:
-            self._read_trace(self.run.trace)
+            self._read_progress(self.run.progress)
         get_writer().upsert(MessageRequest, "request_id", self.row(), along=self if counted else None)
 
-    def _read_trace(self, trace: RunTrace) -> None:
-        self.stage = trace.stage
-        self.context_endpoint = trace.context_endpoint
-        self.generation_endpoint = trace.generation_endpoint
-        if trace.context_done_at is not None:
-            self.context_done_ms = self.since_received_ms(trace.context_done_at)
-        if trace.first_chunk_at is not None:
-            self.first_token_ms = self.since_received_ms(trace.first_chunk_at)
-        if trace.queued_s:
-            self.queued_ms = trace.queued_s * 1000.0
+    def _read_progress(self, progress: RunProgress) -> None:
+        self.stage = progress.stage
+        self.context_endpoint = progress.context_endpoint
+        self.generation_endpoint = progress.generation_endpoint
+        if progress.context_done_at is not None:
+            self.context_done_ms = self.since_received_ms(progress.context_done_at)
+        if progress.first_chunk_at is not None:
+            self.first_token_ms = self.since_received_ms(progress.first_chunk_at)
+        if progress.queued_s:
+            self.queued_ms = progress.queued_s * 1000.0
 
     def row(self) -> dict[str, Any]:
         return {

@@ -31,6 +31,7 @@ from django.db import close_old_connections
 
 from messages_api.limits.policy import NO_LIMITS, KeyLimits
 from messages_api.models import ApiKey
+from workers import Priority
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class Principal:
     name: str
     key_id: int = 0
     limits: KeyLimits = NO_LIMITS
-    priority: str = "standard"
+    #: The key's class in the admission queue.
+    priority: Priority = Priority.STANDARD
     #: Model names or fnmatch patterns the key may use; empty: any.
     allowed_models: tuple[str, ...] = ()
     #: The key's prefix-cache namespace (`cache_salt`): the workers' caches keep it apart from
@@ -282,7 +284,7 @@ def _lookup(digest: str) -> Principal | None:
             tokens_per_day=row["tokens_per_day"],
             tokens_per_month=row["tokens_per_month"],
         ),
-        priority=row["priority"],
+        priority=Priority.from_label(row["priority"]),
         allowed_models=tuple(m for m in row["allowed_models"] or () if isinstance(m, str)),
         cache_salt=cache_salt(row["id"], row["cache_group"]),
     )

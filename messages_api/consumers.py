@@ -430,7 +430,7 @@ class MessagesConsumer(ApiConsumer):
         record.pool_name = pool.name
         run = ChatRun(
             chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request),
-            tenant=record.api_key_name, priority=Priority[principal.priority.upper()], size=len(body),
+            tenant=record.api_key_name, priority=principal.priority, size=len(body),
             cache_salt=principal.cache_salt or None, rendered=rendered,
         )
         # Over a limit: 429 before the request is accepted (its row is `rejected`).
@@ -449,7 +449,7 @@ class MessagesConsumer(ApiConsumer):
                 # Enforced here, whatever the worker does: the relay stops at it (reframe.py).
                 max_tokens=request["max_tokens"],
             )
-            record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
+            record.run = run  # the audit reads the run's progress (stage, endpoints, timings) when it writes
             try:
                 async with run:
                     if record.stream:
@@ -575,7 +575,7 @@ class MessagesConsumer(ApiConsumer):
             self.record.pings_sent = self.heartbeat.pings_sent
 
     def note_reply(self) -> None:
-        """Copy what the reply did (pings, tokens) into the audit record; the run's own trace
+        """Copy what the reply did (pings, tokens) into the audit record; the run's own progress
         is read by the record itself."""
         record = self.record
         if self.heartbeat is not None:

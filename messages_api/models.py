@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
-
-class KeyPriority(models.TextChoices):
-    """A key's class in the admission queue (workers.Priority's names)."""
-
-    INTERACTIVE = "interactive", "interactive"
-    STANDARD = "standard", "standard"
-    BATCH = "batch", "batch"
+from workers import Priority
 
 
 class ApiKey(models.Model):
@@ -24,8 +18,9 @@ class ApiKey(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
 
     # --- limits (messages_api/limits/): empty means no such limit -----------------------------
+    # The admission class (`workers.Priority`), stored by its label.
     priority = models.CharField(
-        max_length=20, choices=KeyPriority.choices, default=KeyPriority.STANDARD,
+        max_length=20, choices=Priority.choices(), default=Priority.STANDARD.label,
         help_text="The key's class when the cluster is full: interactive requests go before standard, standard before batch.",
     )
     max_concurrency = models.PositiveIntegerField(null=True, blank=True, help_text="Requests in flight at once.")

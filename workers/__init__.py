@@ -44,11 +44,11 @@ _HOMES = {
     "Priority": ("workers.admission.queue", "Priority"),
     "process_abandoned": ("workers.cluster.recovery", "process_abandoned"),
     "RenderedChat": ("workers.schedule.rendered_chat", "RenderedChat"),
-    "RunTrace": ("workers.schedule.trace", "RunTrace"),
+    "RunProgress": ("workers.schedule.progress", "RunProgress"),
     "Served": ("workers.cluster.registry", "Served"),
     "start_services": ("workers.cluster.services", "start_services"),
     "StopRelay": ("workers.exceptions", "StopRelay"),
-    "Traced": ("workers.schedule.trace", "Traced"),
+    "SupportsProgress": ("workers.schedule.progress", "SupportsProgress"),
     "WorkerError": ("workers.exceptions", "WorkerError"),
 }
 __all__ = [
@@ -67,11 +67,11 @@ __all__ = [
     "Priority",
     "process_abandoned",
     "RenderedChat",
-    "RunTrace",
+    "RunProgress",
     "Served",
     "start_services",
     "StopRelay",
-    "Traced",
+    "SupportsProgress",
     "WorkerError",
 ]
 
@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from workers.schedule.pipeline import ChatRun
     from workers.schedule.rendered_chat import RenderedChat
     from workers.schedule.prompt_tokens import count_prompt_tokens
-    from workers.schedule.trace import RunTrace, Traced
+    from workers.schedule.progress import RunProgress, SupportsProgress
     from workers.wire.client import close_transport
 else:
 

@@ -86,9 +86,9 @@ async def test_a_registered_protocol_is_driven_through_chat_run(cluster: Cluster
     assert aggregated_only.calls == ["aggregated_request", "headers"]
     usage = [c["usage"] for c in chunks if c.get("usage")][-1]
     assert usage["completion_tokens"] == 3  # the body this protocol built reached the worker
-    trace = run.trace
-    assert (trace.stage, trace.context_endpoint, trace.generation_endpoint) == ("done", "", cluster.generation.url)
-    assert trace.context_done_at is None and trace.first_chunk_at is not None
+    progress = run.progress
+    assert (progress.stage, progress.context_endpoint, progress.generation_endpoint) == ("done", "", cluster.generation.url)
+    assert progress.context_done_at is None and progress.first_chunk_at is not None
     stats = await asyncio.to_thread(cluster.generation.wait_for, lambda s: s["completed"] == 1)
     assert stats["received"] == 1
     assert cluster.context.stats()["received"] == 0
@@ -96,10 +96,10 @@ async def test_a_registered_protocol_is_driven_through_chat_run(cluster: Cluster
     assert [(r.stage, r.outcome) for r in rows] == [("generation", "success")]
 
 
-async def test_trtllm_runs_both_phases_and_traces_them(cluster: Cluster) -> None:
+async def test_trtllm_runs_both_phases_and_records_their_progress(cluster: Cluster) -> None:
     pool = await pool_of(cluster)
     assert pool.protocol == "trtllm"
-    async with ChatRun(dict(CHAT), pool=pool, request_id="req_trtllm_trace") as run:
+    async with ChatRun(dict(CHAT), pool=pool, request_id="req_trtllm_progress") as run:
         assert run.rendered.messages  # the prompt, serialized once for both phases' bodies
         await run.stream_ready()
         # Both requests are sent: the serialized prompt is not held for the rest of the stream.
@@ -108,12 +108,12 @@ async def test_trtllm_runs_both_phases_and_traces_them(cluster: Cluster) -> None
         chunks: list[dict[str, Any]] = []
         await run.relay(chunks.append)
         assert chunks
-    trace = run.trace
-    assert (trace.stage, trace.context_endpoint, trace.generation_endpoint) == ("done", cluster.context.url, cluster.generation.url)
-    assert trace.context_done_at is not None and trace.first_chunk_at is not None
-    assert trace.context_done_at <= trace.first_chunk_at
+    progress = run.progress
+    assert (progress.stage, progress.context_endpoint, progress.generation_endpoint) == ("done", cluster.context.url, cluster.generation.url)
+    assert progress.context_done_at is not None and progress.first_chunk_at is not None
+    assert progress.context_done_at <= progress.first_chunk_at
     with pytest.raises(AttributeError):
-        trace.stage = "received"  # type: ignore[misc]
+        progress.stage = "received"  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("protocol,schedule", [("no-such-protocol", "context_first"), ("test-aggregated", "context_first")])

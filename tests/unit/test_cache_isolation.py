@@ -17,7 +17,7 @@ from workers.protocols.base import AGGREGATED, CONTEXT_FIRST, GENERATION_FIRST, 
 from workers.protocols.trtllm import ContextResult
 from workers.protocols.vllm import PrefillResult
 from workers.routing.prefix_index import PrefixIndex, Prompt
-from workers.schedule.pipeline import _hide_cached_tokens
+from workers.schedule.cache_feedback import hide_cached_tokens
 from workers.schedule.rendered_chat import RenderedChat
 from workers.sim.prefix_cache import PrefixCache, block_hashes
 
@@ -136,10 +136,10 @@ def test_the_sim_salts_its_first_block_as_vllm_does() -> None:
 
 def test_a_hit_the_engine_cannot_attribute_is_reported_as_none() -> None:
     chunk: dict[str, Any] = {"usage": {"prompt_tokens": 900, "prompt_tokens_details": {"cached_tokens": 512}}}
-    _hide_cached_tokens(chunk)
+    hide_cached_tokens(chunk)
     assert chunk["usage"] == {"prompt_tokens": 900, "prompt_tokens_details": {"cached_tokens": 0}}
     for shape in ({}, {"usage": None}, {"usage": {"prompt_tokens": 1}}, {"usage": {"prompt_tokens_details": None}}):
-        _hide_cached_tokens(shape)  # nothing to hide, nothing added
+        hide_cached_tokens(shape)  # nothing to hide, nothing added
 
 
 # --- the operators' commands -----------------------------------------------------------------------

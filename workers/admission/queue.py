@@ -46,7 +46,9 @@ from workers.exceptions import NoEndpointAvailable
 
 
 class Priority(enum.IntEnum):
-    """A request's class; lower values go first."""
+    """A request's class in the admission queue; lower values go first. The one priority enum:
+    an API key's class (`messages_api.models.ApiKey.priority`) is stored as its `label` and read
+    back with `from_label`, and the metrics label the queue with it."""
 
     INTERACTIVE = 0
     STANDARD = 1
@@ -54,7 +56,18 @@ class Priority(enum.IntEnum):
 
     @property
     def label(self) -> str:
+        """The class's name as stored, shown and labelled: "interactive", "standard", "batch"."""
         return self.name.lower()
+
+    @classmethod
+    def from_label(cls, label: str) -> Priority:
+        """The class whose `label` this is; KeyError if none."""
+        return cls[label.upper()]
+
+    @classmethod
+    def choices(cls) -> list[tuple[str, str]]:
+        """`(label, label)` of every class, highest first (a model field's `choices`)."""
+        return [(priority.label, priority.label) for priority in cls]
 
 
 queue_depth = Gauge("gateway_admission_queue_depth", "Requests waiting for an endpoint slot, by priority class.", ["priority"])

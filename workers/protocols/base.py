@@ -1,8 +1,9 @@
 """The interface every worker protocol implements, and the neutral handoff between its phases.
 
 A protocol turns one OpenAI chat request into the worker requests of a schedule and reads the
-context worker's answer. The pipeline (`workers.schedule.pipeline`) drives the schedule: it routes,
-reserves, sends, retries and cleans up, and never looks inside what a protocol builds or reads.
+context worker's answer. The pipeline (`workers.schedule.pipeline`, with the schedules'
+order in `workers.schedule.schedules`) drives the schedule: it routes, reserves, sends, retries
+and cleans up, and never looks inside what a protocol builds or reads.
 
 Schedules (`ScheduleStyle` values):
 
@@ -113,6 +114,28 @@ def reported_prompt_tokens(answer: Mapping[str, Any]) -> int | None:
     return count if type(count) is int and count >= 0 else None
 
 
+def completion_as_chunks(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A non-streamed chat completion (a context worker's `Handoff.complete_answer`) as the
+    stream chunks that would have carried it: the delta, the finish, and the usage if it has one."""
+    choice = (response.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    delta: dict[str, Any] = {"role": "assistant"}
+    for key in ("content", "reasoning_content", "tool_calls"):
+        if message.get(key):
+            delta[key] = message[key]
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(delta["tool_calls"])]
+    base = {"id": response.get("id", ""), "object": "chat.completion.chunk", "model": response.get("model", "")}
+    stop_reason = {"stop_reason": choice["stop_reason"]} if choice.get("stop_reason") is not None else {}
+    chunks = [
+        {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason") or "stop", **stop_reason}]},
+    ]
+    if response.get("usage"):
+        chunks.append({**base, "choices": [], "usage": response["usage"]})
+    return chunks
+
+
 def answered_request(chat: Mapping[str, Any], *, without: Iterable[str] = ()) -> dict[str, Any]:
     """`chat` as a worker answers it in one JSON object (a context or prefill request): `stream`
     off and no `stream_options`, which engines refuse without `stream`; nor `GATEWAY_FIELDS`."""
@@ -148,7 +171,7 @@ class WorkerProtocol(ABC):
     #: TensorRT-LLM's `cache_salt`): requests with different salts reuse none of each other's KV
     #: blocks. None where the engine has no such field: the gateway cannot keep one tenant's
     #: prompts out of another's cache hits there, and reports no cache hit to a pool that keeps
-    #: keys apart (`workers.schedule.pipeline`).
+    #: keys apart (`workers.schedule.cache_feedback.hide_cached_tokens`).
     cache_salt_field: ClassVar[str | None] = None
     #: A field of the context answer holding a large array of ints the gateway only relays to the
     #: generation worker (TensorRT-LLM's `prompt_token_ids`): read as its JSON text, never as

@@ -55,9 +55,9 @@ An endpoint's entries are dropped when its cache is probably gone:
 - a request to it fails in a way that says the endpoint itself failed (refused, reset or cut
   connection, timeout; `workers.cluster.health.failure_scope` ENDPOINT): the process may have died, and
   a restart between two probes would otherwise go unnoticed;
-- the worker itself reports no cached tokens for a prompt the index expected it to hold (the
-  pipeline's `_check_cached_tokens`): its entries are dropped and that prompt recorded anew,
-  which heals a silent restart.
+- the worker itself reports no cached tokens for a prompt the index expected it to hold
+  (`workers.schedule.cache_feedback`, `CacheFeedback.on_usage`): its entries are dropped and that
+  prompt recorded anew, which heals a silent restart.
 
 The index is per gateway process; nothing is shared between processes. They agree without
 coordination on where a conversation goes when their own index knows nothing of it beyond the

@@ -8,7 +8,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from disagg_project import limit_argument, log_change
-from messages_api.models import ApiKey, KeyPriority
+from messages_api.models import ApiKey
+from workers import Priority
 
 # Option → the key's field.
 LIMIT_OPTIONS = {
@@ -28,7 +29,7 @@ class Command(BaseCommand):
         parser.add_argument("name", help="The key's name.")
         for option in LIMIT_OPTIONS:
             parser.add_argument("--" + option.replace("_", "-"), type=limit_argument, metavar="N")
-        parser.add_argument("--priority", choices=KeyPriority.values, help="The key's class when the cluster is full.")
+        parser.add_argument("--priority", choices=[p.label for p in Priority], help="The key's class when the cluster is full.")
         parser.add_argument(
             "--models", nargs="*", metavar="PATTERN",
             help="Model names or patterns (claude-sonnet-*) the key may use; `--models` alone (or `--models none`) allows every model.",

@@ -22,7 +22,7 @@ from messages_api.errors import AnthropicError
 from messages_api.reframe import CHARS_PER_TOKEN, LONG_PIECE_ALLOWANCE, OutputLimitReached, StreamReframer
 from messages_api.framing import PING_FRAME, encode_event
 from tests.support.sdk import sdk_client, sdk_message
-from workers.schedule.pipeline import completion_as_chunks
+from workers.protocols.base import completion_as_chunks
 
 Event = dict[str, Any]
 

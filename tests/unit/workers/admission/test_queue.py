@@ -187,10 +187,14 @@ async def test_the_head_polls_for_slots_freed_elsewhere() -> None:
     assert slots.admitted == ["waiting"]
 
 
-def test_priority_names_match_the_keys_choices() -> None:
-    from messages_api.models import KeyPriority
+def test_a_keys_priority_is_stored_as_its_admission_class_label() -> None:
+    from messages_api.models import ApiKey
 
-    assert [p.label for p in Priority] == list(KeyPriority.values)
+    field = ApiKey._meta.get_field("priority")
+    # The values existing rows hold: the one enum must keep reading them.
+    assert [value for value, _ in field.choices] == ["interactive", "standard", "batch"]
+    assert [Priority.from_label(value) for value, _ in field.choices] == list(Priority)
+    assert Priority.from_label(field.default) is Priority.STANDARD
 
 
 

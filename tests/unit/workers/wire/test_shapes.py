@@ -114,7 +114,7 @@ def test_malformed_completions_are_refused_naming_the_field(value: Any, named: s
 
 # --- what passes the checks is safe to read ------------------------------------------------------
 # Random JSON over the chat vocabulary: whatever the checks let through must not crash the code
-# that reads it (the pipeline's completion_as_chunks, the front door's reframer) with anything
+# that reads it (the protocols' completion_as_chunks, the front door's reframer) with anything
 # but its own, deliberate error.
 
 from hypothesis import given, settings  # noqa: E402
@@ -122,7 +122,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from messages_api.errors import AnthropicError  # noqa: E402
 from messages_api.reframe import StreamReframer  # noqa: E402
-from workers.schedule.pipeline import completion_as_chunks  # noqa: E402
+from workers.protocols.base import completion_as_chunks  # noqa: E402
 
 # Wrong values, truthy ones first: a falsy wrong value is mostly skipped by its readers.
 JUNK = st.sampled_from([5, 1.5, True, [1], {"a": 1}, "x", -1, None, [], {}])

@@ -1,4 +1,4 @@
-"""What a run did, as one immutable value: where it is, which endpoints it used, and when its
+"""How far a run got, as one immutable value: where it is, which endpoints it used, and when its
 phases ended. The audit reads it; nothing else about a run's insides leaves `workers`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
-class RunTrace:
+class RunProgress:
     #: A `Stage` value: where the request is, or where it ended.
     stage: str = "received"
     context_endpoint: str = ""
@@ -21,11 +21,11 @@ class RunTrace:
     queued_s: float = 0.0
 
 
-class Traced(Protocol):
-    """Anything that exposes its current trace (a `ChatRun`)."""
+class SupportsProgress(Protocol):
+    """Anything that exposes its current progress (a `ChatRun`)."""
 
     @property
-    def trace(self) -> RunTrace: ...
+    def progress(self) -> RunProgress: ...
 
 
-__all__ = ["RunTrace", "Traced"]
+__all__ = ["RunProgress", "SupportsProgress"]
