@@ -79,7 +79,7 @@ from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 
 from messages_api.audit import AuditRecord, RateSampler, new_request_id, sample_anonymous
-from messages_api.auth import INVALID_KEY, Principal
+from messages_api.auth import Principal
 from messages_api.errors import error_body, error_type_for_status
 from messages_api.models import RequestStatus
 from messages_api.request_context import loggable
@@ -111,16 +111,19 @@ connections_refused = Counter(
 _cap_log_sampler: RateSampler | None = None
 
 
-def refusal_bytes(status: int, message: str, error_type: str | None = None, request_id: str | None = None) -> bytes:
+def refusal_bytes(
+    status: int, message: str, error_type: str | None = None, request_id: str | None = None, retry_after: int | None = None
+) -> bytes:
     """A complete HTTP/1.1 answer in Anthropic's envelope that closes the connection."""
     request_id = request_id or new_request_id()
     body = orjson.dumps(error_body(error_type or error_type_for_status(status), message, request_id))
     head = (
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+        f"HTTP/1.1 {status} {_phrase(status)}\r\n"
         "content-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
         f"request-id: {request_id}\r\n"
-        "connection: close\r\n\r\n"
+        + (f"retry-after: {retry_after}\r\n" if retry_after is not None else "")
+        + "connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
 
@@ -211,9 +214,9 @@ class GuardedChannel(HTTPChannel):
         if self._key_lookup is not lookup or self._refused is not None or self.transport is None:
             return  # the connection ended, or the request was refused (its read deadline) meanwhile
         self._key_lookup = None
-        # A failed lookup lets the request through: the consumer looks again and answers it.
-        if not lookup.cancelled() and lookup.exception() is None and lookup.result() is None:
-            self._refuse_for(header_gate.Refusal(401, INVALID_KEY, "authentication_error", unauthenticated=True))
+        refusal = header_gate.lookup_refusal(lookup)
+        if refusal is not None:
+            self._refuse_for(refusal)
             return
         super().allHeadersReceived()  # type: ignore[no-untyped-call]  # the `100 Continue`, the body file
         if self._content_waits:
@@ -226,7 +229,7 @@ class GuardedChannel(HTTPChannel):
 
     def _refuse_for(self, refusal: header_gate.Refusal) -> None:
         if not refusal.unauthenticated:
-            self.refuse(refusal.status, refusal.message, refusal.error_type)
+            self.refuse(refusal.status, refusal.message, refusal.error_type, retry_after=refusal.retry_after)
             return
         # As the consumers do for a request without a valid key: counted always, its audit row
         # (and access log line) only sampled (AUDIT_UNAUTHENTICATED_SAMPLE_PER_S).
@@ -240,7 +243,9 @@ class GuardedChannel(HTTPChannel):
             error_message=detail or refusal.message,
             persist=detail is not None,
         )
-        self.refuse(refusal.status, refusal.message, refusal.error_type, request_id=record.request_id, log=False)
+        self.refuse(
+            refusal.status, refusal.message, refusal.error_type, request_id=record.request_id, log=False, retry_after=refusal.retry_after
+        )
 
     def lineLengthExceeded(self, line: bytes) -> None:
         self.refuse(431, f"A request line or header is longer than the limit of {self.MAX_LENGTH} bytes", TOO_LARGE)
@@ -268,7 +273,14 @@ class GuardedChannel(HTTPChannel):
     # --- the refusal ----------------------------------------------------------------------------
 
     def refuse(
-        self, status: int, message: str, error_type: str | None = None, *, request_id: str | None = None, log: bool = True
+        self,
+        status: int,
+        message: str,
+        error_type: str | None = None,
+        *,
+        request_id: str | None = None,
+        log: bool = True,
+        retry_after: int | None = None,
     ) -> None:
         """Answer `status` in Anthropic's envelope, stop parsing, and close (lingering)."""
         transport = self.transport
@@ -290,7 +302,7 @@ class GuardedChannel(HTTPChannel):
             logger.info("refused a request from %s with %s: %s", _peer(transport), status, loggable(message))
         # ITransport.write is a zope.interface method, declared without `self`: mypy (without the
         # zope plugin) counts one argument too many.
-        transport.write(refusal_bytes(status, message, error_type, request_id))  # type: ignore[call-arg,misc]
+        transport.write(refusal_bytes(status, message, error_type, request_id, retry_after))  # type: ignore[call-arg,misc]
         lose_write = getattr(transport, "loseWriteConnection", None)
         if lose_write is None:
             self.loseConnection()  # type: ignore[no-untyped-call]  # untyped Twisted
@@ -427,6 +439,13 @@ def _log_cap(host: str, cap: int) -> None:
             "closed a connection from %s at accept: %d open from that address already (GATEWAY_MAX_CONNECTIONS_PER_ADDRESS)%s",
             host, cap, f" (and {skipped} more not logged since the last)" if skipped else "",
         )
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # 529 is Anthropic's (overloaded), not HTTP's: HTTPStatus has no phrase for it
+        return "Overloaded"
 
 
 def body_too_large_message(limit: int) -> str:
