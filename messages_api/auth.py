@@ -417,7 +417,8 @@ def _log_failure(lookup: asyncio.Future[Principal | None]) -> None:
 
 def _legacy_hashes() -> frozenset[str]:
     try:
-        return frozenset(ApiKey.objects.filter(active=True).exclude(prefix__startswith=KEY_PREFIX).values_list("key_hash", flat=True))
+        legacy = ApiKey.objects.filter(active=True).exclude(prefix__startswith=KEY_PREFIX).order_by()
+        return frozenset(legacy.values_list("key_hash", flat=True))
     finally:
         close_old_connections()
 
