@@ -231,12 +231,14 @@ class LegacyKeys:
         return None if self._hashes is None else digest in self._hashes
 
     def load(self) -> asyncio.Future[frozenset[str]]:
-        """The set's load in flight, started if there is none and the last one is due again."""
+        """The set's load in flight, started if there is none and the last one is due again
+        (RuntimeError without a running event loop)."""
+        loop = asyncio.get_running_loop()
         loading = self._loading
-        if loading is not None and loading.get_loop() is asyncio.get_running_loop() and not loading.done():
+        if loading is not None and loading.get_loop() is loop and not loading.done():
             return loading
         if self._hashes is not None and time.monotonic() < self._next_load_at:
-            done: asyncio.Future[frozenset[str]] = asyncio.get_running_loop().create_future()
+            done: asyncio.Future[frozenset[str]] = loop.create_future()
             done.set_result(self._hashes)
             return done
         loading = self._loading = asyncio.ensure_future(self._load())
