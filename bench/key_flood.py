@@ -21,8 +21,9 @@ The gateway runs with GATEWAY_AUTH_FAILURES_PER_MINUTE=0 (every client here is l
 the throttle on, all but the first 60 refusals are 429s, as cheap) unless --throttle.
 
 Per kind:
-1. The cost: the flood with nothing else sent; the gateway's CPU seconds over it (`/proc`, all
-   threads, less its idle rate measured just before) per refused request; its RSS before and after.
+1. The cost: the flood with nothing else sent, --cost-rounds times in a rotating order of the
+   kinds (the median kept); the gateway's CPU seconds over it (`/proc`, all threads, less its
+   idle rate measured just before) per refused request; its RSS before and after.
    (After a warm-up flood, not measured: a new process's heap grows over its first thousands of
    requests whatever they are.)
 2. The valid key beside it, --rounds times: a window of --alone-s with only the valid key's client
@@ -70,11 +71,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=1000.0,
                         help="refused requests a second offered beside the valid key (default 1000; 0: as fast as answered)")
     parser.add_argument("--rounds", type=int, help="floods timed beside the valid key per kind (default 2; --quick 1)")
+    parser.add_argument("--cost-rounds", type=int, help="floods of each kind measured alone, the median kept (default 3; --quick 1)")
     parser.add_argument("--alone-s", type=float, default=5.0, help="the valid key's window alone before each timed flood")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"kinds of bad key, comma-separated (default {','.join(KINDS)})")
     parser.add_argument("--throttle", type=int, default=0, help="the gateway's GATEWAY_AUTH_FAILURES_PER_MINUTE (default 0: off)")
     parser.add_argument("--b-root", type=Path, help="also run a gateway from this checkout (same database and workers), after this one's")
-    return h.parse_args(parser, quick={"requests": 600, "rounds": 1}, full={"requests": 3000, "rounds": 2})
+    return h.parse_args(parser, quick={"requests": 600, "rounds": 1, "cost_rounds": 1}, full={"requests": 3000, "rounds": 2, "cost_rounds": 3})
 
 
 def bad_key(kind: str, fixed: str) -> str:
@@ -187,20 +189,35 @@ def measure(gateway: h.GatewayProc, key: str, kinds: list[str], args: argparse.N
     # Warm-up, not measured: the first few thousand requests of a process grow its heap (the
     # allocator's arenas, Twisted's and daphne's caches) whatever their key.
     run_flood(gateway, "repeated", args)
-    # 1. The cost of each kind, nothing else running against the gateway.
+    # 1. The cost of each kind, nothing else running against the gateway: --cost-rounds floods of
+    # each, the kinds' order rotated every round (other sessions' load drifts), the median kept.
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    for turn in range(args.cost_rounds):
+        for kind in kinds[turn % len(kinds) :] + kinds[: turn % len(kinds)]:
+            idle_start = h.proc_cpu_seconds(gateway.pid)
+            time.sleep(2.0)
+            idle_per_s = (h.proc_cpu_seconds(gateway.pid) - idle_start) / 2.0  # heartbeats, registry refresh
+            rss_before = h.rss_mib(gateway.pid)
+            run = run_flood(gateway, kind, args)
+            refused = sum(run["statuses"].values())
+            cpu = max(0.0, run["cpu_s"] - idle_per_s * run["wall_s"])
+            runs[kind].append({
+                "answers": run["statuses"], "wall_s": run["wall_s"], "refused_per_s": refused / run["wall_s"],
+                "gateway_cpu_s": cpu, "gateway_cpu_ms_per_refusal": cpu / refused * 1000, "idle_cpu_s_per_s": idle_per_s,
+                "rss_mib_before": rss_before, "rss_mib_after": h.rss_mib(gateway.pid),
+            })  # fmt: skip
     for kind in kinds:
-        idle_start = h.proc_cpu_seconds(gateway.pid)
-        time.sleep(2.0)
-        idle_per_s = (h.proc_cpu_seconds(gateway.pid) - idle_start) / 2.0  # heartbeats, registry refresh
-        rss_before = h.rss_mib(gateway.pid)
-        run = run_flood(gateway, kind, args)
-        refused = sum(run["statuses"].values())
-        cpu = max(0.0, run["cpu_s"] - idle_per_s * run["wall_s"])
-        results[kind] = {
-            "answers": run["statuses"], "wall_s": run["wall_s"], "refused_per_s": refused / run["wall_s"],
-            "gateway_cpu_s": cpu, "gateway_cpu_ms_per_refusal": cpu / refused * 1000, "idle_cpu_s_per_s": idle_per_s,
-            "rss_mib_before": rss_before, "rss_mib_after": h.rss_mib(gateway.pid),
-        }  # fmt: skip
+        ordered = sorted(runs[kind], key=lambda r: r["gateway_cpu_ms_per_refusal"])
+        median = dict(ordered[len(ordered) // 2])
+        answers: Counter[str] = Counter()
+        for r in runs[kind]:
+            answers.update(r["answers"])
+        median["answers"] = dict(answers)
+        median["rss_mib_before"] = min(r["rss_mib_before"] for r in runs[kind])
+        median["rss_mib_after"] = max(r["rss_mib_after"] for r in runs[kind])
+        median["runs"] = runs[kind]
+        results[kind] = median
+    results["rss_mib_over_the_cost_floods"] = [runs[kinds[0]][0]["rss_mib_before"], h.rss_mib(gateway.pid)]
     # 2. The valid key beside each kind.
     timer = ApiTimer(gateway.url, key)
     timer.start()
@@ -227,8 +244,8 @@ def measure(gateway: h.GatewayProc, key: str, kinds: list[str], args: argparse.N
 def report(label: str, results: dict[str, Any], kinds: list[str]) -> None:
     repeated = results.get("repeated", {}).get("gateway_cpu_ms_per_refusal")
     h.print_table(
-        f"{label}: the gateway's cost per refused request, nothing else running",
-        ["kind", "answers", "refused/s", "CPU ms/refusal", "x repeated", "RSS MiB before", "after"],
+        f"{label}: the gateway's cost per refused request, nothing else running (median of the cost rounds; RSS over all)",
+        ["kind", "answers", "refused/s", "CPU ms/refusal", "x repeated", "RSS MiB min before", "max after"],
         [
             [kind, ", ".join(f"{s}: {n}" for s, n in sorted(r["answers"].items())), r["refused_per_s"], r["gateway_cpu_ms_per_refusal"],
              r["gateway_cpu_ms_per_refusal"] / repeated if repeated else None, r["rss_mib_before"], r["rss_mib_after"]]
