@@ -267,8 +267,8 @@ class KeyCache:
     """Looked-up keys (and misses) for a few seconds, one lookup at a time per key.
 
     A key the gateway did not issue (`is_issued` false, and not one of the `LegacyKeys`) is refused
-    here without a lookup and without an entry: random and malformed keys cost a hash, an HMAC and
-    a set lookup (~5 µs) and hold no memory.
+    here without a lookup and without an entry: random and malformed keys cost a hash, at most one
+    HMAC and a set lookup, and hold no memory.
 
     A burst of requests with a key whose entry has expired shares one database lookup instead of
     each sending its own (a thousand concurrent lookups once took half of the process's CPU and

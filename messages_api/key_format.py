@@ -7,7 +7,7 @@ random part under a secret of the deployment (`auth` derives it from SECRET_KEY)
 base62 characters (~35.7 bits): a key the gateway did not issue passes the check with a
 probability of 1 in 56.8 billion, and nobody without the secret can make one that passes more
 often. A public checksum (GitHub's CRC32 in `ghp_` tokens) would stop typos and lazy floods but not
-a client who read this module; a keyed one stops both, at the same cost (one HMAC, ~2 µs).
+a client who read this module; a keyed one stops both, at the same cost (one HMAC).
 
 The tag is a filter, never a credential: a key whose tag checks is still looked up in the database
 (revoked, deleted, or made by someone holding the secret: all refused there). A leaked secret only
