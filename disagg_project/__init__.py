@@ -13,9 +13,11 @@ neither app (`tests/unit/test_layers.py` enforces it), and the apps use only the
                                     log of what they change)
     log_text.py, tracebacks.py      outside text made safe for a log line; answered errors' frames
                                     let go
+    client_address.py               the client's address (the socket peer, or the one a trusted
+                                    proxy names)
 
 The rest is the project's own wiring: settings.py, urls.py, asgi.py (with gc_tuning.py,
-log_queue.py, login_guard.py, client_address.py), admin.py (users and groups) and relied_on.py
+log_queue.py, login_guard.py), admin.py (users and groups) and relied_on.py
 (every third-party internal the code relies on).
 
 The names load lazily: Django imports this package to read its settings (`disagg_project.settings`),
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 
 # Public name → (module, attribute).
 _HOMES = {
+    "address_of": ("disagg_project.client_address", "address_of"),
     "drop_tracebacks": ("disagg_project.tracebacks", "drop_tracebacks"),
     "GATEWAY_INSTANCE": ("disagg_project.ids", "GATEWAY_INSTANCE"),
     "get_shared_state": ("disagg_project.shared_state", "get_shared_state"),
@@ -45,6 +48,7 @@ _HOMES = {
     "shared_leases": ("disagg_project.shared_state", "leases"),
 }
 __all__ = [
+    "address_of",
     "drop_tracebacks",
     "GATEWAY_INSTANCE",
     "get_shared_state",
@@ -61,6 +65,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from disagg_project.client_address import address_of
     from disagg_project.admin_base import GuardedAdmin, ReadOnlyAdmin
     from disagg_project.commands import limit_argument, log_change
     from disagg_project.ids import GATEWAY_INSTANCE, new_id

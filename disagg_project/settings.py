@@ -67,6 +67,10 @@ if not SECRET_KEY:
             "SECRET_KEY is not set. Set SECRET_KEY, or DEBUG=1 for a development default."
         )
     SECRET_KEY = "dev-only-insecure-secret-key-do-not-use-in-production"
+# Former secret keys, comma-separated, still accepted while a rotation lasts (Django's own list:
+# sessions and signatures made under them stay valid). API keys are tagged under SECRET_KEY
+# (messages_api/key_format.py): a key tagged under a secret in neither is refused at the door.
+SECRET_KEY_FALLBACKS = [s.strip() for s in os.environ.get("SECRET_KEY_FALLBACKS", "").split(",") if s.strip()]
 
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h.strip()]
 CSRF_TRUSTED_ORIGINS = [
@@ -287,6 +291,20 @@ MESSAGES_BODY_READ_TIMEOUT_S = env_float("MESSAGES_BODY_READ_TIMEOUT_S", 30.0)
 # parses them (Python 3.11's cookie parser is quadratic in backslashes, CVE-2024-7592: ~130 ms of
 # CPU for 8 KiB of them; the admin's own cookies are ~150 bytes).
 GATEWAY_MAX_COOKIE_BYTES = env_int("GATEWAY_MAX_COOKIE_BYTES", 8192)
+# API keys (messages_api/auth.py). Only a key the gateway issued (its tag checks) or one issued
+# before keys carried a tag (their hashes are loaded from the database, and again every
+# GATEWAY_LEGACY_KEYS_REFRESH_S) is looked up; any other is refused without a query. At most
+# GATEWAY_KEY_LOOKUP_CONCURRENCY lookups run at once (each holds a database connection on a
+# thread); one that waits GATEWAY_KEY_LOOKUP_WAIT_S for its turn is answered 529 overloaded_error.
+GATEWAY_KEY_LOOKUP_CONCURRENCY = env_int("GATEWAY_KEY_LOOKUP_CONCURRENCY", 4)
+GATEWAY_KEY_LOOKUP_WAIT_S = env_float("GATEWAY_KEY_LOOKUP_WAIT_S", 2.0)
+GATEWAY_LEGACY_KEYS_REFRESH_S = env_float("GATEWAY_LEGACY_KEYS_REFRESH_S", 60.0)
+# Failed authentications per client address (messages_api/server/auth_throttle.py): this many at
+# once, then one each 60/N seconds; past that, the address's requests without a key this process
+# knows to be valid are answered 429 rate_limit_error with retry-after, without a lookup. The
+# address is the socket's peer, or behind TRUSTED_PROXIES the client they name; an IPv6 client
+# counts by its /64. 0: no throttle.
+GATEWAY_AUTH_FAILURES_PER_MINUTE = env_int("GATEWAY_AUTH_FAILURES_PER_MINUTE", 60)
 # Connections (messages_api/server/http_guard.py): a client address (the socket's peer) with this
 # many connections open has its next one closed at accept (0: no cap). Above what one address
 # legitimately holds open at once (a stream holds its connection; bench/stream_start.py runs 2,000

@@ -10,11 +10,13 @@ Other packages use only the names in `__all__` below and the Django places every
     consumers.py, routes.py       the API routes' Channels consumers, and the ASGI routing to them
     errors.py                     Anthropic's error envelope, and the one mapping to it
     audit.py, auth.py, metrics.py the audit row, API keys, Prometheus metrics
+    key_format.py                 the issued keys' form (a tag the gateway checks without the database)
     intake.py, limits/            bounded parsing of a body; per-key limits and their headers
     usage.py, usage_report.py     usage per key and hour (counted in memory, added to the rows);
     usage_chart.py                its admin page (SVG charts) and CSV
     server/                       daphne plumbing: the intake guard, direct writes, drain, state dump,
-                                  the event loop's lag (shedding), memory given back, the access log
+                                  the event loop's lag (shedding), memory given back, the access log,
+                                  failed authentications per address (auth_throttle.py)
 
 The names load lazily: Django imports this package before its models are ready.
 """

@@ -4,12 +4,18 @@
 - The body limit (`body_limit`): MESSAGES_MAX_BODY_BYTES on the API routes; on any other path
   (Django's pages, an unknown path: none takes a large body) Django's DATA_UPLOAD_MAX_MEMORY_SIZE
   if lower, so that a request without a key cannot have a large body read on another path.
-- The API key, on every route that requires one (`routes.requires_api_key`): a missing, unknown or
-  ambiguous credential is refused with 401 before a byte of the body is read. A key the cache
-  knows (valid or not) is decided at once; any other waits for its database lookup (shared with
-  every request carrying the same key, and cached: `auth.KeyCache`) while the connection is not
-  read. A lookup that fails lets the request through: the consumer looks again and answers as
-  it does for any failure.
+- The API key, on every route that requires one (`routes.requires_api_key`): a missing, unknown,
+  malformed or ambiguous credential is refused with 401 before a byte of the body is read. A key
+  the cache knows (valid or not) is decided at once, and so is one the gateway did not issue
+  (`auth.KeyCache`: no lookup); any other waits for its database lookup (shared with every
+  request carrying the same key, and cached) while the connection is not read. A lookup that
+  waited too long for its turn is answered 529 overloaded_error (`refusals.key_lookup_refusal`);
+  one that fails otherwise lets the request through: the consumer looks again and answers as it does for
+  any failure.
+- Failed authentications per client address (`auth_throttle`): past GATEWAY_AUTH_FAILURES_PER_MINUTE,
+  the address's requests are answered 429 rate_limit_error with `retry-after` instead of 401,
+  and any key this process has not found valid is not looked up for it; a known valid key goes
+  on. A request with a valid key the cache holds touches none of this.
 - `/metrics`: to loopback clients (the socket's own peer, and no proxy's forwarding header), or
   to whoever presents `Authorization: Bearer <METRICS_TOKEN>` when one is set (401 without it,
   403 off loopback without one set). The view applies the same rule to the address its server
@@ -30,17 +36,39 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 from urllib.parse import unquote
 
 from django.conf import settings
+from prometheus_client import Counter
 
-from messages_api.auth import INVALID_KEY, MISSING_KEY, NOT_CACHED, CredentialError, Principal, key_cache, key_from_values
+from disagg_project import address_of
+from messages_api.auth import (
+    INVALID_KEY,
+    MISSING_KEY,
+    NOT_CACHED,
+    CredentialError,
+    Principal,
+    key_cache,
+    key_from_values,
+)
 from messages_api.routes import requires_api_key
+from messages_api.server.auth_throttle import FailureThrottle
 
-__all__ = ["body_limit", "check", "FORWARDING_HEADERS", "is_loopback", "KeyLookup", "metrics_refusal", "Refusal", "scope_path"]
+__all__ = [
+    "body_limit",
+    "check",
+    "FORWARDING_HEADERS",
+    "is_loopback",
+    "KeyLookup",
+    "metrics_refusal",
+    "Refusal",
+    "scope_path",
+]
 
 METRICS_PATH = "/metrics"
 # Headers a proxy adds: a request carrying one came through a proxy, whatever its socket peer is.
@@ -60,6 +88,8 @@ class Refusal:
     error_type: str
     #: An API request without a valid key: counted and sampled into the audit as the consumers' 401s.
     unauthenticated: bool = False
+    #: Whole seconds for a `retry-after` header (429, 529).
+    retry_after: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +115,7 @@ def check(target: bytes, headers: RawHeaders, peer_host: str | None) -> Refusal 
         forwarded = any(headers.getRawHeaders(name) for name in FORWARDING_HEADERS)
         return metrics_refusal(headers.getRawHeaders(b"authorization") or (), peer_host, forwarded)
     if requires_api_key(path):
-        return _key_verdict(headers)
+        return _key_verdict(headers, peer_host)
     return None
 
 
@@ -109,19 +139,75 @@ def scope_path(target: bytes) -> str | None:
     return unquote(raw.split("?", 1)[0])
 
 
-def _key_verdict(headers: RawHeaders) -> Refusal | KeyLookup | None:
+auth_throttled = Counter(
+    "gateway_auth_throttled",
+    "API requests answered 429 because their client address failed authentication too often "
+    "(GATEWAY_AUTH_FAILURES_PER_MINUTE).",
+)
+_throttle: FailureThrottle | None = None
+
+
+def _key_verdict(headers: RawHeaders, peer_host: str | None) -> Refusal | KeyLookup | None:
     try:
         key = key_from_values(headers.getRawHeaders(b"x-api-key") or (), headers.getRawHeaders(b"authorization") or ())
     except CredentialError as exc:
-        return Refusal(401, str(exc), "authentication_error", unauthenticated=True)
+        return _failure(headers, peer_host, str(exc))
     if key is None:
-        return Refusal(401, MISSING_KEY, "authentication_error", unauthenticated=True)
+        return _failure(headers, peer_host, MISSING_KEY)
     known = key_cache.peek(key)
-    if known is NOT_CACHED:
-        return KeyLookup(key_cache.lookup(key))
     if known is None:
-        return Refusal(401, INVALID_KEY, "authentication_error", unauthenticated=True)
-    return None
+        return _failure(headers, peer_host, INVALID_KEY)
+    if known is NOT_CACHED:
+        address = _client_address(headers, peer_host)
+        if address is not None:
+            throttled = _throttled(address)
+            if throttled is not None and not key_cache.known(key):
+                return throttled
+        lookup = key_cache.lookup(key)
+        if address is not None:
+            lookup.add_done_callback(partial(_count_failure, address))
+        return KeyLookup(lookup)
+    return None  # a valid key the cache holds: no address, no throttle
+
+
+def _failure(headers: RawHeaders, peer_host: str | None, message: str) -> Refusal:
+    """A 401 with `message`, counted against the client's address, or its 429 if it is throttled."""
+    address = _client_address(headers, peer_host)
+    if address is not None:
+        throttled = _throttled(address)
+        if throttled is not None:
+            return throttled
+        _get_throttle().failed(address, time.monotonic())
+    return Refusal(401, message, "authentication_error", unauthenticated=True)
+
+
+def _throttled(address: str) -> Refusal | None:
+    wait = _get_throttle().retry_after(address, time.monotonic())
+    if wait is None:
+        return None
+    auth_throttled.inc()
+    return Refusal(
+        429, f"Too many requests without a valid API key from this address: retry after {wait} seconds", "rate_limit_error",
+        unauthenticated=True, retry_after=wait,
+    )
+
+
+def _count_failure(address: str, lookup: asyncio.Future[Principal | None]) -> None:
+    if not lookup.cancelled() and lookup.exception() is None and lookup.result() is None:
+        _get_throttle().failed(address, time.monotonic())
+
+
+def _get_throttle() -> FailureThrottle:
+    global _throttle
+    per_minute = settings.GATEWAY_AUTH_FAILURES_PER_MINUTE
+    if _throttle is None or _throttle.per_minute != per_minute:
+        _throttle = FailureThrottle(per_minute)
+    return _throttle
+
+
+def _client_address(headers: RawHeaders, peer_host: str | None) -> str | None:
+    forwarded = headers.getRawHeaders(b"x-forwarded-for") or ()
+    return address_of(peer_host, b",".join(forwarded).decode("latin-1"))
 
 
 def metrics_refusal(authorizations: Sequence[bytes], peer_host: str | None, forwarded: bool) -> Refusal | None:

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from messages_api.audit import AuditRecord, new_request_id, sample_anonymous
-from messages_api.auth import INVALID_KEY, Principal
+from messages_api.auth import INVALID_KEY, KeyLookupOverloaded, Principal
 from messages_api.errors import error_body, error_type_for_status
 from messages_api.models import RequestStatus
 from messages_api.server.header_gate import Refusal, scope_path
@@ -88,9 +88,15 @@ def read_timed_out(seconds: float) -> Refusal:
 
 
 def key_lookup_refusal(lookup: asyncio.Future[Principal | None]) -> Refusal | None:
-    """The verdict of a finished key lookup: 401 when it found no valid key; None (go on) for a
-    key, and for a lookup that failed or was cancelled (the consumer looks again and answers)."""
-    if not lookup.cancelled() and lookup.exception() is None and lookup.result() is None:
+    """The verdict of a finished key lookup: 401 when it found no valid key, 529 when it got no
+    turn (`KeyLookupOverloaded`); None (go on) for a key, and for a lookup that failed otherwise
+    or was cancelled (the consumer looks again and answers)."""
+    if lookup.cancelled():
+        return None
+    exc = lookup.exception()
+    if isinstance(exc, KeyLookupOverloaded):
+        return Refusal(exc.status, exc.message, exc.error_type, unauthenticated=True, retry_after=1)
+    if exc is None and lookup.result() is None:
         return Refusal(401, INVALID_KEY, "authentication_error", unauthenticated=True)
     return None
 
@@ -103,13 +109,21 @@ def refusal_bytes(refusal: Refusal, request_id: str | None = None) -> bytes:
     request_id = request_id or new_request_id()
     body = orjson.dumps(error_body(refusal.error_type, refusal.message, request_id))
     head = (
-        f"HTTP/1.1 {refusal.status} {HTTPStatus(refusal.status).phrase}\r\n"
+        f"HTTP/1.1 {refusal.status} {_phrase(refusal.status)}\r\n"
         "content-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
         f"request-id: {request_id}\r\n"
-        "connection: close\r\n\r\n"
+        + (f"retry-after: {refusal.retry_after}\r\n" if refusal.retry_after is not None else "")
+        + "connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # 529 is Anthropic's (overloaded), not HTTP's: HTTPStatus has no phrase for it
+        return "Overloaded"
 
 
 def error_page(status: int, reason: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from messages_api.audit import AuditRecord
-from messages_api.auth import INVALID_KEY, Principal
+from messages_api.auth import INVALID_KEY, KeyLookupOverloaded, Principal
 from messages_api.models import RequestStatus
 from messages_api.server import refusals
 from messages_api.server.header_gate import Refusal
@@ -64,19 +64,19 @@ def test_a_request_not_received_in_time_is_a_408_timeout_error() -> None:
     assert refusals.read_timed_out(30.0).message == "The request was not received within 30 seconds"
 
 
+def finished(result: Principal | None = None, error: BaseException | None = None, cancel: bool = False) -> asyncio.Future[Principal | None]:
+    """A key lookup that has ended: with `result`, with `error`, or cancelled."""
+    lookup: asyncio.Future[Principal | None] = asyncio.get_running_loop().create_future()
+    if cancel:
+        lookup.cancel()
+    elif error is not None:
+        lookup.set_exception(error)
+    else:
+        lookup.set_result(result)
+    return lookup
+
+
 async def test_only_a_lookup_that_found_no_valid_key_is_refused() -> None:
-    loop = asyncio.get_running_loop()
-
-    def finished(result: Principal | None = None, error: BaseException | None = None, cancel: bool = False) -> asyncio.Future[Principal | None]:
-        lookup: asyncio.Future[Principal | None] = loop.create_future()
-        if cancel:
-            lookup.cancel()
-        elif error is not None:
-            lookup.set_exception(error)
-        else:
-            lookup.set_result(result)
-        return lookup
-
     assert refusals.key_lookup_refusal(finished(None)) == Refusal(401, INVALID_KEY, "authentication_error", unauthenticated=True)
     principal = Principal(key_hash="h", name="k")
     assert refusals.key_lookup_refusal(finished(principal)) is None
@@ -138,3 +138,11 @@ def test_an_unauthenticated_refusal_ends_its_record_and_writes_its_row_only_when
         request_id, "POST /v1/messages", RequestStatus.REJECTED, 401
     )
     assert (row["error_type"], row["error_message"]) == ("authentication_error", f"{INVALID_KEY} (and 2 more)")
+
+
+async def test_a_lookup_that_got_no_turn_is_a_529_with_retry_after() -> None:
+    overloaded = refusals.key_lookup_refusal(finished(error=KeyLookupOverloaded()))
+    assert overloaded is not None and (overloaded.status, overloaded.error_type) == (529, "overloaded_error")
+    assert overloaded.unauthenticated and overloaded.retry_after == 1
+    head = refusals.refusal_bytes(overloaded, "req_x").split(b"\r\n\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 529 Overloaded\r\n") and b"\r\nretry-after: 1\r\n" in head
