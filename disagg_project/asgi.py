@@ -13,7 +13,7 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
 from disagg_project import gc_tuning, login_guard  # noqa: E402
-from messages_api import http_application  # noqa: E402
+from messages_api import http_application, start_batch_runner  # noqa: E402
 from workers import start_services  # noqa: E402
 
 # Django's side first answers the admin logins of clients locked out (disagg_project/login_guard.py).
@@ -75,6 +75,7 @@ def _no_delay_on_listening_sockets(reactor: object) -> None:
 
 async def _start() -> None:
     start_services()
+    start_batch_runner()  # Message Batches' items, claimed from the database (messages_api/batches/)
     gc_tuning.install()
 
 

@@ -11,3 +11,6 @@ class MessagesApiConfig(AppConfig):
         from workers import process_abandoned
 
         process_abandoned.connect(close_abandoned_requests, dispatch_uid="messages_api.close_abandoned_requests")
+        from messages_api.batches.runner import release_abandoned
+
+        process_abandoned.connect(release_abandoned, dispatch_uid="messages_api.batches.release_abandoned")

@@ -180,7 +180,11 @@ class KeyCache:
         return self._shared_lookup(hash_key(key))
 
     async def authenticate(self, key: str) -> Principal | None:
-        digest = hash_key(key)
+        return await self.authenticate_hash(hash_key(key))
+
+    async def authenticate_hash(self, digest: str) -> Principal | None:
+        """`authenticate` for a key known by its hash (a Message Batch's owner, whose items run
+        without the key's request)."""
         now = time.monotonic()
         cached = self._peek(digest, now)
         if cached is NOT_CACHED:

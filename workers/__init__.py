@@ -50,6 +50,8 @@ _HOMES = {
     "AGGREGATED": "workers.protocols.base",
     "ReadOnlyAdmin": "workers.admin",
     "Priority": "workers.admission.queue",
+    "admission_waiting": "workers.admission.queue",
+    "DatabaseThread": "workers.cluster.db_thread",
     "limit_argument": "workers.management.arguments",
     "log_change": "workers.management.changes",
     "Script": "workers.cluster.shared_state",
@@ -62,6 +64,7 @@ _HOMES = {
 __all__ = [
     "AGGREGATED",
     "ChatRun",
+    "DatabaseThread",
     "RenderedChat",
     "ContextLengthExceeded",
     "GATEWAY_INSTANCE",
@@ -77,6 +80,7 @@ __all__ = [
     "RunTrace",
     "Traced",
     "WorkerError",
+    "admission_waiting",
     "candidates",
     "choose_pool",
     "close_transport",
@@ -96,7 +100,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from workers.admin import GuardedAdmin, ReadOnlyAdmin
-    from workers.admission.queue import Priority
+    from workers.admission.queue import Priority, admission_waiting
+    from workers.cluster.db_thread import DatabaseThread
     from workers.cluster.shared_state import Script, get_shared_state, lease_expiry
     from workers.cluster.shared_state import leases as shared_leases
     from workers.cluster.instance import GATEWAY_INSTANCE, new_id

@@ -36,6 +36,9 @@ DEFAULT_ENV = {
     # Every gateway probes every endpoint in the (shared) test database: probing is off unless a
     # test starts a gateway of its own for it.
     "HEALTH_CHECK_INTERVAL_S": "3600",
+    # Every gateway shares the test database: only a test of Message Batches runs a batch runner
+    # (tests/e2e/test_batches*.py), so that no other gateway claims its items.
+    "BATCH_RUNNER_ENABLED": "0",
     # This run's own keys in a shared Redis (only gateways started with REDIS_URL use it).
     "REDIS_KEY_PREFIX": f"test-{os.getpid()}-{secrets.token_hex(4)}:",
 }
