@@ -25,6 +25,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Count, F
 
 from messages_api.batches.schema import BatchView, ItemSpec, PageQuery, new_batch_id
@@ -43,6 +44,7 @@ __all__ = [
     "archive",
     "cancel_batch",
     "claim",
+    "claimable",
     "create_batch",
     "delete_batch",
     "finish",
@@ -206,13 +208,13 @@ class Claimed:
     key_hash: str
 
 
-def claimable(now: datetime) -> Any:
-    """The queued items a claim may take, oldest batch first: on PostgreSQL locked as they are
-    read, skipping rows another process's claim holds."""
+def claimable(now: datetime, database: BaseDatabaseWrapper = connection) -> Any:
+    """The queued items a claim may take, oldest batch first: on a database that can (PostgreSQL)
+    locked as they are read, skipping rows another process's claim holds."""
     items = BatchItem.objects.filter(
         state=ItemState.QUEUED, not_before__lte=now, batch__processing_status=BatchStatus.IN_PROGRESS
     ).order_by("pk")
-    if connection.features.has_select_for_update_skip_locked:
+    if database.features.has_select_for_update_skip_locked:
         items = items.select_for_update(skip_locked=True, of=("self",))
     return items
 
