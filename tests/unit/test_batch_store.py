@@ -187,3 +187,18 @@ def test_the_postgresql_claim_locks_and_skips() -> None:
 
     if connection.vendor == "sqlite":
         assert "FOR UPDATE" not in str(store.claimable(datetime.now(timezone.utc)).query)
+
+
+def test_prune_audit_archives_batches_past_their_retention(settings: Any) -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    key, batch = new_batch(1)
+    store.cancel_batch(key.pk, batch.batch_id)
+    settings.BATCH_RESULTS_RETENTION_S = 3600
+    MessageBatch.objects.update(created_at=datetime.now(timezone.utc) - timedelta(hours=2))
+    out = StringIO()
+    call_command("prune_audit", "--older-than", "30d", stdout=out)
+    assert "archived 1 message batches" in out.getvalue()
+    assert store.get_batch(key.pk, batch.batch_id).archived_at is not None  # type: ignore[union-attr]
