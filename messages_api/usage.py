@@ -1,7 +1,8 @@
 """Usage per API key and UTC hour: requests, tokens, errors by type, time queued.
 
 Every request that ends with a key (`AuditRecord.end`) is added to this process's tally of its
-key and hour: a dict lookup and a few additions on the event loop, no query. A thread of the
+key and hour (a Message Batch item's attempt also to the hour's `batch_*` counts, the part of its
+requests and tokens that batches were): a dict lookup and a few additions on the event loop, no query. A thread of the
 recorder's own adds the tallies to the database every `USAGE_FLUSH_INTERVAL_S`, at exit, and on
 `flush()`: one `INSERT … ON CONFLICT (api_key_id, hour) DO UPDATE SET requests = requests +
 excluded.requests, …` for all of them, on SQLite and PostgreSQL alike. Increments, not values: any
@@ -50,7 +51,10 @@ logger = logging.getLogger(__name__)
 HOUR_S = 3600
 # Names looked up per query (well under SQLite's and PostgreSQL's parameter limits).
 NAMES_PER_QUERY = 500
-COUNTED = ("requests", "input_tokens", "output_tokens", "cache_read_tokens", "queued_ms_total")
+COUNTED = (
+    "requests", "input_tokens", "output_tokens", "cache_read_tokens", "queued_ms_total",
+    "batch_requests", "batch_input_tokens", "batch_output_tokens",
+)
 
 
 @dataclass(slots=True)
@@ -63,6 +67,10 @@ class Tally:
     cache_read_tokens: int = 0
     queued_ms_total: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    # The part of the above that Message Batch items were (counted in them too).
+    batch_requests: int = 0
+    batch_input_tokens: int = 0
+    batch_output_tokens: int = 0
 
     def add(self, other: Tally) -> None:
         self.requests += other.requests
@@ -72,6 +80,9 @@ class Tally:
         self.queued_ms_total += other.queued_ms_total
         for error_type, count in other.errors.items():
             self.errors[error_type] = self.errors.get(error_type, 0) + count
+        self.batch_requests += other.batch_requests
+        self.batch_input_tokens += other.batch_input_tokens
+        self.batch_output_tokens += other.batch_output_tokens
 
 
 TallyKey = tuple[int | str, int]  # (API key id, or its name when the id is not known; hours since the epoch)
@@ -136,8 +147,13 @@ class UsageRecorder:
                     self._start()
             tally.requests += 1
             # Input as billed: what was not read from a cache, written to one included.
-            tally.input_tokens += (record.input_tokens or 0) + (record.cache_creation_input_tokens or 0)
+            input_tokens = (record.input_tokens or 0) + (record.cache_creation_input_tokens or 0)
+            tally.input_tokens += input_tokens
             tally.output_tokens += record.output_tokens or 0
+            if record.batch_id:
+                tally.batch_requests += 1
+                tally.batch_input_tokens += input_tokens
+                tally.batch_output_tokens += record.output_tokens or 0
             tally.cache_read_tokens += record.cache_read_input_tokens or 0
             tally.queued_ms_total += record.queued_ms or 0.0
             if record.error_type:
@@ -146,7 +162,8 @@ class UsageRecorder:
     def pending(self) -> dict[TallyKey, Tally]:
         """A copy of the tallies not written yet (tests)."""
         with self._lock:
-            return {key: Tally(t.requests, t.input_tokens, t.output_tokens, t.cache_read_tokens, t.queued_ms_total, dict(t.errors))
+            return {key: Tally(t.requests, t.input_tokens, t.output_tokens, t.cache_read_tokens, t.queued_ms_total, dict(t.errors),
+                               t.batch_requests, t.batch_input_tokens, t.batch_output_tokens)
                     for key, t in self._pending.items()}  # fmt: skip
 
     def flush(self) -> bool:
@@ -211,7 +228,8 @@ class UsageRecorder:
                 sql,
                 [
                     (key_id, hour_field.get_db_prep_save(hour_start(hour), connection), t.requests, t.input_tokens,
-                     t.output_tokens, t.cache_read_tokens, t.queued_ms_total, no_errors)
+                     t.output_tokens, t.cache_read_tokens, t.queued_ms_total, t.batch_requests, t.batch_input_tokens,
+                     t.batch_output_tokens, no_errors)
                     for key_id, hour, t in rows
                 ],
             )  # fmt: skip
