@@ -111,8 +111,9 @@ class MessageRequest(models.Model):
     queued_ms = models.FloatField(null=True, blank=True, help_text="Time spent in the admission queue waiting for worker capacity.")
     gateway_instance = models.CharField(max_length=64, blank=True, default="", db_index=True)
     # A Message Batch item's attempt: the batch's id and the item's custom_id (empty otherwise).
-    batch_id = models.CharField(max_length=64, blank=True, default="", db_index=True)
-    custom_id = models.CharField(max_length=64, blank=True, default="")
+    # Database defaults too: the row writer inserts the columns it is given.
+    batch_id = models.CharField(max_length=64, blank=True, default="", db_default="", db_index=True)
+    custom_id = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     class Meta:
         verbose_name = "message request"
@@ -142,9 +143,9 @@ class KeyUsage(models.Model):
     errors = models.JSONField(default=dict, blank=True, help_text="Error type → requests that ended with it.")
     queued_ms_total = models.FloatField(default=0.0, help_text="Time the hour's requests spent in the admission queue, summed.")
     # The part of the above that Message Batch items were (their attempts, each a request).
-    batch_requests = models.PositiveBigIntegerField(default=0)
-    batch_input_tokens = models.PositiveBigIntegerField(default=0)
-    batch_output_tokens = models.PositiveBigIntegerField(default=0)
+    batch_requests = models.PositiveBigIntegerField(default=0, db_default=0)
+    batch_input_tokens = models.PositiveBigIntegerField(default=0, db_default=0)
+    batch_output_tokens = models.PositiveBigIntegerField(default=0, db_default=0)
 
     class Meta:
         verbose_name = "key usage (hour)"
