@@ -39,11 +39,11 @@ from django.conf import settings
 
 from messages_api import metrics
 from messages_api.answer import answer_message, end_failed
-from messages_api.audit import AuditRecord
+from messages_api.audit import AuditRecord, sample_refused
 from messages_api.auth import key_cache
 from messages_api.batches import store
 from messages_api.batches.store import Claimed
-from messages_api.errors import AnthropicError, DeadlineExceeded
+from messages_api.errors import AnthropicError, DeadlineExceeded, client_error, operator_detail
 from messages_api.models import RequestStatus, ResultType
 from messages_api.revocation import KeyRevoked, open_requests
 from workers import GATEWAY_INSTANCE, Priority, admission_waiting
@@ -78,6 +78,9 @@ class _Running:
 class BatchRunner:
     running: dict[int, _Running] = field(default_factory=dict)
     renewed_at: float = field(default_factory=time.monotonic)
+    #: Keys (hashes) refused for their limits, until when (monotonic): their batches' items are
+    #: not claimed meanwhile, so a key over its limits costs no attempts, rows or claims.
+    paused: dict[str, float] = field(default_factory=dict)
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
     def wake(self) -> None:
@@ -103,8 +106,12 @@ class BatchRunner:
             claimed: list[Claimed] = []
             room = self.room()
             if room > 0:
+                now = time.monotonic()
+                self.paused = {key: until for key, until in self.paused.items() if until > now}
                 try:
-                    claimed = await store.RUNNER_THREAD.run(store.claim, GATEWAY_INSTANCE, room, settings.BATCH_LEASE_S)
+                    claimed = await store.RUNNER_THREAD.run(
+                        store.claim, GATEWAY_INSTANCE, room, settings.BATCH_LEASE_S, tuple(self.paused)
+                    )
                 except Exception:
                     logger.exception("could not claim batch items; retrying")
             for item in claimed:
@@ -169,7 +176,19 @@ class BatchRunner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            error = end_failed(record, exc)
+            if not record.begun and client_error(exc).status == 429:
+                # The key is over its limits: refused before it was accepted, as an HTTP client
+                # flooding past them would be, its row sampled (audit.sample_refused); its other
+                # items wait with it.
+                error = client_error(exc)
+                self.paused[principal.key_hash] = time.monotonic() + (error.retry_after or 1.0)
+                sampled = sample_refused(principal.name, operator_detail(exc, error))
+                record.end(
+                    RequestStatus.REJECTED, http_status=429, error_type=error.error_type, error_message=sampled or "",
+                    persist=sampled is not None,
+                )
+            else:
+                error = end_failed(record, exc)
             if error.status in RETRY_ALWAYS or (error.status >= 500 and item.attempt < settings.BATCH_MAX_ATTEMPTS):
                 await self._retry(running, record, error)
             else:

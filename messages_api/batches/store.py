@@ -19,6 +19,7 @@ once (a conditional update on its status).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -219,11 +220,15 @@ def claimable(now: datetime, database: BaseDatabaseWrapper = connection) -> Any:
     return items
 
 
-def claim(instance: str, size: int, lease_s: float) -> list[Claimed]:
-    """Claim up to `size` queued items for `instance`, leased for `lease_s` seconds."""
+def claim(instance: str, size: int, lease_s: float, paused_keys: Collection[str] = ()) -> list[Claimed]:
+    """Claim up to `size` queued items for `instance`, leased for `lease_s` seconds; none of the
+    batches of the keys (hashes) in `paused_keys`."""
     now = _now()
     with transaction.atomic():
-        pks = list(claimable(now).values_list("pk", flat=True)[:size])
+        items = claimable(now)
+        if paused_keys:
+            items = items.exclude(batch__api_key__key_hash__in=list(paused_keys))
+        pks = list(items.values_list("pk", flat=True)[:size])
         if not pks:
             return []
         BatchItem.objects.filter(pk__in=pks, state=ItemState.QUEUED).update(

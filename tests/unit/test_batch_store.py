@@ -202,3 +202,11 @@ def test_prune_audit_archives_batches_past_their_retention(settings: Any) -> Non
     call_command("prune_audit", "--older-than", "30d", stdout=out)
     assert "archived 1 message batches" in out.getvalue()
     assert store.get_batch(key.pk, batch.batch_id).archived_at is not None  # type: ignore[union-attr]
+
+
+def test_a_paused_keys_items_are_not_claimed() -> None:
+    limited, _ = new_batch(2)
+    other, _ = new_batch(1)
+    claimed = store.claim(ME, 10, 60, paused_keys=[limited.key_hash])
+    assert [c.key_hash for c in claimed] == [other.key_hash]
+    assert len(store.claim(ME, 10, 60)) == 2
