@@ -240,3 +240,23 @@ def test_expiry(cluster: Cluster, gateways: Callable[..., Gateway]) -> None:
         assert sorted(r.result.type for r in client.messages.batches.results(batch.id)) == ["expired", "expired"]
     wait_until(lambda: cluster.context.stats()["aborted"] >= 1, message="the expired items' worker requests were not aborted")
     assert all(i.result_type == "expired" for i in BatchItem.objects.filter(batch__batch_id=batch.id))
+
+
+def test_an_overloaded_worker_is_retried_until_expiry_not_errored(cluster: Cluster, gateways: Callable[..., Gateway]) -> None:
+    """A worker that answers 503 (overloaded) makes its item wait and try again, never `errored`;
+    the key's concurrency limit (429) likewise: each such item still ends `succeeded`, or `expired`."""
+    from messages_api.models import ApiKey, BatchItem
+
+    gateway = gateways(**BATCH_ENV, BATCH_EXPIRY_S="10")
+    wait_registered(gateway, cluster)
+    ApiKey.objects.update(max_concurrency=1)
+    with sdk_client(gateway.url, cluster.key) as client:
+        batch = client.messages.batches.create(
+            requests=[item("busy", "[sim context_status=503]", cluster.model)]
+            + [item(f"ok{n}", f"fine {n} [sim tokens=1]", cluster.model) for n in range(3)]  # type: ignore[list-item]
+        )
+        done = ended(client, batch.id, timeout=30)
+        results = {r.custom_id: r.result.type for r in client.messages.batches.results(batch.id)}
+    assert results == {"busy": "expired", "ok0": "succeeded", "ok1": "succeeded", "ok2": "succeeded"}
+    assert done.request_counts.errored == 0
+    assert BatchItem.objects.get(batch__batch_id=batch.id, custom_id="busy").attempts >= 2
