@@ -202,10 +202,21 @@ class BatchRunner:
         await self._write(running, ResultType.ERRORED, _errored_result(error, record.request_id), record.request_id)
 
     async def _write(self, running: _Running, result_type: str, result: str, request_id: str) -> None:
-        """The item's one result, if this claim still holds it."""
-        written = await asyncio.shield(
-            store.RUNNER_THREAD.run(store.finish, GATEWAY_INSTANCE, running.item, result_type, result, request_id)
-        )
+        """The item's one result, if this claim still holds it. A write that fails (the database
+        away) is tried again while the item is held (its lease renewed meanwhile): given up, the
+        item would run again."""
+        delay = 0.1
+        while True:
+            try:
+                written = await asyncio.shield(
+                    store.RUNNER_THREAD.run(store.finish, GATEWAY_INSTANCE, running.item, result_type, result, request_id)
+                )
+                break
+            except Exception:
+                logger.warning("batch item %s/%s: its result could not be written; trying again", running.item.batch_id,
+                               running.item.custom_id, exc_info=True)  # fmt: skip
+                await asyncio.sleep(delay)  # cancelled when the lease is lost
+                delay = min(delay * 2, 5.0)
         if written:
             metrics.batch_items.labels(result_type).inc()
 

@@ -21,9 +21,27 @@ from tests.support.simworkers import SimWorker
 BATCH_ENV = {"BATCH_RUNNER_ENABLED": "1", "BATCH_POLL_INTERVAL_S": "0.1", "BATCH_SWEEP_INTERVAL_S": "0.2", "BATCH_RETRY_BASE_S": "0.2", "BATCH_RETRY_MAX_S": "1"}
 
 
+@pytest.fixture(scope="module")
+def batch_gateways(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Callable[..., Gateway]]:
+    """`batch_gateways(**env)` → a running gateway with a batch runner (one per distinct env),
+    stopped with this module: a runner left running would claim the next module's items."""
+    running: dict[tuple[tuple[str, str], ...], Gateway] = {}
+
+    def get(**env: str) -> Gateway:
+        key = tuple(sorted(env.items()))
+        if key not in running:
+            with django_db_blocker.unblock():
+                running[key] = Gateway({**BATCH_ENV, **env}).start()
+        return running[key]
+
+    yield get
+    for gateway in running.values():
+        gateway.stop()
+
+
 @pytest.fixture
-def batch_gateway(gateways: Callable[..., Gateway]) -> Gateway:
-    return gateways(**BATCH_ENV)
+def batch_gateway(batch_gateways: Callable[..., Gateway]) -> Gateway:
+    return batch_gateways()
 
 
 @pytest.fixture
@@ -146,11 +164,11 @@ def test_refused_whole(client: anthropic.Anthropic, cluster: Cluster, batch_gate
     assert not MessageBatch.objects.exists()
 
 
-def test_refused_model_and_sizes(cluster: Cluster, gateways: Callable[..., Gateway]) -> None:
+def test_refused_model_and_sizes(cluster: Cluster, batch_gateways: Callable[..., Gateway]) -> None:
     from messages_api.auth import create_api_key
     from messages_api.models import ApiKey, MessageBatch
 
-    gateway = gateways(**BATCH_ENV, BATCH_MAX_REQUESTS="3", BATCH_MAX_BYTES="4000")
+    gateway = batch_gateways(BATCH_MAX_REQUESTS="3", BATCH_MAX_BYTES="4000")
     wait_registered(gateway, cluster)
     limited, limited_key = create_api_key("limited-models")
     ApiKey.objects.filter(pk=limited.pk).update(allowed_models=["other-*"])
@@ -224,12 +242,12 @@ def test_delete_and_results_wait_for_the_end(client: anthropic.Anthropic, cluste
     assert client.messages.batches.delete(batch.id).type == "message_batch_deleted"
 
 
-def test_expiry(cluster: Cluster, gateways: Callable[..., Gateway]) -> None:
+def test_expiry(cluster: Cluster, batch_gateways: Callable[..., Gateway]) -> None:
     """Unfinished items expire with their batch, running ones too (their runner gives them up at
     its next renewal, and writes nothing)."""
     from messages_api.models import BatchItem
 
-    gateway = gateways(**BATCH_ENV, BATCH_EXPIRY_S="1.5", BATCH_LEASE_S="1.5")
+    gateway = batch_gateways(BATCH_EXPIRY_S="1.5", BATCH_LEASE_S="1.5")
     wait_registered(gateway, cluster)
     with sdk_client(gateway.url, cluster.key) as client:
         batch = client.messages.batches.create(
@@ -242,12 +260,12 @@ def test_expiry(cluster: Cluster, gateways: Callable[..., Gateway]) -> None:
     assert all(i.result_type == "expired" for i in BatchItem.objects.filter(batch__batch_id=batch.id))
 
 
-def test_an_overloaded_worker_is_retried_until_expiry_not_errored(cluster: Cluster, gateways: Callable[..., Gateway]) -> None:
+def test_an_overloaded_worker_is_retried_until_expiry_not_errored(cluster: Cluster, batch_gateways: Callable[..., Gateway]) -> None:
     """A worker that answers 503 (overloaded) makes its item wait and try again, never `errored`;
     the key's concurrency limit (429) likewise: each such item still ends `succeeded`, or `expired`."""
     from messages_api.models import ApiKey, BatchItem
 
-    gateway = gateways(**BATCH_ENV, BATCH_EXPIRY_S="10")
+    gateway = batch_gateways(BATCH_EXPIRY_S="10")
     wait_registered(gateway, cluster)
     ApiKey.objects.update(max_concurrency=1)
     with sdk_client(gateway.url, cluster.key) as client:
