@@ -55,3 +55,14 @@ def test_cancel_needs_the_change_permission() -> None:
     reader = client_with("view_messagebatch", "view_messagerequest")
     page = reader.get(reverse("admin:messages_api_messagebatch_changelist")).content.decode()
     assert "cancel_batches" not in page
+
+
+def test_the_overview_counts_batches_in_progress_and_their_items() -> None:
+    from messages_api.overview import batch_figure
+
+    key, _ = create_api_key("batch-owner")
+    store.create_batch(key.pk, key.name, [ItemSpec(f"i{n}", b"{}") for n in range(3)])
+    store.claim("host:1:x", 1, 60)
+    assert batch_figure() == ("batches in progress", "1", "2 items waiting, 1 running")
+    page = client_with(superuser=True).get(reverse("admin:cluster_overview_live")).content.decode()
+    assert "batches in progress" in page and "2 items waiting, 1 running" in page
