@@ -168,7 +168,7 @@ def test_refused_model_and_sizes(cluster: Cluster, batch_gateways: Callable[...,
     from messages_api.auth import create_api_key
     from messages_api.models import ApiKey, MessageBatch
 
-    gateway = batch_gateways(BATCH_MAX_REQUESTS="3", BATCH_MAX_BYTES="4000")
+    gateway = batch_gateways(BATCH_MAX_REQUESTS="3", BATCH_MAX_BYTES="8000", MESSAGES_MAX_BODY_BYTES="4000")
     wait_registered(gateway, cluster)
     limited, limited_key = create_api_key("limited-models")
     ApiKey.objects.filter(pk=limited.pk).update(allowed_models=["other-*"])
@@ -181,15 +181,18 @@ def test_refused_model_and_sizes(cluster: Cluster, batch_gateways: Callable[...,
             client.messages.batches.create(requests=[item(f"i{n}", "hi", cluster.model) for n in range(4)])  # type: ignore[misc]
         assert "at most 3" in refused.value.message
         with pytest.raises(anthropic.APIStatusError) as too_large:
-            client.messages.batches.create(requests=[item("big", "x" * 5000, cluster.model)])  # type: ignore[list-item]
+            client.messages.batches.create(requests=[item("big", "x" * 9000, cluster.model)])  # type: ignore[list-item]
         assert too_large.value.status_code == 413 and too_large.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
-    assert not MessageBatch.objects.exists()
-    # The batch route's limit is its own: a /v1/messages body of the same size is accepted.
+        assert not MessageBatch.objects.exists()
+        # The batch route's limit is its own, both ways: a batch larger than a message may be...
+        accepted = client.messages.batches.create(requests=[item("big", "x" * 5000 + " [sim tokens=1]", cluster.model)])  # type: ignore[list-item]
+        assert accepted.request_counts.processing == 1
+    # ...and a message of that size is still refused.
     answer = httpx.post(
         gateway.url + "/v1/messages", headers=cluster.headers(),
-        json={"model": cluster.model, "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 5000 + " [sim tokens=1]"}]},
+        json={"model": cluster.model, "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 5000}]},
     )
-    assert answer.status_code == 200, answer.text
+    assert answer.status_code == 413 and answer.json()["error"]["type"] == "request_too_large", answer.text
 
 
 def test_worker_error_item_is_errored_with_the_envelope(client: anthropic.Anthropic, cluster: Cluster) -> None:
