@@ -10,6 +10,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import orjson
 import pytest
 
 from tests.support.cluster import Cluster, register_cluster, wait_registered, wait_until
@@ -281,3 +282,30 @@ def test_an_overloaded_worker_is_retried_until_expiry_not_errored(cluster: Clust
     assert results == {"busy": "expired", "ok0": "succeeded", "ok1": "succeeded", "ok2": "succeeded"}
     assert done.request_counts.errored == 0
     assert BatchItem.objects.get(batch__batch_id=batch.id, custom_id="busy").attempts >= 2
+
+
+def test_results_of_a_large_batch(cluster: Cluster, batch_gateway: Gateway) -> None:
+    """20,000 results stream as JSON Lines (read from the database BATCH_RESULTS_CHUNK at a time),
+    each line one item's, every item once. The rows are written here: the runner is not what is
+    tested."""
+    from datetime import datetime, timezone
+
+    from messages_api.auth import hash_key
+    from messages_api.batches import store
+    from messages_api.batches.schema import ItemSpec
+    from messages_api.models import ApiKey, BatchItem, MessageBatch
+
+    key = ApiKey.objects.get(key_hash=hash_key(cluster.key))
+    count = 20_000
+    batch = store.create_batch(key.pk, key.name, [ItemSpec(f"item-{n}", b"{}") for n in range(count)])
+    BatchItem.objects.filter(batch__batch_id=batch.batch_id).update(state="done", result_type="expired", result=store.EXPIRED_RESULT)
+    MessageBatch.objects.filter(batch_id=batch.batch_id).update(processing_status="ended", ended_at=datetime.now(timezone.utc), expired=count)
+    seen: set[str] = set()
+    url = batch_gateway.url + f"/v1/messages/batches/{batch.batch_id}/results"
+    with httpx.stream("GET", url, headers=cluster.headers(), timeout=60) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            parsed = orjson.loads(line)
+            assert parsed == {"custom_id": parsed["custom_id"], "result": {"type": "expired"}}
+            seen.add(parsed["custom_id"])
+    assert seen == {f"item-{n}" for n in range(count)}
