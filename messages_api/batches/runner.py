@@ -46,6 +46,7 @@ from messages_api.batches.store import Claimed
 from messages_api.errors import AnthropicError, DeadlineExceeded, client_error, operator_detail
 from messages_api.models import RequestStatus, ResultType
 from messages_api.revocation import KeyRevoked, open_requests
+from messages_api.server.drain import is_draining
 from workers import GATEWAY_INSTANCE, Priority, admission_waiting
 
 __all__ = ["BatchRunner", "release_abandoned", "start", "wake"]
@@ -96,8 +97,9 @@ class BatchRunner:
     # --- claims ---------------------------------------------------------------------------------
 
     def room(self) -> int:
-        """How many items this process may claim now."""
-        if admission_waiting(Priority.BATCH) >= settings.BATCH_QUEUE_TARGET:
+        """How many items this process may claim now: none while it drains (SIGTERM; the items it
+        runs go on, and recovery gives back those it is stopped with)."""
+        if is_draining() or admission_waiting(Priority.BATCH) >= settings.BATCH_QUEUE_TARGET:
             return 0
         return min(settings.BATCH_MAX_IN_FLIGHT - len(self.running), settings.BATCH_CLAIM_SIZE)
 
