@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 # Not the item's fault: tried again until the batch expires.
 RETRY_ALWAYS = frozenset({429, 503, 529})
+# After a full claim, the next waits this long (see `_claim_loop`).
+CLAIM_AGAIN_S = 0.05
 # A share of the lease after which, renewals having failed, the items held are given up.
 GIVE_UP_SHARE = 0.8
 
@@ -119,7 +121,9 @@ class BatchRunner:
             for item in claimed:
                 self.start(item)
             if claimed and len(claimed) == room:
-                await asyncio.sleep(0)  # there may be more: claim again, after the items started
+                # There may be more: claim again once these have reached the admission queue (a
+                # few milliseconds of intake), so that its count of waiting batch items is theirs.
+                await asyncio.sleep(CLAIM_AGAIN_S)
                 continue
             self._wakeup.clear()
             try:

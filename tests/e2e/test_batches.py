@@ -309,3 +309,18 @@ def test_results_of_a_large_batch(cluster: Cluster, batch_gateway: Gateway) -> N
             assert parsed == {"custom_id": parsed["custom_id"], "result": {"type": "expired"}}
             seen.add(parsed["custom_id"])
     assert seen == {f"item-{n}" for n in range(count)}
+
+
+def test_revoking_the_key_ends_its_running_items_errored(client: anthropic.Anthropic, cluster: Cluster) -> None:
+    """A key deactivated while its batch runs: the running items end `errored` with
+    `authentication_error` (within the revocation check's interval), as its streams would."""
+    from messages_api.models import ApiKey, BatchItem
+
+    batch = client.messages.batches.create(requests=[item("long", "long [sim context_delay=30 tokens=1]", cluster.model)])  # type: ignore[list-item]
+    wait_until(lambda: BatchItem.objects.filter(batch__batch_id=batch.id, state="running").exists(), message="the item never ran")
+    ApiKey.objects.update(active=False)
+    wait_until(lambda: BatchItem.objects.filter(batch__batch_id=batch.id, state="done").exists(), 20, 0.1, "the item was not revoked")
+    done = BatchItem.objects.get(batch__batch_id=batch.id)
+    result = orjson.loads(done.result or "")
+    assert done.result_type == "errored" and result["error"]["error"]["type"] == "authentication_error"
+    assert result["error"]["type"] == "error" and result["error"]["request_id"] == done.request_id
