@@ -265,13 +265,13 @@ def test_expiry(cluster: Cluster, batch_gateways: Callable[..., Gateway]) -> Non
 
 
 def test_an_overloaded_worker_is_retried_until_expiry_not_errored(cluster: Cluster, batch_gateways: Callable[..., Gateway]) -> None:
-    """A worker that answers 503 (overloaded) makes its item wait and try again, never `errored`;
-    the key's concurrency limit (429) likewise: each such item still ends `succeeded`, or `expired`."""
-    from messages_api.models import ApiKey, BatchItem
+    """A worker that answers 503 (overloaded) makes its item wait and try again until its batch
+    expires: `expired`, never `errored`. (A key's own limit, 429, likewise:
+    test_cancel_with_items_waiting.)"""
+    from messages_api.models import BatchItem
 
-    gateway = batch_gateways(BATCH_EXPIRY_S="10")
+    gateway = batch_gateways(BATCH_EXPIRY_S="6")
     wait_registered(gateway, cluster)
-    ApiKey.objects.update(max_concurrency=1)
     with sdk_client(gateway.url, cluster.key) as client:
         batch = client.messages.batches.create(
             requests=[item("busy", "[sim context_status=503]", cluster.model)]
