@@ -63,12 +63,11 @@ GIVE_UP_SHARE = 0.8
 
 @dataclass(eq=False)
 class _Running:
-    """An item this process runs: its claim, its task, and what ended it early."""
+    """An item this process runs: its claim, its task, and whether its key was revoked."""
 
     item: Claimed
     task: asyncio.Task[None] | None = None
     revoked: bool = False
-    lost: bool = False
 
     def revoke(self) -> None:
         """Its key was revoked (messages_api/revocation.py): the item ends `errored` with 401."""
@@ -255,7 +254,6 @@ class BatchRunner:
         for pk in pks:
             running = self.running.get(pk)
             if running is not None and running.task is not None and not running.task.done():
-                running.lost = True
                 running.task.cancel()
 
     async def sweep(self) -> None:
