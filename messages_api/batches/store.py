@@ -235,7 +235,7 @@ def claim(instance: str, size: int, lease_s: float, paused_keys: Collection[str]
             state=ItemState.RUNNING, claimed_by=instance, lease_until=now + timedelta(seconds=lease_s),
             attempts=F("attempts") + 1,
         )
-        rows = BatchItem.objects.filter(pk__in=pks, claimed_by=instance, state=ItemState.RUNNING).values_list(
+        rows = BatchItem.objects.filter(pk__in=pks, claimed_by=instance, state=ItemState.RUNNING).order_by("pk").values_list(
             "pk", "batch_id", "batch__batch_id", "custom_id", "params", "attempts", "batch__api_key__key_hash"
         )
         return [Claimed(pk, batch_pk, batch_id, custom_id, params.encode(), attempts, key_hash)

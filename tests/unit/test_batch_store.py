@@ -35,7 +35,7 @@ def test_create_and_get_belong_to_the_key() -> None:
     assert store.get_batch(key.pk, batch.batch_id) == batch
     assert store.get_batch(other.pk, batch.batch_id) is None
     assert batch.total == 3 and batch.processing_status == "in_progress"
-    assert list(BatchItem.objects.filter(batch__batch_id=batch.batch_id).values_list("custom_id", "position", "state")) == [
+    assert list(BatchItem.objects.filter(batch__batch_id=batch.batch_id).order_by("position").values_list("custom_id", "position", "state")) == [
         ("i0", 0, "queued"), ("i1", 1, "queued"), ("i2", 2, "queued"),
     ]
 
