@@ -210,10 +210,11 @@ class Claimed:
 
 
 def claimable(now: datetime, database: BaseDatabaseWrapper = connection) -> Any:
-    """The queued items a claim may take, oldest batch first: on a database that can (PostgreSQL)
+    """The queued items a claim may take (of batches in progress and not yet past their expiry),
+    oldest batch first: on a database that can (PostgreSQL)
     locked as they are read, skipping rows another process's claim holds."""
     items = BatchItem.objects.filter(
-        state=ItemState.QUEUED, not_before__lte=now, batch__processing_status=BatchStatus.IN_PROGRESS
+        state=ItemState.QUEUED, not_before__lte=now, batch__processing_status=BatchStatus.IN_PROGRESS, batch__expires_at__gt=now
     ).order_by("pk")
     if database.features.has_select_for_update_skip_locked:
         items = items.select_for_update(skip_locked=True, of=("self",))

@@ -210,3 +210,9 @@ def test_a_paused_keys_items_are_not_claimed() -> None:
     claimed = store.claim(ME, 10, 60, paused_keys=[limited.key_hash])
     assert [c.key_hash for c in claimed] == [other.key_hash]
     assert len(store.claim(ME, 10, 60)) == 2
+
+
+def test_items_of_a_batch_past_its_expiry_are_not_claimed() -> None:
+    new_batch(1)
+    MessageBatch.objects.update(expires_at=datetime.now(timezone.utc) - timedelta(seconds=1))
+    assert store.claim(ME, 5, 60) == []
