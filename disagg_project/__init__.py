@@ -8,6 +8,8 @@ neither app (`tests/unit/test_layers.py` enforces it), and the apps use only the
                                     pipelined connection per event loop
     ids.py                          this process's name in the rows it writes, and the ids it makes
     writer.py                       the row writer: rows written in batches off the request's path
+    db_thread.py                    a thread of its own per kind of background ORM work, keeping
+                                    its connection
     admin_base.py                   the admin's base classes (secrets kept in; read-only rows)
     commands.py                     what the management commands share (limit arguments, the
                                     log of what they change)
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING
 
 # Public name → (module, attribute).
 _HOMES = {
+    "DatabaseThread": ("disagg_project.db_thread", "DatabaseThread"),
     "address_of": ("disagg_project.client_address", "address_of"),
     "drop_tracebacks": ("disagg_project.tracebacks", "drop_tracebacks"),
     "GATEWAY_INSTANCE": ("disagg_project.ids", "GATEWAY_INSTANCE"),
@@ -49,6 +52,7 @@ _HOMES = {
 }
 __all__ = [
     "address_of",
+    "DatabaseThread",
     "drop_tracebacks",
     "GATEWAY_INSTANCE",
     "get_shared_state",
@@ -65,6 +69,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from disagg_project.db_thread import DatabaseThread
     from disagg_project.client_address import address_of
     from disagg_project.admin_base import GuardedAdmin, ReadOnlyAdmin
     from disagg_project.commands import limit_argument, log_change

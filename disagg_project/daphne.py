@@ -34,6 +34,7 @@ from messages_api import (
     install_loop_monitor,
     install_memory_return,
     install_state_dump,
+    start_batch_runner,
 )
 from workers import close_transport, start_services
 
@@ -81,6 +82,7 @@ def _services_on_first_turn(daphne: Daphne) -> None:
 
 async def _start() -> None:
     start_services()
+    start_batch_runner()  # Message Batches' items, claimed from the database (messages_api/batches/)
     gc_tuning.install()
 
 
@@ -125,11 +127,12 @@ HOOKS: tuple[Hook, ...] = (
     Hook("direct writes", _direct_writes),
     #
     # The cluster's background services (registry refresh, health probes, heartbeat and crash
-    # recovery) start on the loop's first turn: daphne has no ASGI lifespan, and they must not wait
+    # recovery) and the front door's batch runner (messages_api/batches/runner.py: it claims
+    # Message Batches' items while the admission queue has room) start on the loop's first turn: daphne has no ASGI lifespan, and they must not wait
     # for a first request. The garbage collector's tuning follows them in the same task: by the
     # loop's first turn all of start-up has loaded, which it freezes out of the collector's reach
     # (disagg_project/gc_tuning.py). Put on the loop's queue ahead of TCP_NODELAY below.
-    Hook("background services, then the collector's tuning", _services_on_first_turn),
+    Hook("background services and the batch runner, then the collector's tuning", _services_on_first_turn),
     #
     # What the process runs with, set now. None depends on another; the order is the one they
     # were added in.

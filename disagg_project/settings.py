@@ -432,6 +432,40 @@ PYTHON_SWITCH_INTERVAL_S = env_float("PYTHON_SWITCH_INTERVAL_S", 0.0005)
 GATEWAY_GC_THRESHOLDS = env_gc_thresholds("GATEWAY_GC_THRESHOLDS", (700, 10, 100))
 ADMISSION_ACTIVE_FLOW_S = env_float("ADMISSION_ACTIVE_FLOW_S", 10.0)
 
+# --- Message Batches (messages_api/batches/, docs/batches.md) ---------------------------------
+# A create body over BATCH_MAX_BYTES is refused (413 request_too_large) before it is read; one of
+# more than BATCH_MAX_REQUESTS requests with 400. Anthropic's limits are 256 MB and 100,000; the
+# body is parsed whole (on a thread), so the default byte limit is lower.
+BATCH_MAX_BYTES = env_int("BATCH_MAX_BYTES", 64 * 1024 * 1024)
+BATCH_MAX_REQUESTS = env_int("BATCH_MAX_REQUESTS", 100_000)
+# A batch's unfinished items expire this long after it was created (Anthropic: 24 h); its results
+# are kept BATCH_RESULTS_RETENTION_S after its creation (Anthropic: 29 days), then archived by
+# `prune_audit` (the batch stays visible, its results are gone).
+BATCH_EXPIRY_S = env_float("BATCH_EXPIRY_S", 24 * 3600.0)
+BATCH_RESULTS_RETENTION_S = env_float("BATCH_RESULTS_RETENTION_S", 29 * 24 * 3600.0)
+# The runner in every gateway process (BATCH_RUNNER_ENABLED): at most BATCH_MAX_IN_FLIGHT items of
+# its own running at once, and new claims (BATCH_CLAIM_SIZE at a time) only while fewer than
+# BATCH_QUEUE_TARGET of its batch requests wait in the admission queue; with nothing to claim it
+# looks again every BATCH_POLL_INTERVAL_S (a batch created in the process wakes it at once).
+BATCH_RUNNER_ENABLED = env_bool("BATCH_RUNNER_ENABLED", True)
+BATCH_MAX_IN_FLIGHT = env_int("BATCH_MAX_IN_FLIGHT", 64)
+BATCH_QUEUE_TARGET = env_int("BATCH_QUEUE_TARGET", 4)
+BATCH_CLAIM_SIZE = env_int("BATCH_CLAIM_SIZE", 16)
+BATCH_POLL_INTERVAL_S = env_float("BATCH_POLL_INTERVAL_S", 1.0)
+# A claimed item's lease, renewed every third of it while the item runs; a lease expired for half
+# of it more goes back to the queue (a process that died on another host). The sweep (expiry,
+# cancellation, leases, batches ending) runs every BATCH_SWEEP_INTERVAL_S in every process.
+BATCH_LEASE_S = env_float("BATCH_LEASE_S", 60.0)
+BATCH_SWEEP_INTERVAL_S = env_float("BATCH_SWEEP_INTERVAL_S", 5.0)
+# An item refused for load (429, 503, 529) is tried again after BATCH_RETRY_BASE_S, doubling per
+# attempt up to BATCH_RETRY_MAX_S, until its batch expires; other server errors at most
+# BATCH_MAX_ATTEMPTS times, then the item is `errored`.
+BATCH_RETRY_BASE_S = env_float("BATCH_RETRY_BASE_S", 1.0)
+BATCH_RETRY_MAX_S = env_float("BATCH_RETRY_MAX_S", 60.0)
+BATCH_MAX_ATTEMPTS = env_int("BATCH_MAX_ATTEMPTS", 3)
+# Results are read from the database this many items at a time.
+BATCH_RESULTS_CHUNK = env_int("BATCH_RESULTS_CHUNK", 500)
+
 # How often each process re-reads pools and endpoints from the database.
 REGISTRY_REFRESH_INTERVAL_S = env_float("REGISTRY_REFRESH_INTERVAL_S", 1.0)
 

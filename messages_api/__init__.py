@@ -14,6 +14,8 @@ Other packages use only the names in `__all__` below and the Django places every
     intake.py, limits/            bounded parsing of a body; per-key limits and their headers
     usage.py, usage_report.py     usage per key and hour (counted in memory, added to the rows);
     usage_chart.py                its admin page (SVG charts) and CSV
+    batches/                      Message Batches: the API, the rows' store, the runner of their items
+    answer.py                     one Messages request answered without HTTP (a batch item)
     server/                       daphne plumbing: the intake guard, direct writes, drain, state dump,
                                   the event loop's lag (shedding), memory given back, the access log,
                                   failed authentications per address (auth_throttle.py)
@@ -36,6 +38,7 @@ _HOMES = {
     "install_state_dump": ("messages_api.server.state_dump", "install"),
     "install_loop_monitor": ("messages_api.server.loop_lag", "install"),
     "install_memory_return": ("messages_api.server.memory", "install"),
+    "start_batch_runner": ("messages_api.batches.runner", "start"),
 }
 __all__ = [
     "http_application",
@@ -46,6 +49,7 @@ __all__ = [
     "install_loop_monitor",
     "install_memory_return",
     "install_state_dump",
+    "start_batch_runner",
 ]
 
 if TYPE_CHECKING:
@@ -57,6 +61,7 @@ if TYPE_CHECKING:
     from messages_api.server.loop_lag import install as install_loop_monitor
     from messages_api.server.memory import install as install_memory_return
     from messages_api.server.state_dump import install as install_state_dump
+    from messages_api.batches.runner import start as start_batch_runner
 else:
 
     def __getattr__(name: str) -> object:

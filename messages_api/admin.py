@@ -124,7 +124,7 @@ class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
                 {
                     "classes": ("collapse",),
                     "fields": (
-                        ("received_at", "route"), ("model", "stream"), ("api_key_name", "gateway_instance"),
+                        ("received_at", "route"), ("model", "stream"), ("api_key_name", "gateway_instance"), ("batch_id", "custom_id"),
                         ("stage", "http_status", "error_type"), ("pool_name",), ("context_endpoint", "generation_endpoint"),
                         ("headers_sent_ms", "queued_ms", "context_done_ms"), ("first_token_ms", "finished_ms"),
                     ),
@@ -308,3 +308,4 @@ class ApiKeyAdmin(GuardedAdmin[ApiKey], KeyUsagePages):  # a ModelAdmin, with th
             return super().response_add(request, obj, post_url_continue)
         context = {**self.admin_site.each_context(request), "api_key": obj, "key": key, "title": "API key created"}
         return TemplateResponse(request, "admin/messages_api/apikey/created.html", context)
+from messages_api.batches import admin as batches_admin  # noqa: E402,F401  # registers MessageBatchAdmin

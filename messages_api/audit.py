@@ -60,6 +60,8 @@ class AuditRecord:
     cache_creation_input_tokens: int | None = None
     api_key_name: str = ""
     api_key_id: int | None = None  # the authenticated key's row (its name may change later)
+    batch_id: str = ""  # a Message Batch item's attempt: its batch and custom_id
+    custom_id: str = ""
     begun: bool = False
     ended: bool = False
     # The run serving the request, once there is one: its progress (stage, endpoints, timings) is
@@ -172,6 +174,8 @@ class AuditRecord:
             "api_key_name": self.api_key_name,
             "api_key_id": self.api_key_id,
             "gateway_instance": GATEWAY_INSTANCE,
+            "batch_id": self.batch_id,
+            "custom_id": self.custom_id,
         }
 
 

@@ -315,7 +315,14 @@ class KeyCache:
         return hash_key(key) in self._known
 
     async def authenticate(self, key: str) -> Principal | None:
-        digest = hash_key(key)
+        return await self._authenticate(key, hash_key(key))
+
+    async def authenticate_hash(self, digest: str) -> Principal | None:
+        """`authenticate` for a key known by its hash from the gateway's own rows (a Message Batch's
+        owner, whose items run without the key's request): no form to check, only the row."""
+        return await self._authenticate(None, digest)
+
+    async def _authenticate(self, key: str | None, digest: str) -> Principal | None:
         now = time.monotonic()
         cached = self._peek(key, digest, now)
         if cached is NOT_CACHED:
@@ -329,7 +336,7 @@ class KeyCache:
             self._touch(principal, now)
         return principal
 
-    def _peek(self, key: str, digest: str, now: float) -> Principal | None | NotCached:
+    def _peek(self, key: str | None, digest: str, now: float) -> Principal | None | NotCached:
         known = self._known.get(digest)
         if known is not None and known[1] > now:
             return known[0]
@@ -341,14 +348,15 @@ class KeyCache:
             return None
         return NOT_CACHED
 
-    def _admissible(self, key: str, digest: str, now: float) -> bool | None:
-        """Worth a lookup: issued (its tag checks) or a legacy key's; None while the legacy keys
-        are not loaded yet (the lookup waits for them)."""
-        if is_issued(key):
+    def _admissible(self, key: str | None, digest: str, now: float) -> bool | None:
+        """Worth a lookup: issued (its tag checks) or a legacy key's, or a hash from the gateway's
+        own rows (`key` None); None while the legacy keys are not loaded yet (the lookup waits for
+        them)."""
+        if key is None or is_issued(key):
             return True
         return self._legacy.holds(digest, now)
 
-    def _shared_lookup(self, key: str, digest: str) -> asyncio.Future[Principal | None]:
+    def _shared_lookup(self, key: str | None, digest: str) -> asyncio.Future[Principal | None]:
         """The lookup of `digest` in flight, started if there is none."""
         lookup = self._lookups.get(digest)
         if lookup is None or lookup.get_loop() is not asyncio.get_running_loop():
@@ -356,9 +364,9 @@ class KeyCache:
             lookup.add_done_callback(_log_failure)
         return lookup
 
-    async def _fetch(self, key: str, digest: str) -> Principal | None:
+    async def _fetch(self, key: str | None, digest: str) -> Principal | None:
         try:
-            if not is_issued(key) and digest not in await self._legacy.load():
+            if key is not None and not is_issued(key) and digest not in await self._legacy.load():
                 return None  # not a key of ours after all: nothing to cache
             principal = await self._query(digest)
         finally:

@@ -67,6 +67,12 @@ class ApiConsumer(AsyncHttpConsumer):
 
     allowed_methods: tuple[str, ...] = ("POST",)
 
+    @classmethod
+    def max_body_bytes(cls) -> int:
+        """The largest body the route takes (413 beyond); the intake guard asks it too (routes.body_limit)."""
+        limit: int = settings.MESSAGES_MAX_BODY_BYTES
+        return limit
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.record = AuditRecord()
@@ -168,11 +174,11 @@ class ApiConsumer(AsyncHttpConsumer):
         if not self.request_headers:
             self.request_headers = dict(self.scope.get("headers") or ())
             declared = self.request_headers.get(b"content-length")
-            if declared is not None and declared.isdigit() and int(declared) > settings.MESSAGES_MAX_BODY_BYTES:
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes():
                 return self._refuse_too_large()
         chunk = message.get("body", b"")
         self._body_size += len(chunk)
-        if self._body_size > settings.MESSAGES_MAX_BODY_BYTES:
+        if self._body_size > self.max_body_bytes():
             return self._refuse_too_large()
         self.body.append(chunk)
         if not message.get("more_body", False):
@@ -233,7 +239,7 @@ class ApiConsumer(AsyncHttpConsumer):
         self.body = []
         error = AnthropicError(
             413,
-            f"Request body is larger than the limit of {settings.MESSAGES_MAX_BODY_BYTES} bytes",
+            f"Request body is larger than the limit of {self.max_body_bytes()} bytes",
             "request_too_large",
         )
         self._start(self._answer_error(error))

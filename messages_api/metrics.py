@@ -43,6 +43,15 @@ key_tokens = Counter(
     "gateway_key_tokens", "Tokens per API key: input, output, cache_read (METRICS_PER_KEY_LABELS).", ["key", "kind"]
 )
 
+# Message Batches (messages_api/batches/runner.py). The two gauges are the whole database's items
+# (every process's sweep sets them to the same count: aggregate them with max, not sum).
+batch_items = Counter("gateway_batch_items", "Batch items ended, by result (succeeded, errored, canceled, expired).", ["result"])
+batch_retries = Counter(
+    "gateway_batch_item_retries", "Batch item attempts given back to the queue to try again, by the error that refused them.", ["type"]
+)
+batch_items_waiting = Gauge("gateway_batch_items_waiting", "Batch items queued to run, in all batches in progress (the batch depth).")
+batch_items_running = Gauge("gateway_batch_items_running", "Batch items held by a gateway process's lease, running.")
+
 
 def observe(record: AuditRecord) -> None:
     _child(requests, record.status, record.stage or "received", "true" if record.stream else "false").inc()

@@ -1,4 +1,5 @@
-"""What the Anthropic front door keeps: API keys (hashed) and an audit row per request."""
+"""What the Anthropic front door keeps: API keys (hashed), an audit row per request, and Message
+Batches with their items (messages_api/batches/)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,10 @@ class MessageRequest(models.Model):
     )
     queued_ms = models.FloatField(null=True, blank=True, help_text="Time spent in the admission queue waiting for worker capacity.")
     gateway_instance = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    # A Message Batch item's attempt: the batch's id and the item's custom_id (empty otherwise).
+    # Database defaults too: the row writer inserts the columns it is given.
+    batch_id = models.CharField(max_length=64, blank=True, default="", db_default="", db_index=True)
+    custom_id = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     class Meta:
         verbose_name = "message request"
@@ -132,6 +137,10 @@ class KeyUsage(models.Model):
     cache_read_tokens = models.PositiveBigIntegerField(default=0)
     errors = models.JSONField(default=dict, blank=True, help_text="Error type → requests that ended with it.")
     queued_ms_total = models.FloatField(default=0.0, help_text="Time the hour's requests spent in the admission queue, summed.")
+    # The part of the above that Message Batch items were (their attempts, each a request).
+    batch_requests = models.PositiveBigIntegerField(default=0, db_default=0)
+    batch_input_tokens = models.PositiveBigIntegerField(default=0, db_default=0)
+    batch_output_tokens = models.PositiveBigIntegerField(default=0, db_default=0)
 
     class Meta:
         verbose_name = "key usage (hour)"
@@ -142,3 +151,94 @@ class KeyUsage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.api_key_id} {self.hour:%Y-%m-%d %H}:00"
+
+
+class BatchStatus(models.TextChoices):
+    """A batch's `processing_status`, Anthropic's three values."""
+
+    IN_PROGRESS = "in_progress", "in progress"
+    CANCELING = "canceling", "canceling"
+    ENDED = "ended", "ended"
+
+
+class MessageBatch(models.Model):
+    """A Message Batch (`POST /v1/messages/batches`): it belongs to the key that created it.
+
+    The counts are written once, when the batch ends (Anthropic's documented semantics: every
+    request counts as `processing` until then); while it runs they are read from its items.
+    The primary key orders the list (newest first); `batch_id` is the public `msgbatch_…` id.
+    """
+
+    batch_id = models.CharField(max_length=64, unique=True)
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="batches")
+    api_key_name = models.CharField(max_length=100, blank=True, default="", help_text="The key's name when the batch was created.")
+    processing_status = models.CharField(max_length=20, choices=BatchStatus.choices, default=BatchStatus.IN_PROGRESS, db_index=True)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField(db_index=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    cancel_initiated_at = models.DateTimeField(null=True, blank=True)
+    archived_at = models.DateTimeField(null=True, blank=True)
+    total = models.PositiveIntegerField(default=0)
+    succeeded = models.PositiveIntegerField(default=0)
+    errored = models.PositiveIntegerField(default=0)
+    canceled = models.PositiveIntegerField(default=0)
+    expired = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        verbose_name = "message batch"
+        verbose_name_plural = "message batches"
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["api_key", "-id"], name="batch_key_newest_first")]
+
+    def __str__(self) -> str:
+        return self.batch_id
+
+
+class ItemState(models.TextChoices):
+    """Where an item is: waiting to be claimed, held by a process's lease, or done (its result written)."""
+
+    QUEUED = "queued", "queued"
+    RUNNING = "running", "running"
+    DONE = "done", "done"
+
+
+class ResultType(models.TextChoices):
+    SUCCEEDED = "succeeded", "succeeded"
+    ERRORED = "errored", "errored"
+    CANCELED = "canceled", "canceled"
+    EXPIRED = "expired", "expired"
+
+
+class BatchItem(models.Model):
+    """One request of a batch: its params as sent, its lease while a process runs it, its result.
+
+    A process claims a queued item by setting `claimed_by` (its instance) and `lease_until`, and
+    adding one to `attempts`; only that claim (`claimed_by` and `attempts` both matching, the item
+    still running) may write the result, so a process that lost its lease never overwrites
+    another's. `result` is the JSON of the results line's `result` object, written once.
+    """
+
+    batch = models.ForeignKey(MessageBatch, on_delete=models.CASCADE, related_name="items")
+    position = models.PositiveIntegerField(help_text="The item's index in the create request.")
+    custom_id = models.CharField(max_length=64)
+    params = models.TextField(help_text="The item's Messages request, JSON as sent.")
+    state = models.CharField(max_length=10, choices=ItemState.choices, default=ItemState.QUEUED)
+    not_before = models.DateTimeField(help_text="Not claimed before this time (a retry's backoff).")
+    claimed_by = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    request_id = models.CharField(max_length=64, blank=True, default="", help_text="The audit row of the last attempt.")
+    result_type = models.CharField(max_length=10, choices=ResultType.choices, blank=True, default="")
+    result = models.TextField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "batch item"
+        constraints = [models.UniqueConstraint(fields=["batch", "custom_id"], name="batch_item_custom_id_unique")]
+        indexes = [
+            models.Index(fields=["state", "not_before"], name="batch_item_claimable"),
+            models.Index(fields=["batch", "state"], name="batch_item_by_state"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.batch_id}/{self.custom_id}"

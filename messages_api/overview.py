@@ -9,7 +9,7 @@ Where each number comes from:
 
 - **every gateway process** (the database): endpoint health as the probes last wrote it, open
   reservation rows, the audit rows (requests per minute, errors by type, time to first token,
-  failed requests), the processes' heartbeats;
+  failed requests), the processes' heartbeats, the Message Batches in progress and their items;
 - **this process only** (its memory): the circuit breakers, its own probes, the reservations it
   holds, the requests waiting in its admission queue (`workers.local_state`). Another process
   may see an endpoint's breaker open while this one does not; the page says which is which.
@@ -35,7 +35,7 @@ from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.safestring import SafeString
 
-from messages_api.models import MessageRequest, RequestStatus
+from messages_api.models import BatchItem, BatchStatus, ItemState, MessageBatch, MessageRequest, RequestStatus
 from messages_api.usage_chart import BLUE, ORANGE, RED, Series, chart
 from workers import Priority, local_state
 from workers.models import GatewayProcess, Reservation, WorkerEndpoint, WorkerPool
@@ -382,6 +382,8 @@ def context(request: HttpRequest, now: datetime | None = None) -> dict[str, Any]
             ("queued here", f"{queued:,}", "this process"),
             ("unhealthy endpoints", f"{unhealthy} of {len(endpoints)}", ""),
         ]
+    if seen.traffic:
+        figures.append(batch_figure())
     figures.append(("gateway processes", f"{alive}", "alive (heartbeat)"))
     errors_by_type = []
     if window is not None:
@@ -405,6 +407,16 @@ def context(request: HttpRequest, now: datetime | None = None) -> dict[str, Any]
         "failed_lookback_h": int(FAILED_LOOKBACK.total_seconds() // 3600),
         "audit_url": reverse("admin:messages_api_messagerequest_changelist") if seen.audit_rows else None,
     }
+
+
+def batch_figure() -> tuple[str, str, str]:
+    """Message Batches in progress, and their items waiting and running (every process's: two
+    small queries, the items' on their state index)."""
+    batches = MessageBatch.objects.exclude(processing_status=BatchStatus.ENDED).count()
+    items = dict(
+        BatchItem.objects.filter(state__in=(ItemState.QUEUED, ItemState.RUNNING)).values_list("state").annotate(n=Count("id")).order_by()
+    )
+    return ("batches in progress", f"{batches:,}", f"{items.get(ItemState.QUEUED, 0):,} items waiting, {items.get(ItemState.RUNNING, 0):,} running")
 
 
 def summary(request: HttpRequest, now: datetime | None = None) -> dict[str, Any]:

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from channels.routing import URLRouter
+from django.conf import settings
 from django.urls import path, re_path
 from django.urls.resolvers import RoutePattern
 
 from messages_api.audit import new_request_id
+from messages_api.batches.consumers import BatchCancelConsumer, BatchConsumer, BatchesConsumer, BatchResultsConsumer
 from messages_api.consumers import CountTokensConsumer, MessagesConsumer, ModelsConsumer
 from messages_api.errors import error_body
 
@@ -32,8 +34,12 @@ API_ROUTES = (
     ("v1/messages/count_tokens", CountTokensConsumer),
     ("v1/models", ModelsConsumer),
     ("v1/models/<str:model_id>", ModelsConsumer),
+    ("v1/messages/batches", BatchesConsumer),
+    ("v1/messages/batches/<str:batch_id>", BatchConsumer),
+    ("v1/messages/batches/<str:batch_id>/cancel", BatchCancelConsumer),
+    ("v1/messages/batches/<str:batch_id>/results", BatchResultsConsumer),
 )
-_KEYED_PATTERNS = tuple(RoutePattern(route, is_endpoint=True) for route, _ in API_ROUTES)
+_KEYED_PATTERNS = tuple((RoutePattern(route, is_endpoint=True), consumer) for route, consumer in API_ROUTES)
 
 
 def http_application(django_asgi_app: Any) -> Any:
@@ -50,7 +56,18 @@ def requires_api_key(scope_path: str) -> bool:
     """Whether the router sends a request for `scope_path` (the ASGI scope's `path`: percent-decoded,
     with no root path) to a consumer. Channels' URLRouter strips the leading slashes first."""
     stripped = scope_path.lstrip("/")
-    return any(pattern.match(stripped) for pattern in _KEYED_PATTERNS)
+    return any(pattern.match(stripped) for pattern, _ in _KEYED_PATTERNS)
+
+
+def body_limit(scope_path: str) -> int:
+    """The largest body the consumer routed `scope_path` takes (MESSAGES_MAX_BODY_BYTES, unless
+    the route has its own: a batch's create, BATCH_MAX_BYTES)."""
+    stripped = scope_path.lstrip("/")
+    for pattern, consumer in _KEYED_PATTERNS:
+        if pattern.match(stripped):
+            return consumer.max_body_bytes()
+    limit: int = settings.MESSAGES_MAX_BODY_BYTES
+    return limit
 
 
 # django-stubs types `path()`'s target as a Django view and its result as a plain URLPattern;
@@ -67,7 +84,7 @@ def _asgi_re_path(route: str, application: Callable[..., Awaitable[None]]) -> _E
 
 
 async def api_not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """An API path this gateway does not serve (the batches and files APIs, a typo, ...)."""
+    """An API path this gateway does not serve (the files API, a typo, ...)."""
     request_id = new_request_id()
     body = orjson.dumps(error_body("not_found_error", f"Not found: {scope.get('method', 'GET')} {scope['path']}", request_id))
     await send(

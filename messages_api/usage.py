@@ -1,8 +1,9 @@
 """Usage per API key and UTC hour: requests, tokens, errors by type, time queued.
 
 Every request that ends with a key (`AuditRecord.end`) is added to this process's tally of its
-key and hour: a dict lookup and a few additions, no query. The tallies are added to the database as
-increments, not values: one `INSERT … ON CONFLICT (api_key_id, hour) DO UPDATE SET requests =
+key and hour (a Message Batch item's also to the hour's `batch_*` counts, the part of its requests
+and tokens that batches were): a dict lookup and a few additions, no query. The tallies are added
+to the database as increments, not values: one `INSERT … ON CONFLICT (api_key_id, hour) DO UPDATE SET requests =
 requests + excluded.requests, …` for all of them, on SQLite and PostgreSQL alike, so any number of
 gateway processes add to the same rows and the sums come out right.
 
@@ -62,7 +63,10 @@ logger = logging.getLogger(__name__)
 HOUR_S = 3600
 # Names looked up per query (well under SQLite's and PostgreSQL's parameter limits).
 NAMES_PER_QUERY = 500
-COUNTED = ("requests", "input_tokens", "output_tokens", "cache_read_tokens", "queued_ms_total")
+COUNTED = (
+    "requests", "input_tokens", "output_tokens", "cache_read_tokens", "queued_ms_total",
+    "batch_requests", "batch_input_tokens", "batch_output_tokens",
+)
 
 
 @dataclass(slots=True)
@@ -75,6 +79,10 @@ class Tally:
     cache_read_tokens: int = 0
     queued_ms_total: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    # The part of the above that Message Batch items were (counted in them too).
+    batch_requests: int = 0
+    batch_input_tokens: int = 0
+    batch_output_tokens: int = 0
 
     def add(self, other: Tally) -> None:
         self.requests += other.requests
@@ -84,6 +92,9 @@ class Tally:
         self.queued_ms_total += other.queued_ms_total
         for error_type, count in other.errors.items():
             self.errors[error_type] = self.errors.get(error_type, 0) + count
+        self.batch_requests += other.batch_requests
+        self.batch_input_tokens += other.batch_input_tokens
+        self.batch_output_tokens += other.batch_output_tokens
 
 
 TallyKey = tuple[int | str, int]  # (API key id, or its name when the id is not known; hours since the epoch)
@@ -126,8 +137,10 @@ class UsageRecorder:
         cache_read_tokens: int = 0,
         queued_ms: float = 0.0,
         error_type: str = "",
+        batch: bool = False,
     ) -> None:
-        """Count one request of `key` (an id, or a name) received in `hour` (hours since the epoch)."""
+        """Count one request of `key` (an id, or a name) received in `hour` (hours since the epoch);
+        `batch`: a Message Batch item's."""
         with self._lock:
             tally = self._pending.get((key, hour))
             if tally is None:
@@ -141,6 +154,10 @@ class UsageRecorder:
             tally.queued_ms_total += queued_ms
             if error_type:
                 tally.errors[error_type] = tally.errors.get(error_type, 0) + 1
+            if batch:
+                tally.batch_requests += 1
+                tally.batch_input_tokens += input_tokens
+                tally.batch_output_tokens += output_tokens
 
     def note(self, record: AuditRecord) -> None:
         """Count an ended request that has no row (written with the next batch of rows, when the
@@ -162,8 +179,13 @@ class UsageRecorder:
                     self._start()
             tally.requests += 1
             # Input as billed: what was not read from a cache, written to one included.
-            tally.input_tokens += (record.input_tokens or 0) + (record.cache_creation_input_tokens or 0)
+            input_tokens = (record.input_tokens or 0) + (record.cache_creation_input_tokens or 0)
+            tally.input_tokens += input_tokens
             tally.output_tokens += record.output_tokens or 0
+            if record.batch_id:
+                tally.batch_requests += 1
+                tally.batch_input_tokens += input_tokens
+                tally.batch_output_tokens += record.output_tokens or 0
             tally.cache_read_tokens += record.cache_read_input_tokens or 0
             tally.queued_ms_total += record.queued_ms or 0.0
             if record.error_type:
@@ -172,7 +194,8 @@ class UsageRecorder:
     def pending(self) -> dict[TallyKey, Tally]:
         """A copy of the tallies not written yet (tests)."""
         with self._lock:
-            return {key: Tally(t.requests, t.input_tokens, t.output_tokens, t.cache_read_tokens, t.queued_ms_total, dict(t.errors))
+            return {key: Tally(t.requests, t.input_tokens, t.output_tokens, t.cache_read_tokens, t.queued_ms_total, dict(t.errors),
+                               t.batch_requests, t.batch_input_tokens, t.batch_output_tokens)
                     for key, t in self._pending.items()}  # fmt: skip
 
     # -- the row writer's companion (disagg_project.writer.Companion) --------------------------
@@ -258,7 +281,8 @@ class UsageRecorder:
                 sql,
                 [
                     (key_id, hour_field.get_db_prep_save(hour_start(hour), connection), t.requests, t.input_tokens,
-                     t.output_tokens, t.cache_read_tokens, t.queued_ms_total, no_errors)
+                     t.output_tokens, t.cache_read_tokens, t.queued_ms_total, t.batch_requests, t.batch_input_tokens,
+                     t.batch_output_tokens, no_errors)
                     for key_id, hour, t in rows
                 ],
             )  # fmt: skip
@@ -280,7 +304,7 @@ def count_abandoned(rows: list[dict[str, Any]], error_type: str) -> None:
             key, hour_of(row["received_at"]),
             input_tokens=(row["input_tokens"] or 0) + (row["cache_creation_input_tokens"] or 0),
             output_tokens=row["output_tokens"] or 0, cache_read_tokens=row["cache_read_input_tokens"] or 0,
-            queued_ms=row["queued_ms"] or 0.0, error_type=error_type,
+            queued_ms=row["queued_ms"] or 0.0, error_type=error_type, batch=bool(row["batch_id"]),
         )  # fmt: skip
     batch = recorder.take()
     if batch is not None:
@@ -290,7 +314,7 @@ def count_abandoned(rows: list[dict[str, Any]], error_type: str) -> None:
 # The audit row's fields `count_abandoned` reads.
 ABANDONED_FIELDS = (
     "api_key_id", "api_key_name", "received_at", "input_tokens", "cache_creation_input_tokens", "output_tokens",
-    "cache_read_input_tokens", "queued_ms",
+    "cache_read_input_tokens", "queued_ms", "batch_id",
 )  # fmt: skip
 
 

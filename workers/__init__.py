@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 # Public name → (module, attribute).
 _HOMES = {
+    "admission_waiting": ("workers.admission.queue", "admission_waiting"),
     "AGGREGATED": ("workers.protocols.base", "AGGREGATED"),
     "candidates": ("workers.routing.router", "candidates"),
     "ChatRun": ("workers.schedule.pipeline", "ChatRun"),
@@ -52,6 +53,7 @@ _HOMES = {
     "WorkerError": ("workers.exceptions", "WorkerError"),
 }
 __all__ = [
+    "admission_waiting",
     "AGGREGATED",
     "candidates",
     "ChatRun",
@@ -76,7 +78,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from workers.admission.queue import Priority
+    from workers.admission.queue import Priority, admission_waiting
     from workers.cluster.local_state import local_state
     from workers.cluster.recovery import process_abandoned
     from workers.cluster.registry import PoolInfo, Served, get_registry

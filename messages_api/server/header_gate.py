@@ -1,7 +1,8 @@
 """What a request's headers alone decide, before its body is read: the HTTP intake guard asks
 `check()` once a request's headers are in (messages_api/server/http_guard.py).
 
-- The body limit (`body_limit`): MESSAGES_MAX_BODY_BYTES on the API routes; on any other path
+- The body limit (`body_limit`): the route's own on the API routes (MESSAGES_MAX_BODY_BYTES, a
+  batch's BATCH_MAX_BYTES: `routes.body_limit`); on any other path
   (Django's pages, an unknown path: none takes a large body) Django's DATA_UPLOAD_MAX_MEMORY_SIZE
   if lower, so that a request without a key cannot have a large body read on another path.
 - The API key, on every route that requires one (`routes.requires_api_key`): a missing, unknown,
@@ -57,6 +58,7 @@ from messages_api.auth import (
     key_from_values,
 )
 from messages_api.routes import requires_api_key
+from messages_api.routes import body_limit as route_body_limit
 from messages_api.server.auth_throttle import FailureThrottle
 
 __all__ = [
@@ -124,7 +126,7 @@ def body_limit(target: bytes) -> int:
     limit: int = settings.MESSAGES_MAX_BODY_BYTES
     path = scope_path(target)
     if path is not None and requires_api_key(path):
-        return limit
+        return route_body_limit(path)
     django_limit: int | None = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
     return min(limit, django_limit) if django_limit is not None else limit
 

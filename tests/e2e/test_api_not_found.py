@@ -12,7 +12,7 @@ from tests.support.gateway import Gateway
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/v1"), ("GET", "/v1/"), ("POST", "/v1/messages/batches"), ("GET", "/v1/files"), ("POST", "/v1/complete"),
+    [("GET", "/v1"), ("GET", "/v1/"), ("POST", "/v1/messages/batches/msgbatch_x/other"), ("GET", "/v1/files"), ("POST", "/v1/complete"),
      ("GET", "/v1/models/a/b"), ("POST", "/v1/messages/")],
 )
 def test_an_unknown_api_path_is_a_404_in_the_envelope(gateway: Gateway, method: str, path: str) -> None:

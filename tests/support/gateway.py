@@ -39,6 +39,9 @@ DEFAULT_ENV = {
     # Every test's client is 127.0.0.1, and many send wrong keys on purpose: no failure throttle per
     # address unless a test starts a gateway of its own for it (tests/e2e/test_key_flood.py).
     "GATEWAY_AUTH_FAILURES_PER_MINUTE": "0",
+    # Every gateway shares the test database: only a test of Message Batches runs a batch runner
+    # (tests/e2e/test_batches*.py), so that no other gateway claims its items.
+    "BATCH_RUNNER_ENABLED": "0",
     # This run's own keys in a shared Redis (only gateways started with REDIS_URL use it).
     "REDIS_KEY_PREFIX": f"test-{os.getpid()}-{secrets.token_hex(4)}:",
 }

@@ -361,6 +361,16 @@ def waiting_here() -> dict[tuple[Hashable, Priority], int]:
     return dict(total)
 
 
+def admission_waiting(priority: Priority) -> int:
+    """Requests of class `priority` waiting in the running event loop's admission queue, for
+    every resource (a producer of lower-class work, such as a batch runner, starts more only while
+    few of its own wait)."""
+    queue = _queues.get(asyncio.get_running_loop())
+    if queue is None:
+        return 0
+    return sum(count for (_, waiting_class), count in queue.waiting.items() if waiting_class == priority)
+
+
 def notify_freed(resource: Hashable) -> None:
     """A capped endpoint's slot freed (called wherever a reservation is released)."""
     try:

@@ -33,7 +33,7 @@ from enum import Enum
 from django.conf import settings
 
 from workers.wire import client
-from workers.cluster.db_thread import DatabaseThread
+from disagg_project import DatabaseThread
 from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
 from workers.cluster.registry import EndpointInfo, get_registry
 

@@ -20,7 +20,7 @@ from typing import Any
 from django.db.models import Count
 
 from disagg_project import GATEWAY_INSTANCE
-from workers.cluster.db_thread import DatabaseThread
+from disagg_project import DatabaseThread
 from workers.models import ModelRoute, ModelRoutePool, Reservation, WorkerEndpoint, WorkerPool
 
 

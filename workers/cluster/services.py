@@ -18,7 +18,7 @@ from django.conf import settings
 
 from disagg_project import shared_leases as leases
 from workers.cluster import recovery
-from workers.cluster.db_thread import DatabaseThread
+from disagg_project import DatabaseThread
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
 

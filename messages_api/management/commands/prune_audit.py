@@ -8,6 +8,10 @@ recovery closes them, and an operator should see a stuck one, not lose it.
 Also deletes hourly usage (`KeyUsage`) older than USAGE_HOURS_RETENTION_DAYS, or
 `--usage-older-than`: never less than 31 days, since the admin charts the last 30 days and a day
 is the sum of its hours.
+
+And archives Message Batches created more than BATCH_RESULTS_RETENTION_S ago (Anthropic keeps
+results 29 days): the batch stays visible with `archived_at` set, its items and results are
+deleted (messages_api/batches/store.py `archive`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Model, QuerySet
 
+from messages_api.batches.store import archive
 from messages_api.models import KeyUsage, MessageRequest, RequestStatus
 
 _UNITS = {"d": "days", "h": "hours", "m": "minutes"}
@@ -68,7 +73,8 @@ def _delete_in_batches(expired: QuerySet[Model], batch_size: int, dry_run: bool)
 class Command(BaseCommand):
     help = (
         "Delete finished request audit rows older than an age (e.g. --older-than 30d), never in-progress ones; "
-        "and hourly usage older than USAGE_HOURS_RETENTION_DAYS (or --usage-older-than)."
+        "and hourly usage older than USAGE_HOURS_RETENTION_DAYS (or --usage-older-than); "
+        "archive Message Batches older than BATCH_RESULTS_RETENTION_S (their results deleted)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -96,3 +102,6 @@ class Command(BaseCommand):
         verb = "would delete" if options["dry_run"] else "deleted"
         self.stdout.write(f"{verb} {count} audit rows received before {options['older_than'].strip()} ago")
         self.stdout.write(f"{verb} {usage_count} hourly usage rows before {usage_age_text.strip()} ago")
+        batches = archive(timedelta(seconds=settings.BATCH_RESULTS_RETENTION_S), dry_run=options["dry_run"])
+        if batches:
+            self.stdout.write(f"{'would archive' if options['dry_run'] else 'archived'} {batches} message batches (their results)")

@@ -69,7 +69,7 @@ def test_the_hooks_keep_their_order() -> None:
     assert [hook.name for hook in HOOKS] == [
         "http guard",
         "direct writes",
-        "background services, then the collector's tuning",
+        "background services and the batch runner, then the collector's tuning",
         "switch interval",
         "state dump",
         "loop monitor",

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from workers.cluster.db_thread import DatabaseThread
+from disagg_project.db_thread import DatabaseThread
 from workers.models import WorkerPool
 
 
