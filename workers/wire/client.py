@@ -33,9 +33,10 @@ from workers.exceptions import AnswerTooLarge
 from workers.wire.boundary import boundary
 from workers.wire.chat_stream import ChunkStream
 from workers.wire.error_reading import Wordings, worker_error
+from workers.wire.push import body_reader
 from workers.wire.raw_ints import loads_keeping_ints
 from workers.wire.shapes import ShapeError, check_completion
-from workers.wire.transport import WorkerTransport, body_reader
+from workers.wire.transport import WorkerTransport
 
 _transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WorkerTransport] = weakref.WeakKeyDictionary()
 
