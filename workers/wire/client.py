@@ -58,8 +58,8 @@ def transport() -> WorkerTransport:
     """The running loop's connection pools (daphne has no lifespan hook to create them at start).
 
     Requests go to the transport directly, not through `httpx.AsyncClient`: the client's layers
-    (URL merging, cookies, auth, redirects, event hooks) cost ~200 µs per call and do nothing
-    for a worker call; measured on this machine.
+    (URL merging, cookies, auth, redirects, event hooks) do nothing for a worker call, and cost
+    per call (bench/results/2026-12-03-worker-transport-decision.md).
     """
     loop = asyncio.get_running_loop()
     worker_transport = _transports.get(loop)
