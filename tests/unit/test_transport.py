@@ -1,4 +1,4 @@
-"""The worker transport (workers.wire.transport, on aiohttp) against real TCP servers whose answers each
+"""The worker transport (workers.wire.transport, on aiohttp; bodies read or pushed by workers.wire.push) against real TCP servers whose answers each
 test scripts byte by byte: keep-alive reuse, framing, the retry of a stale kept-alive connection,
 timeouts, the pool bound, back-pressure, closing a half-read answer, bounded response heads, TLS.
 Each test states what worker calls need, not how the transport does it (until issue 10 the same

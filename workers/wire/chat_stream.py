@@ -145,7 +145,10 @@ class _Relay:
             elif events:
                 # Later than the deadline before it (the clock only moves on; `ends_by` is
                 # fixed), so an assignment, not `move`: the timer re-arms itself when it fires.
-                self.deadline.when = min(self.clock() + self.idle_s, self.ends_by)
+                # min() of the two, written out: the builtin parses its arguments on every call.
+                idle_ends = self.clock() + self.idle_s
+                ends_by = self.ends_by
+                self.deadline.when = ends_by if ends_by < idle_ends else idle_ends
             # One event (a paced worker's token): straight on, no call more per token.
             if self.gather is None or len(events) < 2:
                 return self.deliver(events)
