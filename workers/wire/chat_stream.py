@@ -24,9 +24,9 @@ from django.conf import settings
 from workers.exceptions import StreamBroken, WorkerError
 from workers.wire.boundary import boundary
 from workers.wire.error_reading import Wordings, worker_error
+from workers.wire.push import PushedBody, body_reader, push_body
 from workers.wire.shapes import check_chunk
 from workers.wire.sse_decoder import Event, SSEDecoder
-from workers.wire.push import PushedBody, body_reader, push_body
 
 # How long to wait for the end of a stream's body after `[DONE]`.
 DRAIN_TIMEOUT_S = 1.0
