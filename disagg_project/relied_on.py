@@ -273,16 +273,18 @@ RELIANCES: tuple[Reliance, ...] = (
         "channels 4.3.2",
     ),
     # --- aiohttp --------------------------------------------------------------------------------
+    # Two modules, nothing else: workers/wire/push.py (the response's reader, read or pushed) and
+    # workers/wire/connection.py (the connection's protocol and its parser).
     Reliance(
         "aiohttp.streams.StreamReader",
         ("_waiter", "_buffer", "_eof", "_exception", "_low_water", "_protocol", "_read_nowait"),
-        "workers/wire/transport.py (PushedBody, push_body, _ResponseStream.read)",
+        "workers/wire/push.py (PushedBody, push_body, ResponseStream.read)",
         "a push stands in for the reader's waiter and drains its buffer; a lost connection's last bytes first",
         "aiohttp 3.14.5",
     ),
     Reliance(
         "aiohttp.base_protocol.BaseProtocol", ("_parser", "_reading_paused", "resume_reading", "transport"),
-        "workers/wire/transport.py (push_body, PushedBody)",
+        "workers/wire/push.py (push_body, PushedBody)",
         "finds the RelayedBodyParser in the connection's parser slot; resumes a connection paused before the push",
         "aiohttp 3.14.5",
     ),
@@ -331,14 +333,14 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance(
         "httpx.Response", ("stream",),
-        "workers/wire/transport.py (push_body, body_reader)",
-        "finds our _ResponseStream (and the aiohttp reader in it) behind an httpx response",
+        "workers/wire/push.py (push_body, body_reader)",
+        "finds our ResponseStream (and the aiohttp reader in it) behind an httpx response",
         "httpx 0.29.0",
     ),
     # --- asyncio --------------------------------------------------------------------------------
     Reliance(
         "asyncio.selector_events._SelectorTransport", ("max_size",),
-        "workers/wire/transport.py (PushedBody)",
+        "workers/wire/push.py (PushedBody)",
         "while a body is pushed, the connection reads at most PUSH_READ_BYTES at once",
         "Python 3.11",
     ),

@@ -14,7 +14,7 @@ The tag is a filter, never a credential: a key whose tag checks is still looked 
 brings back the database lookups this check saves.
 
 Pure functions of their arguments (no settings, no database): the property tests in
-tests/unit/test_key_format.py check that every issued key passes and that changing any character
+tests/unit/messages_api/test_key_format.py check that every issued key passes and that changing any character
 of one makes it fail.
 """
 

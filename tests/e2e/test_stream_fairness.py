@@ -1,7 +1,7 @@
 """A fast worker stream still gives the event loop a turn every so often: otherwise one stream
 holds the loop while it relays, and other streams and this client's own hang-up wait behind it.
 A stream is pushed (`ChunkStream.pump`): each read is relayed in the callback that received it, so
-a read is bounded (`workers.wire.transport.PUSH_READ_BYTES`)."""
+a read is bounded (`workers.wire.push.PUSH_READ_BYTES`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.simworkers import SimWorker, start_simworker
 from workers.wire import client
-from workers.wire.transport import PUSH_READ_BYTES
+from workers.wire.push import PUSH_READ_BYTES
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ from django.conf import settings
 from workers.exceptions import StreamBroken, WorkerError
 from workers.wire.boundary import boundary
 from workers.wire.error_reading import Wordings, worker_error
+from workers.wire.push import PushedBody, body_reader, push_body
 from workers.wire.shapes import check_chunk
 from workers.wire.sse_decoder import Event, SSEDecoder
-from workers.wire.transport import PushedBody, body_reader, push_body
 
 # How long to wait for the end of a stream's body after `[DONE]`.
 DRAIN_TIMEOUT_S = 1.0
@@ -36,11 +36,12 @@ class _StreamDeadline:
     """The deadline of one stream's reads, with one timer for the whole stream: when it passes,
     the outcome the stream's `pump` awaits fails with TimeoutError.
 
-    A stream's deadline moves with every event (the idle gap counts from the last one); entering
-    `asyncio.timeout_at` around each read cost about as much as decoding the event (measured,
-    ~8 µs on the test machine). Here moving the deadline is an assignment; the timer, when it
-    fires early, re-arms itself for the deadline's new value. So a deadline moved later may be
-    assigned to `when` directly (per relayed token); `move` is needed only for an earlier one.
+    A stream's deadline moves with every event (the idle gap counts from the last one), so moving
+    it is an assignment, not a new timer per event (an `asyncio.timeout_at` around each read cost
+    about as much as decoding the event: bench/results/2026-12-03-worker-transport-decision.md);
+    the timer, when it fires early, re-arms itself for the deadline's new value. So a deadline
+    moved later may be assigned to `when` directly (per relayed token); `move` is needed only for
+    an earlier one.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, outcome: asyncio.Future[bool]) -> None:
@@ -91,6 +92,123 @@ class Gather(Protocol):
     def release(self) -> None: ...
 
 
+class _Relay:
+    """One `pump` of a stream, as the push's receiver: the worker's bytes arrive in `on_data`, in
+    the connection's receive callback, and each event's checked chunk goes on to the sink there;
+    the body's end or failure arrives in `on_end`. `outcome` is what `pump` awaits: True once
+    `[DONE]` came, the stream's failure otherwise (a sink's own failure as `_SinkFailed`). Nothing
+    is delivered once it is done.
+
+    Per relayed token this is `on_data` and `deliver`: attributes are slots, and the bound methods
+    (the push's `on_data` and `on_end`, the stream's `_chunk`) are taken once per stream, so a
+    token allocates nothing here."""
+
+    __slots__ = (
+        "stream", "chunk_of", "sink", "gather", "outcome", "decoder", "deadline", "idle_s", "ends_by", "clock",
+        "first_byte_due",
+    )
+
+    def __init__(
+        self,
+        stream: ChunkStream,
+        sink: Callable[[dict[str, Any]], None],
+        gather: Gather | None,
+        outcome: asyncio.Future[bool],
+        deadline: _StreamDeadline,
+        clock: Callable[[], float],
+    ) -> None:
+        self.stream = stream
+        self.chunk_of = stream._chunk  # bound once, not per event
+        self.sink = sink
+        self.gather = gather
+        self.outcome = outcome
+        self.decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
+        self.deadline = deadline
+        self.idle_s = stream._idle_s
+        self.ends_by = stream._ends_by
+        self.clock = clock  # the loop's clock, read per token
+        self.first_byte_due = stream._first_byte_by is not None  # the first byte's deadline runs
+
+    def on_data(self, data: bytes) -> bool:
+        """The body's next bytes: decoded, the deadline moved, the events delivered. False once
+        the stream is over (the push then stops)."""
+        outcome = self.outcome
+        if outcome.done():  # the deadline passed meanwhile
+            return False
+        try:
+            events = self.decoder.feed(data)
+            # The first byte, then every complete event, restarts the idle gap.
+            if self.first_byte_due:
+                self.first_byte_due = False
+                self.stream._first_byte_by = None
+                self.deadline.move(min(self.clock() + self.idle_s, self.ends_by))
+            elif events:
+                # Later than the deadline before it (the clock only moves on; `ends_by` is
+                # fixed), so an assignment, not `move`: the timer re-arms itself when it fires.
+                # min() of the two, written out: the builtin parses its arguments on every call.
+                idle_ends = self.clock() + self.idle_s
+                ends_by = self.ends_by
+                self.deadline.when = ends_by if ends_by < idle_ends else idle_ends
+            # One event (a paced worker's token): straight on, no call more per token.
+            if self.gather is None or len(events) < 2:
+                return self.deliver(events)
+            return self.deliver_gathered(events)
+        except Exception as exc:  # malformed, an error frame, a line too long
+            if not outcome.done():
+                outcome.set_exception(exc)
+            return False
+
+    def on_end(self, error: BaseException | None) -> None:
+        """The body's end (None: what the decoder still holds is delivered, and a body that
+        ended without `[DONE]` fails as broken), or the connection's failure."""
+        outcome = self.outcome
+        if outcome.done():
+            return
+        if error is not None:  # the connection failed
+            outcome.set_exception(error)
+            return
+        try:
+            if self.deliver_gathered(self.decoder.end()):  # the body ended without [DONE]
+                outcome.set_exception(self.stream._broken())
+        except Exception as exc:
+            if not outcome.done():
+                outcome.set_exception(exc)
+
+    def deliver(self, events: list[Event]) -> bool:
+        """Pass on the events' chunks; False once the stream is over ([DONE] or a failure). An
+        error frame or a malformed chunk raises."""
+        chunk_of, sink = self.chunk_of, self.sink
+        for event in events:
+            chunk = chunk_of(event)
+            if chunk is None:
+                self.outcome.set_result(True)
+                return False
+            try:
+                sink(chunk)
+            except BaseException as exc:  # the consumer's own failure, raised as it is
+                self.outcome.set_exception(_SinkFailed(exc))
+                return False
+        return True
+
+    def deliver_gathered(self, events: list[Event]) -> bool:
+        """`deliver`, several events between `gather.hold` and `gather.release` (released also
+        when the sink or the stream failed halfway: what came before the failure goes out
+        first); one event, or no gather, as `deliver`."""
+        gather = self.gather
+        if gather is None or len(events) < 2:
+            return self.deliver(events)
+        gather.hold()
+        try:
+            going_on = self.deliver(events)
+        finally:
+            try:
+                gather.release()
+            except BaseException as exc:  # the consumer's own failure, as in `deliver`
+                if not self.outcome.done():
+                    self.outcome.set_exception(_SinkFailed(exc))
+        return going_on and not self.outcome.done()
+
+
 class ChunkStream:
     """An open OpenAI chat stream: `pump` its validated chunks until `[DONE]`; close it when done.
 
@@ -130,81 +248,16 @@ class ChunkStream:
         loop = asyncio.get_running_loop()
         # True once [DONE] came; the stream's failure otherwise.
         outcome: asyncio.Future[bool] = loop.create_future()
-        decoder = SSEDecoder(settings.WORKER_MAX_SSE_LINE_BYTES)
         deadline = self._deadline = _StreamDeadline(loop, outcome)
-        idle_s, ends_by = self._idle_s, self._ends_by
         # The loop's clock, read per token: asyncio's is time.monotonic behind a Python method.
         clock = time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
-
-        def deliver(events: list[Event]) -> bool:
-            """Pass on the events' chunks; False once the stream is over ([DONE] or a failure)."""
-            for event in events:
-                chunk = self._chunk(event)
-                if chunk is None:
-                    outcome.set_result(True)
-                    return False
-                try:
-                    sink(chunk)
-                except BaseException as exc:  # the consumer's own failure, raised as it is
-                    outcome.set_exception(_SinkFailed(exc))
-                    return False
-            return True
-
-        def delivered(events: list[Event]) -> bool:
-            """`deliver`, several events between `hold` and `release` (released also when the
-            sink or the stream failed halfway: what came before the failure goes out first)."""
-            if gather is None or len(events) < 2:
-                return deliver(events)
-            gather.hold()
-            try:
-                going_on = deliver(events)
-            finally:
-                try:
-                    gather.release()
-                except BaseException as exc:  # the consumer's own failure, as in `deliver`
-                    if not outcome.done():
-                        outcome.set_exception(_SinkFailed(exc))
-            return going_on and not outcome.done()
-
-        def on_data(data: bytes) -> bool:
-            if outcome.done():  # the deadline passed meanwhile
-                return False
-            try:
-                events = decoder.feed(data)
-                # The first byte, then every complete event, restarts the idle gap.
-                if self._first_byte_by is not None:
-                    self._first_byte_by = None
-                    deadline.move(min(clock() + idle_s, ends_by))
-                elif events:
-                    # Later than the deadline before it (the clock only moves on; `ends_by` is
-                    # fixed), so an assignment, not `move`: the timer re-arms itself when it fires.
-                    deadline.when = min(clock() + idle_s, ends_by)
-                # One event (a paced worker's token): straight on, no call more per token.
-                return deliver(events) if gather is None or len(events) < 2 else delivered(events)
-            except Exception as exc:  # malformed, an error frame, a line too long
-                if not outcome.done():
-                    outcome.set_exception(exc)
-                return False
-
-        def on_end(error: BaseException | None) -> None:
-            if outcome.done():
-                return
-            if error is not None:  # the connection failed
-                outcome.set_exception(error)
-                return
-            try:
-                if delivered(decoder.end()):  # the body ended without [DONE]
-                    outcome.set_exception(self._broken())
-            except Exception as exc:
-                if not outcome.done():
-                    outcome.set_exception(exc)
-
-        deadline.move(min(self._first_byte_by or loop.time() + idle_s, ends_by))
+        relay = _Relay(self, sink, gather, outcome, deadline, clock)
+        deadline.move(min(self._first_byte_by or loop.time() + self._idle_s, self._ends_by))
         self._pumping = True
         failed: BaseException | None = None
         try:
             # What has arrived already is pushed from here, before it returns.
-            push = self._push = push_body(self._response, on_data, on_end)
+            push = self._push = push_body(self._response, relay.on_data, relay.on_end)
             if push is None:  # open_stream's responses are always the worker transport's
                 raise TypeError("a stream's response must come from the worker transport")
             if self._paused:  # by the sink, meanwhile

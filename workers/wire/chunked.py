@@ -8,7 +8,7 @@
 Chunk data is handed over as it arrives, not when its chunk is complete, so a token is never held
 back; only a size line, a chunk's closing CRLF or the trailer section in progress is buffered,
 and each is bounded. `ChunkedFramingError` for anything malformed. Pure: no I/O, no asyncio
-(`workers.wire.transport` feeds it a worker connection's bytes).
+(`workers.wire.connection` feeds it a worker connection's bytes).
 """
 
 from __future__ import annotations

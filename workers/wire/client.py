@@ -33,9 +33,10 @@ from workers.exceptions import AnswerTooLarge
 from workers.wire.boundary import boundary
 from workers.wire.chat_stream import ChunkStream
 from workers.wire.error_reading import Wordings, worker_error
+from workers.wire.push import body_reader
 from workers.wire.raw_ints import loads_keeping_ints
 from workers.wire.shapes import ShapeError, check_completion
-from workers.wire.transport import WorkerTransport, body_reader
+from workers.wire.transport import WorkerTransport
 
 _transports: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WorkerTransport] = weakref.WeakKeyDictionary()
 
@@ -57,8 +58,8 @@ def transport() -> WorkerTransport:
     """The running loop's connection pools (daphne has no lifespan hook to create them at start).
 
     Requests go to the transport directly, not through `httpx.AsyncClient`: the client's layers
-    (URL merging, cookies, auth, redirects, event hooks) cost ~200 µs per call and do nothing
-    for a worker call; measured on this machine.
+    (URL merging, cookies, auth, redirects, event hooks) do nothing for a worker call, and cost
+    per call (bench/results/2026-12-03-worker-transport-decision.md).
     """
     loop = asyncio.get_running_loop()
     worker_transport = _transports.get(loop)

@@ -1,13 +1,8 @@
 """aiohttp's connection protocol for worker connections, with the body of a chunked answer
-decoded here instead of by aiohttp's response parser.
-
-A streamed answer comes one token per read: per token, aiohttp's path from the socket to the
-reader is a dozen Python calls (`data_received`, the C parser's callbacks into the reader for the
-chunk's start, data and end, the reader waking its waiter twice, reading its buffer back). Under
-load each Python call costs a fraction of a µs in cache misses (measured: ten more trivial calls
-per token cost ~2.5 µs per relayed event at 10,000 events/s). Here a chunked body's bytes go
-through one small decoder (`workers.wire.chunked`) and on to the response's reader, or, while a push is
-attached (`workers.wire.transport.push_body`), straight to it.
+decoded here instead of by aiohttp's response parser: a chunked body's bytes go through one small
+decoder (`workers.wire.chunked`) and on to the response's reader, or, while a push is attached
+(`workers.wire.push.push_body`), straight to it, in fewer Python calls per relayed token than
+aiohttp's own path (why that matters, and the figures: bench/results/2026-12-04-relay-round-6.md).
 
 What stays aiohttp's: the connection pool, TLS, timeouts, and parsing every response head
 (`RelayedBodyParser` hands its C parser the head alone, up to the blank line, and takes the body
@@ -43,7 +38,7 @@ from workers.wire.chunked import ChunkedDecoder, ChunkedFramingError
 #: Whether the latest request of the current task went out on a connection that had carried one
 #: before (set when the request starts on its connection; `WorkerTransport.send` resets it first).
 #: A kept-alive connection may have been closed by the worker just as it was reused: such a request
-#: is sent again (workers.wire.transport).
+#: is sent again (workers.wire.transport.WorkerTransport.send).
 connection_reused: ContextVar[bool] = ContextVar("connection_reused", default=False)
 
 # What a parser's feed_data returns to aiohttp: the messages (heads) completed, whether the
@@ -57,7 +52,7 @@ _HEAD, _HEAD_PARSER, _BODY, _DONE = range(4)
 
 
 class BodySink(Protocol):
-    """Where a pushed body goes (workers.wire.transport.PushedBody)."""
+    """Where a pushed body goes (workers.wire.push.PushedBody)."""
 
     # The body's bytes as they arrive; False when no more are wanted.
     on_data: Callable[[bytes], bool]

@@ -2,9 +2,8 @@
 
 TensorRT-LLM's context worker answers with the prompt's token ids (`prompt_token_ids`, ~20,000
 for a Claude Code turn), which the gateway only relays to the generation worker. Parsed, they are
-20,000 Python ints made, checked and written back out again: a py-spy profile of the Claude Code
-request (bench/request_cpu.py) put ~60 % of the event loop's time per request there (the parse
-43 %, the check 15 %, most of the generation request's serialization). Kept as text, they cost a
+20,000 Python ints made, checked and written back out again, most of the event loop's time for
+such a request (the profile: bench/results/2026-12-05-gc-cycles.md). Kept as text, they cost a
 scan of their bytes, and `orjson.Fragment` writes them into the next request as they came.
 
     answer = loads_keeping_ints(content, "prompt_token_ids")
@@ -84,9 +83,9 @@ def _is_int_array(array: bytes) -> bool:
     that starts with 1-9). Anything else (whitespace, a sign, a zero, an empty array) is left to
     the ordinary parse, which is exact and, for such rare answers, cheap enough.
 
-    Only scans in C, three over ~120 KB for a Claude Code turn's 20,000 ids: ~280 µs, where a
-    regular expression took 1.6-8.8 ms and orjson's parse ~400 µs. (A fourth scan, for runs of 20
-    digits, cost ~170 µs more; such an id is relayed as written, see the module's docstring.)"""
+    Only scans in C, three over the array's bytes (cheaper than a regular expression or orjson's
+    parse: bench/results/2026-12-05-instructions.md). An id of 20 digits or more is relayed as
+    written (see the module's docstring)."""
     inner = array[1:-1]
     return bool(
         inner

@@ -1,6 +1,6 @@
 """disagg_project/daphne.py: the hooks a gateway process installs around daphne, in their order and
 under their conditions, each handed what it needs of the running daphne. What each hook does is
-tested with its module (tests/unit/test_direct_write.py, tests/e2e/test_http_guard.py,
+tested with its module (tests/unit/messages_api/server/test_direct_write.py, tests/e2e/test_http_guard.py,
 test_state_dump.py, test_processes.py, ...)."""
 
 from __future__ import annotations

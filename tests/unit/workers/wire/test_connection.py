@@ -15,8 +15,8 @@ from aiohttp.client_proto import ResponseHandler
 from tests.support.chunked import LAST_CHUNK, chunk, chunked
 from tests.support.scripted import ScriptedServer, read_request
 from tests.support.worker_transport import Pushed, fetch, ok, wait_for, worker_transport
-from workers.wire.transport import push_body
 from workers.wire.connection import RelayedBodyParser, WorkerResponseHandler
+from workers.wire.push import push_body
 
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 BODY = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]

@@ -1,4 +1,4 @@
-"""The worker transport (workers.wire.transport, on aiohttp) against real TCP servers whose answers each
+"""The worker transport (workers.wire.transport, on aiohttp; bodies read or pushed by workers.wire.push) against real TCP servers whose answers each
 test scripts byte by byte: keep-alive reuse, framing, the retry of a stale kept-alive connection,
 timeouts, the pool bound, back-pressure, closing a half-read answer, bounded response heads, TLS.
 Each test states what worker calls need, not how the transport does it (until issue 10 the same
@@ -26,7 +26,8 @@ from tests.support.worker_transport import Pushed, answer_every_request, fetch, 
 from workers.wire import client
 from workers.wire import transport as transport_module
 from workers.exceptions import WorkerError
-from workers.wire.transport import BODY_SLICE_BYTES, body_reader, push_body
+from workers.wire.push import body_reader, push_body
+from workers.wire.transport import BODY_SLICE_BYTES
 
 
 @pytest.mark.parametrize("via_httpx", [False, True], ids=["send", "httpx-interface"])
@@ -471,7 +472,7 @@ async def test_the_client_reads_a_json_answer_whole_and_a_compressed_one_decoded
     assert server.connections == 1
 
 
-# --- pushed bodies (workers.wire.transport.push_body: aiohttp's reader internals, checked here) ------------
+# --- pushed bodies (workers.wire.push.push_body: aiohttp's reader internals, checked here) -----------------
 
 
 async def test_a_pushed_body_arrives_in_the_receive_callback_as_it_is_sent() -> None:
