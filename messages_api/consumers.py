@@ -42,7 +42,12 @@ from messages_api.server.body_writer import BodyWriter, body_writer
 from messages_api.server.send_queue import SendQueue
 from messages_api.errors import (
     AnthropicError,
+    AuthenticationFailed,
     DeadlineExceeded,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    RequestTooLarge,
     client_error,
     operator_detail,
 )
@@ -231,11 +236,7 @@ class ApiConsumer(AsyncHttpConsumer):
         # Answer at once; the rest of the body is never read into memory.
         self._refused = True
         self.body = []
-        error = AnthropicError(
-            413,
-            f"Request body is larger than the limit of {settings.MESSAGES_MAX_BODY_BYTES} bytes",
-            "request_too_large",
-        )
+        error = RequestTooLarge(f"Request body is larger than the limit of {settings.MESSAGES_MAX_BODY_BYTES} bytes")
         self._start(self._answer_error(error))
 
     def _start(self, work: Coroutine[Any, Any, None]) -> None:
@@ -257,15 +258,13 @@ class ApiConsumer(AsyncHttpConsumer):
             try:
                 async with deadline:
                     if self.scope.get("method") not in self.allowed_methods:
-                        raise AnthropicError(
-                            405,
+                        raise MethodNotAllowed(
                             f"Method {self.scope.get('method')} is not allowed here",
-                            "invalid_request_error",
                             headers=((b"allow", ", ".join(self.allowed_methods).encode()),),
                         )
                     if loop_lag.monitor.overloaded():
                         loop_lag.shed.inc()
-                        raise AnthropicError(529, "Overloaded", "overloaded_error", retry_after=1.0)
+                        raise Overloaded("Overloaded", retry_after=1.0)
                     await self.handle_request(body)
             except TimeoutError as exc:
                 if not deadline.expired():
@@ -353,12 +352,12 @@ class ApiConsumer(AsyncHttpConsumer):
         try:
             key = key_from_headers(self.scope.get("headers") or ())
         except CredentialError as exc:
-            raise AnthropicError(401, str(exc), "authentication_error") from None
+            raise AuthenticationFailed(str(exc)) from None
         if not key:
-            raise AnthropicError(401, MISSING_KEY, "authentication_error")
+            raise AuthenticationFailed(MISSING_KEY)
         principal = await key_cache.authenticate(key)
         if principal is None:
-            raise AnthropicError(401, INVALID_KEY, "authentication_error")
+            raise AuthenticationFailed(INVALID_KEY)
         self.record.api_key_name, self.record.api_key_id = principal.name, principal.key_id or None
         return principal
 
@@ -669,7 +668,7 @@ async def pool_for_model(model: str, principal: Principal, chat: dict[str, Any])
     snapshot = await get_registry().snapshot()
     served = snapshot.serving(model) if principal.may_use(model) else ()
     if not served:
-        raise AnthropicError(404, f"model: {model}", "not_found_error")
+        raise NotFound(f"model: {model}")
     choice = choose_pool(served) if len(served) > 1 else served[0]
     chat["model"] = choice.upstream_model
     return choice.pool
@@ -701,7 +700,7 @@ class ModelsConsumer(ApiConsumer):
         if model_id is not None:
             found = next((m for m in models if m["id"] == model_id), None)
             if found is None:
-                raise AnthropicError(404, f"model: {model_id}", "not_found_error")
+                raise NotFound(f"model: {model_id}")
             await self.send_json(200, found)
             return
         await self.send_json(200, model_page(models, parse_qs(self.scope.get("query_string", b"").decode())))
