@@ -1,5 +1,5 @@
 """How a request reaches the consumer's handlers: read in place without a channel layer
-(`ApiConsumer._dispatch_directly`), through Channels' own loop with one."""
+(`RequestTask.serve_in_place`, messages_api/consumers/dispatch.py), through Channels' own loop with one."""
 
 from __future__ import annotations
 
