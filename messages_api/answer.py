@@ -1,21 +1,20 @@
 """A Messages request answered without HTTP, and the end of one that failed.
 
-    async with accepted(body, principal, record, priority=p, session_of=...) as answer:
-        message = await answer.message()      # or relay answer.run through answer.reframer
-    # left normally: the record ended COMPLETED; raised: the caller ends it (`end_failed`)
+    message = await serve(body, principal, record, priority=p, session_of=..., reply=Answer.message)
+    # returned: the record ended COMPLETED; raised: the caller ends it (`end_failed`)
 
-`accepted` is the one path of every Messages request, the HTTP consumer's streamed and
-non-streamed answers and `answer_message` alike: bounded intake (parse, validate, convert), the
-pool for its model, the key's limits, a `ChatRun`, and the key's usage settled whichever way the
-run ends. `answer_message` is that path and the Anthropic Message it accumulates to.
+`serve` is the one path of every Messages request, the HTTP consumer's streamed and non-streamed
+answers and `answer_message` alike: bounded intake (parse, validate, convert), the pool for its
+model, the key's limits, a `ChatRun`, the reply (`reply`, given the open run as an `Answer`), and
+the key's usage settled whichever way the run ends. `answer_message` is that path with the
+Anthropic Message the run accumulates to as its reply.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from messages_api import intake
 from messages_api.accumulate import accumulate_message
@@ -28,7 +27,9 @@ from messages_api.reframe import StreamReframer
 from messages_api.selection import new_message_id, pool_for_model
 from workers import ChatRun, Priority
 
-__all__ = ["Answer", "accepted", "answer_message", "end_failed"]
+__all__ = ["Answer", "answer_message", "end_failed", "serve"]
+
+Reply = TypeVar("Reply")
 
 
 @dataclass(slots=True)
@@ -53,22 +54,23 @@ class Answer:
         return accumulate_message(events)
 
 
-@asynccontextmanager
-async def accepted(
+async def serve(
     body: bytes,
     principal: Principal,
     record: AuditRecord,
     *,
     priority: Priority,
     session_of: Callable[[dict[str, Any]], str | None],
-) -> AsyncIterator[Answer]:
-    """Accept `body` for `principal` and open its run; the `Answer` is yielded inside the run.
+    reply: Callable[[Answer], Awaitable[Reply]],
+) -> Reply:
+    """Accept `body` for `principal`, open its run, and return what `reply` makes of it.
 
     Before acceptance it raises the client's error: the key known over its limits before the
     body is parsed, the body's own errors, a model the key may not use (`NotFound`), the key's
-    limits (`RateLimited`). Then the record is begun, and every way out settles the key's lease
-    with the tokens the reply used; left normally, the record ends COMPLETED (200). `session_of`
-    gives the request's session for affinity, from the validated request."""
+    limits (`RateLimited`). Then the record is begun and `reply` runs inside the run; every way
+    out settles the key's lease with the tokens the reply used, and a reply that returns ends the
+    record COMPLETED (200). `session_of` gives the request's session for affinity, from the
+    validated request."""
     # A key this process already knows is over its limits is refused before its body is parsed.
     refuse_early(principal.key_hash, principal.limits)
     request, chat, rendered, cache_share = await intake.messages_request(body)
@@ -98,7 +100,7 @@ async def accepted(
         record.begin()
         record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
         async with run:
-            yield Answer(request, run, reframer, lease.headers, record)
+            replied = await reply(Answer(request, run, reframer, lease.headers, record))
     finally:
         # Whichever way the run ended: what the reply used, for the row and the key's usage.
         if reframer.started:
@@ -111,6 +113,7 @@ async def accepted(
         lease.settle(used)
         run.charge_output(used.output_tokens)
     record.end(RequestStatus.COMPLETED, http_status=200)
+    return replied
 
 
 async def answer_message(
@@ -123,8 +126,9 @@ async def answer_message(
     the Anthropic Message it accumulates to. On success the record is ended COMPLETED. On failure
     it raises (front-door errors or workers' WorkerError) and leaves the record for the caller."""
     try:
-        async with accepted(body, principal, record, priority=priority, session_of=lambda _request: session) as answer:
-            return await answer.message()
+        return await serve(
+            body, principal, record, priority=priority, session_of=lambda _request: session, reply=Answer.message
+        )
     finally:
         intake.release(len(body))
 

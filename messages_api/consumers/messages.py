@@ -10,7 +10,7 @@ from typing import Any
 from django.conf import settings
 
 from messages_api import intake, metrics
-from messages_api.answer import Answer, accepted
+from messages_api.answer import Answer, serve
 from messages_api.consumers.base import ApiConsumer
 from messages_api.consumers.state import ResponseState
 from messages_api.errors import AnthropicError
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class MessagesConsumer(ApiConsumer):
-    """`POST /v1/messages`: the request goes through `answer.accepted`, the one path of every
+    """`POST /v1/messages`: the request goes through `answer.serve`, the one path of every
     Messages request; this consumer only speaks HTTP (a JSON reply, or an event stream)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -39,16 +39,10 @@ class MessagesConsumer(ApiConsumer):
         try:
             principal = await self.authenticate()
             open_requests.add(principal.key_hash, self)  # revoking the key ends the request
-            async with accepted(
+            await serve(
                 body, principal, self.record,
-                priority=Priority[principal.priority.upper()], session_of=self._session,
-            ) as answer:
-                self.answer = answer
-                self.extra_headers = answer.headers
-                if self.record.stream:
-                    await self.respond_streamed(answer)
-                else:
-                    await self.send_json(200, await answer.message())
+                priority=Priority[principal.priority.upper()], session_of=self._session, reply=self._reply,
+            )
         finally:
             open_requests.discard(self)
             if self.heartbeat is not None:
@@ -57,6 +51,14 @@ class MessagesConsumer(ApiConsumer):
 
     def _session(self, request: dict[str, Any]) -> str | None:
         return session_key(self.request_headers, request)
+
+    async def _reply(self, answer: Answer) -> None:
+        self.answer = answer
+        self.extra_headers = answer.headers
+        if self.record.stream:
+            await self.respond_streamed(answer)
+        else:
+            await self.send_json(200, await answer.message())
 
     # --- the event stream ------------------------------------------------------------------------
 
