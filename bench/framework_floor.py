@@ -17,8 +17,9 @@ is served; `FRAMEWORK_FLOOR` picks how much a request does:
              log (on stdout, from the loop). No worker, no key, no row: what a newcomer's
              consumer on this stack costs.
     answer   the same answer through the shortcuts the gateway takes around the stock path:
-             messages dispatched in place (messages_api/consumers.py `_dispatch_directly`: no task
-             and `asyncio.wait` per message, no ORM thread hop per message), middle frames
+             messages dispatched in place (messages_api/consumers/dispatch.py
+             `RequestTask.serve_in_place`: no task and `asyncio.wait` per message, no ORM thread
+             hop per message), middle frames
              written straight to daphne's request (messages_api/server/body_writer.py), bytes
              sent at once rather than on Twisted's next loop turn and each ASGI message's bytes in
              one send (messages_api/server/direct_write.py), no form parsing of a POSTed body by
@@ -147,7 +148,7 @@ class FloorConsumer(AsyncHttpConsumer):
         if MODE == "stock":
             await super().__call__(scope, receive, send)
             return
-        # As the gateway's ApiConsumer._dispatch_directly (no channel layer: one source of messages).
+        # As the gateway's RequestTask.serve_in_place (no channel layer: one source of messages).
         self.scope, self.channel_layer, self.base_send = scope, None, send
         self._writer = body_writer(send)
         try:

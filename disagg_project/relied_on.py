@@ -250,7 +250,7 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(
         "channels.consumer.AsyncConsumer",
         ("__call__", "dispatch", "channel_layer_alias", "scope", "channel_layer", "base_send"),
-        "messages_api/consumers.py (ApiConsumer._dispatch_directly)",
+        "messages_api/consumers/dispatch.py (RequestTask.serve_in_place)",
         "stands in for __call__ without a channel layer, setting what it sets (see PINNED_SOURCES)",
         "channels 4.3.2",
     ),
@@ -268,7 +268,7 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance(
         "channels.generic.http.AsyncHttpConsumer", ("body", "send_body"),
-        "messages_api/consumers.py (ApiConsumer)",
+        "messages_api/consumers/base.py (ApiConsumer)",
         "a refused request's collected body dropped; send_body overridden for the direct writer",
         "channels 4.3.2",
     ),
@@ -356,8 +356,8 @@ PINNED_SOURCES: tuple[PinnedSource, ...] = (
     PinnedSource(
         "channels.consumer.AsyncConsumer.__call__",
         "e52238720872dbc3f854519bc971aa7eb41553e63c8729081549ce42465ee419",
-        "messages_api/consumers.py (ApiConsumer._dispatch_directly)",
-        "_dispatch_directly is this method less its channel-layer branch: a change here is a change to copy",
+        "messages_api/consumers/dispatch.py (RequestTask.serve_in_place)",
+        "serve_in_place is this method less its channel-layer branch: a change here is a change to copy",
         "channels 4.3.2",
     ),
 )

@@ -7,7 +7,9 @@ Other packages use only the names in `__all__` below and the Django places every
 
     validation.py, convert.py     an Anthropic request checked, then converted to OpenAI chat
     reframe.py, framing.py        OpenAI chunks → Anthropic events → server-sent-event frames
-    consumers.py, routes.py       the API routes' Channels consumers, and the ASGI routing to them
+    consumers/, routes.py         the API routes' Channels consumers, and the ASGI routing to them
+    answer.py, selection.py       a Messages request's one path (intake, pool, limits, run), with or
+                                  without HTTP; the pool, session and message id it is served with
     errors.py                     Anthropic's error envelope, and the one mapping to it
     audit.py, auth.py, metrics.py the audit row, API keys, Prometheus metrics
     key_format.py                 the issued keys' form (a tag the gateway checks without the database)

@@ -17,7 +17,7 @@ from typing import Any
 import jiter
 import orjson
 
-from messages_api.errors import AnthropicError, from_error_event
+from messages_api.errors import AnthropicError, ApiInternalError, from_error_event
 
 __all__ = ["accumulate_message"]
 
@@ -59,7 +59,7 @@ def accumulate_message(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     except (KeyError, IndexError, TypeError) as exc:
         raise _malformed(f"unreadable event ({exc!r})") from exc
     if message is None or not stopped:
-        raise AnthropicError(500, "The response ended before the message was complete", "api_error")
+        raise ApiInternalError("The response ended before the message was complete")
     # Cut short by max_tokens or a content filter: a tool call's arguments may be incomplete.
     truncated = message["stop_reason"] in ("max_tokens", "refusal")
     for block, parts in zip(blocks, pieces):
@@ -125,12 +125,12 @@ def _finish_block(block: dict[str, Any], text: str, truncated: bool) -> None:
             # Cut off by max_tokens: keep what parses, as the SDKs' stream accumulators do.
             value = _partial_json(text) if truncated else None
         if not isinstance(value, dict):
-            raise AnthropicError(500, "The worker returned tool call arguments that are not a JSON object", "api_error")
+            raise ApiInternalError("The worker returned tool call arguments that are not a JSON object")
         block["input"] = value
 
 
 def _malformed(what: str) -> AnthropicError:
-    return AnthropicError(500, f"Malformed response stream: {what}", "api_error")
+    return ApiInternalError(f"Malformed response stream: {what}")
 
 
 def _partial_json(text: str) -> Any:

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import orjson
 
-from messages_api.errors import AnthropicError
+from messages_api.errors import InvalidRequest
 
 __all__ = ["to_chat_request"]
 
@@ -416,4 +416,4 @@ def _unsupported(kind: str, path: str) -> NoReturn:
 
 
 def _fail(path: str, message: str) -> NoReturn:
-    raise AnthropicError(400, f"{path}: {message}", "invalid_request_error")
+    raise InvalidRequest(f"{path}: {message}")

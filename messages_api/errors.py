@@ -3,6 +3,12 @@ that can go wrong while serving a request to the answer the client gets.
 
     {"type": "error", "error": {"type": ..., "message": ...}, "request_id": "req_..."}
 
+Each kind of front-door error is a class raised by name, its status and type class attributes:
+`InvalidRequest` (400), `AuthenticationFailed` (401), `PermissionDenied` (403), `NotFound` (404),
+`MethodNotAllowed` (405), `RequestTooLarge` (413), `RateLimited` (429), `ApiInternalError` (500),
+`ServiceUnavailable` (503), `GatewayTimeout` (504), `Overloaded` (529). Statuses 429, 503 and 529
+carry `retry_after` (1 s unless given).
+
 `client_error(exc)` is the only place an exception becomes an `AnthropicError`: a worker failure
 (`WorkerError`), one of ours (`AnthropicError`), the request's deadline, or a bug. The consumer
 answers the result as an HTTP error before the stream starts and as an `error` event after, so a
@@ -54,9 +60,14 @@ def error_type_for_status(status: int) -> str:
 class AnthropicError(Exception):
     """An error to answer in Anthropic's envelope, with its HTTP status.
 
-    Raised anywhere in `messages_api`; the consumer answers it as an HTTP error before the stream
-    starts, or as an `event: error` after, with the same type and message.
+    Raised anywhere in `messages_api`, by the name of its kind (`NotFound("model: x")`, below);
+    the consumer answers it as an HTTP error before the stream starts, or as an `event: error`
+    after, with the same type and message. `AnthropicError(status, message, error_type)` makes
+    one whose status is known only when it is made (a worker's failure, an error event).
     """
+
+    status: int = 500
+    error_type: str = "api_error"
 
     def __init__(
         self,
@@ -67,11 +78,14 @@ class AnthropicError(Exception):
         retry_after: float | None = None,
         headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
-        super().__init__(message)
         self.status = status
-        self.message = message
         self.error_type = error_type or error_type_for_status(status)
-        if retry_after is None and status in RETRY_AFTER_STATUSES:
+        self._describe(message, retry_after, headers)
+
+    def _describe(self, message: str, retry_after: float | None, headers: tuple[tuple[bytes, bytes], ...]) -> None:
+        Exception.__init__(self, message)
+        self.message = message
+        if retry_after is None and self.status in RETRY_AFTER_STATUSES:
             retry_after = 1.0
         self.retry_after = retry_after
         self.headers = headers
@@ -89,14 +103,104 @@ class AnthropicError(Exception):
         return {"type": "error", "error": {"type": self.error_type, "message": self.message}}
 
     def __repr__(self) -> str:
-        return f"AnthropicError({self.status}, {self.error_type!r}, {self.message!r})"
+        return f"{type(self).__name__}({self.status}, {self.error_type!r}, {self.message!r})"
 
 
-class DeadlineExceeded(AnthropicError):
+class _Kind(AnthropicError):
+    """An error whose status and type are its class's: made from its message alone."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        self._describe(message, retry_after, headers)
+
+
+class InvalidRequest(_Kind):
+    """400: the request is malformed or asks for what cannot be given."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class AuthenticationFailed(_Kind):
+    """401: no API key, an unknown one, or one revoked."""
+
+    status = 401
+    error_type = "authentication_error"
+
+
+class PermissionDenied(_Kind):
+    """403: the key may not do this."""
+
+    status = 403
+    error_type = "permission_error"
+
+
+class NotFound(_Kind):
+    """404: no such resource (a model the key may not use is as unknown to it as a missing one)."""
+
+    status = 404
+    error_type = "not_found_error"
+
+
+class MethodNotAllowed(_Kind):
+    """405: the route does not serve this method (its `allow` header goes in `headers`)."""
+
+    status = 405
+    error_type = "invalid_request_error"
+
+
+class RequestTooLarge(_Kind):
+    """413: the body, or what it holds, is over a limit."""
+
+    status = 413
+    error_type = "request_too_large"
+
+
+class RateLimited(_Kind):
+    """429: over one of the key's limits (or a worker's); comes back after `retry_after`."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+
+class ApiInternalError(_Kind):
+    """500: the gateway or a worker failed; nothing the client did."""
+
+    status = 500
+    error_type = "api_error"
+
+
+class ServiceUnavailable(_Kind):
+    """503: a worker said it is overloaded, with this status."""
+
+    status = 503
+    error_type = "overloaded_error"
+
+
+class GatewayTimeout(_Kind):
+    """504: the answer took longer than a deadline allows."""
+
+    status = 504
+    error_type = "timeout_error"
+
+
+class Overloaded(_Kind):
+    """529: the cluster (or this process) has no room now; comes back after `retry_after`."""
+
+    status = 529
+    error_type = "overloaded_error"
+
+
+class DeadlineExceeded(GatewayTimeout):
     """The request outlived MESSAGES_REQUEST_DEADLINE_S (arrival to last byte)."""
 
     def __init__(self, seconds: float) -> None:
-        super().__init__(504, f"Request timed out: it exceeded the deadline of {seconds:g} seconds", "timeout_error")
+        super().__init__(f"Request timed out: it exceeded the deadline of {seconds:g} seconds")
 
 
 def error_body(error_type: str, message: str, request_id: str | None = None) -> dict[str, Any]:
@@ -104,10 +208,6 @@ def error_body(error_type: str, message: str, request_id: str | None = None) -> 
     if request_id:
         body["request_id"] = request_id
     return body
-
-
-def invalid_request(message: str) -> AnthropicError:
-    return AnthropicError(400, message, "invalid_request_error")
 
 
 def from_error_event(event: dict[str, Any]) -> AnthropicError:
@@ -121,30 +221,28 @@ def from_error_event(event: dict[str, Any]) -> AnthropicError:
 def from_worker_error(exc: WorkerError) -> AnthropicError:
     """A cluster failure as Anthropic's answer (status, type, the worker's scrubbed message)."""
     if isinstance(exc, ContextLengthExceeded):
-        return AnthropicError(400, _context_length_message(exc), "invalid_request_error")
+        return InvalidRequest(_context_length_message(exc))
     if isinstance(exc, OutputLimitExceeded):
         # Anthropic's wording for a max_tokens the model cannot give.
-        return AnthropicError(
-            400,
+        return InvalidRequest(
             f"max_tokens: {exc.output_tokens} > {exc.max_context_tokens}, which is the maximum allowed number of "
-            "output tokens for this model",
-            "invalid_request_error",
+            "output tokens for this model"
         )
     if isinstance(exc, NoEndpointAvailable):
-        return AnthropicError(529, "Overloaded: " + exc.message, "overloaded_error", retry_after=exc.retry_after)
+        return Overloaded("Overloaded: " + exc.message, retry_after=exc.retry_after)
     status = exc.status
     if status in (400, 413, 422):
-        return AnthropicError(400, exc.message, "invalid_request_error")
+        return InvalidRequest(exc.message)
     if status == 429:
-        return AnthropicError(429, exc.message, "rate_limit_error", retry_after=exc.retry_after)
+        return RateLimited(exc.message, retry_after=exc.retry_after)
     if status in (503, 529):
-        return AnthropicError(status, exc.message, "overloaded_error", retry_after=exc.retry_after)
+        return (ServiceUnavailable if status == 503 else Overloaded)(exc.message, retry_after=exc.retry_after)
     if status == 504:
-        return AnthropicError(504, exc.message, "timeout_error")
+        return GatewayTimeout(exc.message)
     if 500 <= status < 600:
         return AnthropicError(status, exc.message, "api_error")
     # A worker's 401/403/404/… is the gateway's misconfiguration, not the client's fault.
-    return AnthropicError(500, f"the {exc.stage} worker rejected the request with status {status}", "api_error")
+    return ApiInternalError(f"the {exc.stage} worker rejected the request with status {status}")
 
 
 def _context_length_message(exc: ContextLengthExceeded) -> str:
@@ -171,7 +269,7 @@ def client_error(exc: BaseException) -> AnthropicError:
         return exc
     if isinstance(exc, WorkerError):
         return from_worker_error(exc)
-    return AnthropicError(500, INTERNAL_ERROR_MESSAGE, "api_error")
+    return ApiInternalError(INTERNAL_ERROR_MESSAGE)
 
 
 def operator_detail(exc: BaseException, error: AnthropicError) -> str:

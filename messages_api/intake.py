@@ -36,7 +36,7 @@ from django.conf import settings
 
 from messages_api.cache_accounting import cached_prefix_share
 from messages_api.convert import to_chat_request
-from messages_api.errors import AnthropicError, invalid_request
+from messages_api.errors import InvalidRequest, RequestTooLarge
 from messages_api.server import memory
 from messages_api.validation import validate_count_tokens_request, validate_messages_request
 from workers import RenderedChat
@@ -57,15 +57,13 @@ def parse_json(body: bytes) -> Any:
     # many, and is not searched (a Claude Code turn, 80-190 KB: 30-140 µs of the request's CPU).
     objects = body.count(b'{"') if len(body) > 2 * limit else 0
     if objects > limit:
-        raise AnthropicError(
-            413,
-            f"The request body holds {objects:,} JSON objects; the limit is {limit:,}",
-            "request_too_large",
+        raise RequestTooLarge(
+            f"The request body holds {objects:,} JSON objects; the limit is {limit:,}"
         )
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise invalid_request(f"The request body is not valid JSON: {exc}") from None
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
 
 
 def _prepare(body: bytes, validate: Validator, max_tokens: int | None) -> tuple[dict[str, Any], dict[str, Any]]:

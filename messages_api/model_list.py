@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from messages_api.errors import invalid_request
+from messages_api.errors import InvalidRequest
 
 
 def model_info(name: str, display_name: str, created_at: datetime) -> dict[str, Any]:
@@ -22,9 +22,9 @@ def model_page(models: list[dict[str, Any]], query: dict[str, list[str]]) -> dic
     try:
         limit = int(query.get("limit", ["20"])[0])
     except ValueError:
-        raise invalid_request("limit: Input should be a valid integer") from None
+        raise InvalidRequest("limit: Input should be a valid integer") from None
     if not 1 <= limit <= 1000:
-        raise invalid_request("limit: Input should be between 1 and 1000")
+        raise InvalidRequest("limit: Input should be between 1 and 1000")
     ids = [m["id"] for m in models]
     start, end = 0, len(models)
     if "after_id" in query and query["after_id"][0] in ids:

@@ -57,7 +57,7 @@ from typing import Any, NoReturn
 import orjson
 
 from messages_api.cache_accounting import split_prompt
-from messages_api.errors import AnthropicError
+from messages_api.errors import AnthropicError, ApiInternalError
 from messages_api.framing import text_delta_frame
 from workers import StopRelay
 
@@ -584,7 +584,7 @@ class StreamReframer:
                 )
             elif call.started and arguments.strip():
                 # Its block is closed, and a closed call's arguments were a whole JSON object.
-                raise AnthropicError(500, BAD_ARGUMENTS, "api_error")
+                raise ApiInternalError(BAD_ARGUMENTS)
             if cut:  # the fragment took the count to max_tokens: nothing after it
                 self._limit_reached()
 
@@ -655,7 +655,7 @@ class StreamReframer:
             if call.started:
                 continue
             if not call.name:
-                raise AnthropicError(500, "The worker returned a tool call without a name", "api_error")
+                raise ApiInternalError("The worker returned a tool call without a name")
             self._start_tool_block(call, out)
 
 
@@ -673,5 +673,5 @@ def _parse_arguments(call: _ToolCall) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         value = None
     if not isinstance(value, dict):
-        raise AnthropicError(500, BAD_ARGUMENTS, "api_error")
+        raise ApiInternalError(BAD_ARGUMENTS)
     return value

@@ -30,7 +30,7 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
 from messages_api.auth import CACHE_TTL_S
-from messages_api.errors import AnthropicError
+from messages_api.errors import AuthenticationFailed
 from messages_api.models import ApiKey
 
 logger = logging.getLogger(__name__)
@@ -39,11 +39,11 @@ logger = logging.getLogger(__name__)
 HASHES_PER_QUERY = 500
 
 
-class KeyRevoked(AnthropicError):
+class KeyRevoked(AuthenticationFailed):
     """The request's API key was deactivated or deleted while the request was in progress."""
 
     def __init__(self) -> None:
-        super().__init__(401, "The API key was revoked while the request was in progress", "authentication_error")
+        super().__init__("The API key was revoked while the request was in progress")
 
 
 class Revocable(Protocol):
@@ -68,7 +68,7 @@ class OpenRequests:
             until = self._recently_revoked.get(key_hash)
             if until is not None:
                 if until > time.monotonic():
-                    raise AnthropicError(401, "invalid x-api-key", "authentication_error")  # as the key cache will say
+                    raise AuthenticationFailed("invalid x-api-key")  # as the key cache will say
                 del self._recently_revoked[key_hash]
         self._by_key.setdefault(key_hash, set()).add(request)
         self._key_of[request] = key_hash

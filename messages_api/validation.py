@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from django.conf import settings
 
-from messages_api.errors import AnthropicError
+from messages_api.errors import InvalidRequest, RequestTooLarge
 
 __all__ = ["validate_count_tokens_request", "validate_messages_request"]
 
@@ -110,7 +110,7 @@ def validate_count_tokens_request(body: object) -> dict[str, Any]:
 
 def _object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise AnthropicError(400, "The request body must be a JSON object", "invalid_request_error")
+        raise InvalidRequest("The request body must be a JSON object")
     _check_depth(body, settings.MESSAGES_MAX_JSON_DEPTH)
     _check_counts(body)
     return body
@@ -138,7 +138,7 @@ def _check_counts(body: dict[str, Any]) -> None:
 
 
 def _too_large(message: str) -> NoReturn:
-    raise AnthropicError(413, message, "request_too_large")
+    raise RequestTooLarge(message)
 
 
 def _check_depth(body: dict[str, Any], limit: int) -> None:
@@ -466,8 +466,8 @@ def _bad_tag(path: str, tag: object, expected: tuple[str, ...]) -> NoReturn:
 
 
 def _fail(path: str, message: str) -> NoReturn:
-    raise AnthropicError(400, f"{path}: {message}", "invalid_request_error")
+    raise InvalidRequest(f"{path}: {message}")
 
 
 def _fail_plain(message: str) -> NoReturn:
-    raise AnthropicError(400, message, "invalid_request_error")
+    raise InvalidRequest(message)

@@ -40,11 +40,11 @@ from django.conf import settings
 from disagg_project import GATEWAY_INSTANCE
 from messages_api import metrics
 from messages_api.answer import answer_message, end_failed
-from messages_api.audit import AuditRecord, sample_refused
+from messages_api.audit import AuditRecord
 from messages_api.auth import key_cache
 from messages_api.batches import store
 from messages_api.batches.store import Claimed
-from messages_api.errors import AnthropicError, DeadlineExceeded, client_error, operator_detail
+from messages_api.errors import AnthropicError, AuthenticationFailed, DeadlineExceeded, client_error
 from messages_api.models import RequestStatus, ResultType
 from messages_api.revocation import KeyRevoked, open_requests
 from messages_api.server.drain import is_draining
@@ -165,7 +165,7 @@ class BatchRunner:
         item = running.item
         principal = await key_cache.authenticate_hash(item.key_hash)
         if principal is None:
-            await self._errored(running, record, AnthropicError(401, "The API key that created this batch is no longer active", "authentication_error"))
+            await self._errored(running, record, AuthenticationFailed("The API key that created this batch is no longer active"))
             return
         record.api_key_name, record.api_key_id = principal.name, principal.key_id or None
         deadline_s = settings.MESSAGES_REQUEST_DEADLINE_S
@@ -184,15 +184,9 @@ class BatchRunner:
         except Exception as exc:
             if not record.begun and client_error(exc).status == 429:
                 # The key is over its limits: refused before it was accepted, as an HTTP client
-                # flooding past them would be, its row sampled (audit.sample_refused); its other
-                # items wait with it.
-                error = client_error(exc)
+                # flooding past them would be, its row sampled; its other items wait with it.
+                error = end_failed(record, exc, sample_refusals=True)
                 self.paused[principal.key_hash] = time.monotonic() + (error.retry_after or 1.0)
-                sampled = sample_refused(principal.name, operator_detail(exc, error))
-                record.end(
-                    RequestStatus.REJECTED, http_status=429, error_type=error.error_type, error_message=sampled or "",
-                    persist=sampled is not None,
-                )
             else:
                 error = end_failed(record, exc)
             if error.status in RETRY_ALWAYS or (error.status >= 500 and item.attempt < settings.BATCH_MAX_ATTEMPTS):

@@ -22,7 +22,7 @@ import orjson
 from django.conf import settings
 
 from messages_api.convert import to_chat_request
-from messages_api.errors import AnthropicError, invalid_request
+from messages_api.errors import AnthropicError, InvalidRequest
 from messages_api.validation import validate_messages_request
 
 __all__ = [
@@ -61,37 +61,37 @@ def parse_create_body(body: bytes, may_use: Callable[[str], bool]) -> list[ItemS
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise invalid_request(f"The request body is not valid JSON: {exc}") from None
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(parsed, dict):
-        raise invalid_request("The request body must be a JSON object")
+        raise InvalidRequest("The request body must be a JSON object")
     if "requests" not in parsed:
-        raise invalid_request("requests: Field required")
+        raise InvalidRequest("requests: Field required")
     requests = parsed["requests"]
     if not isinstance(requests, list):
-        raise invalid_request("requests: Input should be a valid list")
+        raise InvalidRequest("requests: Input should be a valid list")
     if not requests:
-        raise invalid_request("requests: List should have at least 1 item after validation, not 0")
+        raise InvalidRequest("requests: List should have at least 1 item after validation, not 0")
     limit = settings.BATCH_MAX_REQUESTS
     if len(requests) > limit:
-        raise invalid_request(f"requests: List should have at most {limit} items after validation, not {len(requests)}")
+        raise InvalidRequest(f"requests: List should have at most {limit} items after validation, not {len(requests)}")
     seen: set[str] = set()
     items: list[ItemSpec] = []
     for index, item in enumerate(requests):
         path = f"requests.{index}"
         if not isinstance(item, dict):
-            raise invalid_request(f"{path}: Input should be a valid dictionary")
+            raise InvalidRequest(f"{path}: Input should be a valid dictionary")
         custom_id = item.get("custom_id")
         if custom_id is None:
-            raise invalid_request(f"{path}.custom_id: Field required")
+            raise InvalidRequest(f"{path}.custom_id: Field required")
         if not isinstance(custom_id, str):
-            raise invalid_request(f"{path}.custom_id: Input should be a valid string")
+            raise InvalidRequest(f"{path}.custom_id: Input should be a valid string")
         if not CUSTOM_ID.match(custom_id):
-            raise invalid_request(f"{path}.custom_id: String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$'")
+            raise InvalidRequest(f"{path}.custom_id: String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$'")
         if custom_id in seen:
-            raise invalid_request(f"{path}.custom_id: Duplicate custom_id '{custom_id}': each must be unique within the batch")
+            raise InvalidRequest(f"{path}.custom_id: Duplicate custom_id '{custom_id}': each must be unique within the batch")
         seen.add(custom_id)
         if "params" not in item:
-            raise invalid_request(f"{path}.params: Field required")
+            raise InvalidRequest(f"{path}.params: Field required")
         params = item["params"]
         _check_params(params, f"{path}.params", may_use)
         items.append(ItemSpec(custom_id, orjson.dumps(params)))
@@ -103,13 +103,13 @@ def _check_params(params: object, path: str, may_use: Callable[[str], bool]) -> 
     try:
         request = validate_messages_request(params)
         if request.get("stream") is not None and request["stream"] is not False:
-            raise invalid_request("stream: Streaming is not supported in a Message Batch")
+            raise InvalidRequest("stream: Streaming is not supported in a Message Batch")
         to_chat_request(request)
     except AnthropicError as exc:
-        raise AnthropicError(400, f"{path}.{exc.message}", "invalid_request_error") from None
+        raise InvalidRequest(f"{path}.{exc.message}") from None
     model = request["model"]
     if not may_use(model):
-        raise invalid_request(f"{path}.model: this API key may not use the model '{model}'")
+        raise InvalidRequest(f"{path}.model: this API key may not use the model '{model}'")
 
 
 def rfc3339(moment: datetime | None) -> str | None:
@@ -189,11 +189,11 @@ def page_query(query: dict[str, list[str]]) -> PageQuery:
     try:
         limit = int(raw)
     except ValueError:
-        raise invalid_request("limit: Input should be a valid integer") from None
+        raise InvalidRequest("limit: Input should be a valid integer") from None
     if not 1 <= limit <= 1000:
-        raise invalid_request("limit: Input should be between 1 and 1000")
+        raise InvalidRequest("limit: Input should be between 1 and 1000")
     after_id = query.get("after_id", [""])[0] or None
     before_id = query.get("before_id", [""])[0] or None
     if after_id is not None and before_id is not None:
-        raise invalid_request("Only one of after_id and before_id may be given")
+        raise InvalidRequest("Only one of after_id and before_id may be given")
     return PageQuery(limit, after_id, before_id)

@@ -30,7 +30,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Count, F
 
 from messages_api.batches.schema import BatchView, ItemSpec, PageQuery, new_batch_id
-from messages_api.errors import invalid_request
+from messages_api.errors import InvalidRequest
 from messages_api.models import BatchItem, BatchStatus, ItemState, MessageBatch, ResultType
 from disagg_project import DatabaseThread
 
@@ -128,7 +128,7 @@ def list_batches(key_id: int, query: PageQuery) -> Page:
     if cursor_id is not None:
         cursor = mine.filter(batch_id=cursor_id).values_list("pk", flat=True).first()
         if cursor is None:
-            raise invalid_request(f"{'after_id' if query.after_id else 'before_id'}: no message batch {cursor_id!r}")
+            raise InvalidRequest(f"{'after_id' if query.after_id else 'before_id'}: no message batch {cursor_id!r}")
         if query.before_id:
             # The page right before the cursor in the list's order: the newer ones nearest it.
             newer = list(mine.filter(pk__gt=cursor).order_by("pk")[: query.limit + 1])

@@ -1,7 +1,7 @@
 """Per-key limits: checked when a request is accepted, settled when it ends.
 
     lease = await check_limits(principal.key_hash, principal.limits, Usage(prompt, max_tokens))
-    ...                                  # raises `AnthropicError` 429 rate_limit_error when over
+    ...                                  # raises `RateLimited` (429 rate_limit_error) when over
     lease.headers                        # anthropic-ratelimit-* for the answer
     lease.settle(Usage(input, output))   # in a `finally`: once, whichever way the request ended
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from disagg_project import lease_expiry, new_id
-from messages_api.errors import AnthropicError
+from messages_api.errors import RateLimited
 from messages_api.limits import shared
 from messages_api.limits.local import LocalLimits
 from messages_api.limits.policy import NO_LIMITS, BucketState, Decision, KeyLimits, Usage
@@ -40,7 +40,7 @@ class _EarlyRefusals:
     one ends. Both are lower bounds of what the full check would say: it still decides the rest."""
 
     def __init__(self) -> None:
-        self.until: dict[str, tuple[float, AnthropicError]] = {}
+        self.until: dict[str, tuple[float, RateLimited]] = {}
         self.in_flight: dict[str, int] = {}
         # The key's anthropic-ratelimit-* headers as of its last full check.
         self.headers: dict[str, tuple[tuple[bytes, bytes], ...]] = {}
@@ -53,12 +53,10 @@ class _EarlyRefusals:
                 wait = math.ceil(until - now)
                 if (error.retry_after or 0) <= MAX_SHORT_RETRY_AFTER_S:
                     wait = min(wait, MAX_SHORT_RETRY_AFTER_S)  # a rate's wait; a budget's stays long
-                raise AnthropicError(429, error.message, "rate_limit_error", retry_after=float(max(1, wait)), headers=error.headers)
+                raise RateLimited(error.message, retry_after=float(max(1, wait)), headers=error.headers)
             del self.until[key]
         if limits.concurrency is not None and self.in_flight.get(key, 0) >= limits.concurrency:
-            raise AnthropicError(
-                429, _concurrency_message(limits), "rate_limit_error", retry_after=1.0, headers=self.headers.get(key, ())
-            )
+            raise RateLimited(_concurrency_message(limits), retry_after=1.0, headers=self.headers.get(key, ()))
 
 
 early = _EarlyRefusals()
@@ -178,7 +176,7 @@ def _rfc3339(epoch: float) -> str:
     return datetime.fromtimestamp(math.ceil(epoch), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _refusal(decision: Decision, limits: KeyLimits, headers: list[tuple[bytes, bytes]], now: float) -> AnthropicError:
+def _refusal(decision: Decision, limits: KeyLimits, headers: list[tuple[bytes, bytes]], now: float) -> RateLimited:
     refused_by = decision.refused_by
     wait = max(1, math.ceil(decision.retry_after_s))
     if refused_by.startswith("tokens_per_"):
@@ -194,7 +192,7 @@ def _refusal(decision: Decision, limits: KeyLimits, headers: list[tuple[bytes, b
         limit = dict(limits.buckets)[refused_by]
         wait = min(wait, MAX_SHORT_RETRY_AFTER_S)
         message = f"This request would exceed this API key's rate limit of {limit:,} {_DESCRIPTIONS[refused_by]}."
-    return AnthropicError(429, message, "rate_limit_error", retry_after=float(wait), headers=tuple(headers))
+    return RateLimited(message, retry_after=float(wait), headers=tuple(headers))
 
 
 def _concurrency_message(limits: KeyLimits) -> str:

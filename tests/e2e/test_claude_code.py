@@ -310,7 +310,7 @@ def test_fixture_is_a_claude_code_request() -> None:
 
 
 def test_session_key_from_the_claude_code_header() -> None:
-    from messages_api.consumers import session_key
+    from messages_api.selection import session_key
 
     fixture = load_fixture()
     session = fixture["headers"]["X-Claude-Code-Session-Id"]
@@ -321,7 +321,7 @@ def test_session_key_from_the_claude_code_user_id() -> None:
     """Without the header, the session comes from `metadata.user_id`, which Claude Code 2.1.x sends
     as a JSON string: {"device_id": ..., "account_uuid": ..., "session_id": ...}. Every session
     mapping to the same key pins them all to one generation endpoint under session_affinity."""
-    from messages_api.consumers import session_key
+    from messages_api.selection import session_key
 
     fixture = load_fixture()
     session = fixture["headers"]["X-Claude-Code-Session-Id"]
@@ -370,12 +370,13 @@ def test_claude_code_finishes_a_tool_task_while_another_key_floods(
     from django.core.management import call_command
 
     from messages_api.auth import create_api_key
+    from messages_api.auth import hash_key
     from messages_api.models import ApiKey
 
     gateway = gateways(ADMISSION_QUEUE_TIMEOUT_S="20")
     cluster = register_cluster(*large_context_workers, schedule_style="generation_first", generation_capacity=2)
     wait_registered(gateway, cluster)
-    call_command("key_limits", ApiKey.objects.get(prefix=cluster.key[:12]).name, priority="interactive")
+    call_command("key_limits", ApiKey.objects.get(key_hash=hash_key(cluster.key)).name, priority="interactive")
     _, noisy = create_api_key(f"noisy-{time.monotonic_ns()}")
     stop = threading.Event()
     statuses: list[int] = []

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 import pytest
 
 from messages_api.errors import (
     ERROR_TYPE_BY_STATUS,
     STATUS_BY_ERROR_TYPE,
     AnthropicError,
+    ApiInternalError,
+    AuthenticationFailed,
     DeadlineExceeded,
+    GatewayTimeout,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    RateLimited,
+    RequestTooLarge,
+    ServiceUnavailable,
     client_error,
     from_error_event,
     operator_detail,
@@ -74,3 +88,60 @@ def test_the_audit_keeps_a_workers_redacted_detail() -> None:
     assert operator_detail(exc, client_error(exc)) == "engine failed"
     exc.detail = "engine failed: CUDA error at [path]"  # type: ignore[attr-defined]
     assert operator_detail(exc, client_error(exc)) == "engine failed: CUDA error at [path]"
+
+
+KINDS = [
+    (InvalidRequest, 400, "invalid_request_error"),
+    (AuthenticationFailed, 401, "authentication_error"),
+    (PermissionDenied, 403, "permission_error"),
+    (NotFound, 404, "not_found_error"),
+    (MethodNotAllowed, 405, "invalid_request_error"),
+    (RequestTooLarge, 413, "request_too_large"),
+    (RateLimited, 429, "rate_limit_error"),
+    (ApiInternalError, 500, "api_error"),
+    (ServiceUnavailable, 503, "overloaded_error"),
+    (GatewayTimeout, 504, "timeout_error"),
+    (Overloaded, 529, "overloaded_error"),
+]
+
+
+@pytest.mark.parametrize("kind,status,error_type", KINDS)
+def test_each_kind_carries_its_status_and_type(kind: Any, status: int, error_type: str) -> None:
+    assert (kind.status, kind.error_type) == (status, error_type)  # on the class: readable unraised
+    error = kind("the message")  # a kind is made from its message alone
+    assert isinstance(error, AnthropicError)
+    assert (error.status, error.error_type, error.message, str(error)) == (status, error_type, "the message", "the message")
+    # The same answer as the generic form made with the status and type.
+    generic = AnthropicError(status, "the message", error_type)
+    assert error.body("req_1") == generic.body("req_1") == {
+        "type": "error", "error": {"type": error_type, "message": "the message"}, "request_id": "req_1",
+    }
+    assert error.event() == generic.event()
+    assert error.retry_after == generic.retry_after
+    assert client_error(error) is error
+
+
+@pytest.mark.parametrize("kind,status,error_type", KINDS)
+def test_a_kind_comes_back_later_exactly_when_its_status_says_so(kind: Any, status: int, error_type: str) -> None:
+    error = kind("the message")
+    assert error.retry_after == (1.0 if status in (429, 503, 529) else None)
+    waited = kind("the message", retry_after=7.0, headers=((b"x-h", b"v"),))
+    assert (waited.retry_after, waited.headers) == (7.0, ((b"x-h", b"v"),))
+
+
+def test_a_kind_survives_pickling_whole() -> None:
+    """A large body's validation raises across a process (messages_api.intake)."""
+    error = RateLimited("slow down", retry_after=3.0, headers=((b"x-h", b"v"),))
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is RateLimited
+    assert (again.status, again.error_type, again.message, again.retry_after, again.headers) == (
+        429, "rate_limit_error", "slow down", 3.0, ((b"x-h", b"v"),)
+    )
+    assert repr(again) == "RateLimited(429, 'rate_limit_error', 'slow down')"
+
+
+def test_worker_failures_map_to_the_kinds() -> None:
+    assert type(client_error(WorkerError(429, "slow", stage="context"))) is RateLimited
+    assert type(client_error(WorkerError(503, "busy", stage="context"))) is ServiceUnavailable
+    assert type(client_error(KeyError("x"))) is ApiInternalError
+    assert isinstance(DeadlineExceeded(1.0), GatewayTimeout)

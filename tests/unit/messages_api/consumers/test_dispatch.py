@@ -1,5 +1,5 @@
 """How a request reaches the consumer's handlers: read in place without a channel layer
-(`ApiConsumer._dispatch_directly`), through Channels' own loop with one."""
+(`RequestTask.serve_in_place`, messages_api/consumers/dispatch.py), through Channels' own loop with one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 from channels.exceptions import StopConsumer
 from django.test import override_settings
 
-from messages_api.consumers import ApiConsumer
+from messages_api.consumers import ApiConsumer, ResponseState
+from messages_api.consumers.dispatch import RequestTask
 
 IN_MEMORY_LAYER = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
@@ -126,3 +127,36 @@ async def test_with_a_channel_layer_the_request_runs_in_a_task_of_its_own() -> N
         application, consumer = await serve_until_the_client_leaves()
     assert len(consumer.served_in) == 1
     assert consumer.served_in[0] is not application
+
+
+async def test_a_finished_responses_disconnect_cancels_nothing_and_an_unfinished_ones_cancels_once() -> None:
+    """Daphne sends http.disconnect after a complete response too: the work is then only finishing
+    its bookkeeping. And nothing is cancelled before the work runs (`revoke` relies on it)."""
+    running = RequestTask()
+    assert running.cancel() is False  # no work yet
+    release = asyncio.Event()
+    running.start(release.wait())  # no channel layer in play: a task of its own
+    assert running.task is not None
+    running.client_left(finished=True)
+    await asyncio.sleep(0)
+    assert not running.task.cancelling()
+    running.client_left(finished=False)
+    assert running.task.cancelling() == 1
+    await running.close()  # already cancelled: not again, only awaited
+    assert running.task.cancelled()
+    assert running.cancel() is False  # done
+
+
+async def test_a_consumer_moves_from_receiving_to_answering_once_its_body_is_complete() -> None:
+    consumer = ServedConsumer()
+    consumer.scope = {"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}  # type: ignore[assignment]
+    assert consumer.state is ResponseState.RECEIVING
+    await consumer.http_request({"type": "http.request", "body": b"{", "more_body": True})
+    assert consumer.state is ResponseState.RECEIVING
+    await consumer.http_request({"type": "http.request", "body": b"}", "more_body": False})
+    assert consumer.state is ResponseState.ANSWERING
+    await consumer.http_request({"type": "http.request", "body": b"ignored", "more_body": False})  # read no more
+    while not consumer.served_in:
+        await asyncio.sleep(0)
+    await consumer._running.close()  # the application ending: the work is cancelled and awaited
+    assert consumer.cancelled.is_set()
