@@ -85,7 +85,7 @@ def install() -> None:
     """Move the root logger's handlers to a thread of their own (once per process)."""
     global _listener
     if _listener is None:
-        logging._srcfile = None  # type: ignore[attr-defined]  # documented: skip findCaller
+        logging._srcfile = None  # documented: skip findCaller
         _listener = move_to_thread(logging.getLogger())
 
 
