@@ -442,7 +442,7 @@ def report(records: list[dict[str, Any]]) -> None:
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers) - 1)]
     print("\nClaude Code releases against the gateway")
     for i, row in enumerate([headers, *rows]):
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])
         if i == 0:
             print("-" * (sum(widths) + 2 * len(widths) + len(headers[-1])))
     passed = sum(r["result"] == "pass" for r in records)

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -253,7 +254,7 @@ def check_stream(s: RecordingStream, case: Case) -> None:
     assert all(isinstance(d.get("text"), str) for d in text_deltas), f"a text_delta whose text is not a string: {text_deltas}"
     # Never silent while it lasted: a ping (or an event) at least every interval.
     moments = [s.head_at or 0.0, *(f.at for f in s.frames)]
-    gaps = [b - a for a, b in zip(moments, moments[1:])]
+    gaps = [b - a for a, b in pairwise(moments)]
     assert max(gaps, default=0.0) <= PING_INTERVAL_S + MARGIN_S, f"silent for {max(gaps):.1f}s: {events}"
 
 

@@ -405,7 +405,7 @@ def test_three_calls_with_random_interleaving_keep_every_fragment() -> None:
         for i, value in enumerate(inputs):
             text = orjson.dumps(value).decode()
             cuts = sorted(rng.sample(range(1, len(text)), 4))
-            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
             streams.append([call(i, "", id=f"c{i}", name=names[i])] + [call(i, p) for p in pieces])
         chunks = []
         while any(streams):
@@ -414,7 +414,7 @@ def test_three_calls_with_random_interleaving_keep_every_fragment() -> None:
         events = run([*chunks, chunk(finish="tool_calls")])
         content = final_message(events)["content"]
         assert sorted((b["name"], orjson.dumps(b["input"])) for b in content) == sorted(
-            (n, orjson.dumps(v)) for n, v in zip(names, inputs)
+            (n, orjson.dumps(v)) for n, v in zip(names, inputs, strict=True)
         )
 
 
