@@ -421,7 +421,9 @@ def test_claude_code_with_no_model_variables_uses_the_routed_claude_names_and_di
     for pattern in quickstart.CLAUDE_PATTERNS:
         call_command_quietly("model_route", pattern, pool=[cc_cluster.pool.name])
     wait_until(
-        lambda: any(m["id"] == "claude-opus-4-8" for m in httpx.get(gateway.url + "/v1/models", headers=cc_cluster.headers(), timeout=5).json()["data"]),
+        lambda: any(
+            m["id"] == "claude-opus-4-8" for m in httpx.get(gateway.url + "/v1/models", headers=cc_cluster.headers(), timeout=5).json()["data"]
+        ),
         message="routes never seen",
     )
     (tmp_path / "project").mkdir()

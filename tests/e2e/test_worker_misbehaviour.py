@@ -109,7 +109,9 @@ CASES = [
     _prompt_case("context_drop", WORKER_FAILED),
 ]
 # The generation-first schedule opens both requests at once: its own paths for hangs and drops.
-GENERATION_FIRST_MODES = {"context_hang", "generation_hang", "context_drop", "drop_mid_stream", "context_error_body", "choices_null_item", "idle_mid_stream"}
+GENERATION_FIRST_MODES = {
+    "context_hang", "generation_hang", "context_drop", "drop_mid_stream", "context_error_body", "choices_null_item", "idle_mid_stream"
+}
 
 _ADDRESS = re.compile(rb"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\[[0-9a-f:]+\]:\d+|localhost:\d+", re.I)
 _PATH = re.compile(rb"(?:^|[\s\"'(=])/(?:opt|usr|home|root|var|tmp|etc|work|srv|app)/", re.M)
