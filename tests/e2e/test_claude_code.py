@@ -369,13 +369,13 @@ def test_claude_code_finishes_a_tool_task_while_another_key_floods(
     wait only for the next slot, ahead of the flood (docs/tenancy.md)."""
     from django.core.management import call_command
 
-    from messages_api.auth import create_api_key
+    from messages_api.auth import create_api_key, shown_prefix
     from messages_api.models import ApiKey
 
     gateway = gateways(ADMISSION_QUEUE_TIMEOUT_S="20")
     cluster = register_cluster(*large_context_workers, schedule_style="generation_first", generation_capacity=2)
     wait_registered(gateway, cluster)
-    call_command("key_limits", ApiKey.objects.get(prefix=cluster.key[:12]).name, priority="interactive")
+    call_command("key_limits", ApiKey.objects.get(prefix=shown_prefix(cluster.key)).name, priority="interactive")
     _, noisy = create_api_key(f"noisy-{time.monotonic_ns()}")
     stop = threading.Event()
     statuses: list[int] = []

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from django.core.management import call_command
 
+from messages_api.auth import shown_prefix
 from messages_api.models import ApiKey
 from tests.support.cluster import Cluster, audit_row, register_cluster, wait_registered, wait_until
 from tests.support.gateway import Gateway
@@ -48,7 +49,7 @@ def post(gateway: Gateway, cluster: Cluster, text: str, headers: dict[str, str] 
 
 def limit_key(cluster: Cluster, **limits: Any) -> None:
     """Give the cluster's key limits (through the management command, as an operator would)."""
-    name = ApiKey.objects.get(key_hash__isnull=False, name__startswith="test-key-", prefix=cluster.key[:12]).name
+    name = ApiKey.objects.get(key_hash__isnull=False, name__startswith="test-key-", prefix=shown_prefix(cluster.key)).name
     call_command("key_limits", name, **limits)
 
 
@@ -103,7 +104,7 @@ def test_a_keys_refusals_are_all_counted_but_only_sampled_into_the_audit(
             ids.append(refused.headers["request-id"])
     elapsed = time.monotonic() - started
     # The key's usage counts every refusal...
-    api_key = ApiKey.objects.get(prefix=cluster.key[:12])
+    api_key = ApiKey.objects.get(prefix=shown_prefix(cluster.key))
     wait_until(
         lambda: sum(u.errors.get("rate_limit_error", 0) for u in KeyUsage.objects.filter(api_key=api_key)) == 40,
         timeout=10, message="the key's usage does not count every refusal",
@@ -207,9 +208,9 @@ def test_an_interactive_key_goes_before_a_batch_key(
     from messages_api.auth import create_api_key
 
     _, batch = create_api_key(f"batch-{time.monotonic_ns()}")
-    call_command("key_limits", ApiKey.objects.get(prefix=batch[:12]).name, priority="batch")
+    call_command("key_limits", ApiKey.objects.get(prefix=shown_prefix(batch)).name, priority="batch")
     _, interactive = create_api_key(f"interactive-{time.monotonic_ns()}")
-    call_command("key_limits", ApiKey.objects.get(prefix=interactive[:12]).name, priority="interactive")
+    call_command("key_limits", ApiKey.objects.get(prefix=shown_prefix(interactive)).name, priority="interactive")
     holder = start_stream(gateway, cluster, f"holds {HOLD}")
     holder.read_head()
     batch_stream = RawStream.post_json(
