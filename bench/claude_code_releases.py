@@ -71,7 +71,12 @@ PACKAGE = "@anthropic-ai/claude-code"
 PINNED_FILE = h.PROJECT_ROOT / ".ci" / "claude-code-version"
 # As tests/e2e/test_claude_code.py's large_context_workers fixture: Claude Code's request is ~20k
 # prompt tokens for the sim's tokenizer, above the shared sim workers' 4096-token context.
-LARGE_CONTEXT_OPTIONS: dict[str, Any] = {"tokens_per_second": 2000, "prefill_tokens_per_second": 2_000_000, "max_context_tokens": 200_000, "kv_timeout": 30}
+LARGE_CONTEXT_OPTIONS: dict[str, Any] = {
+    "tokens_per_second": 2000,
+    "prefill_tokens_per_second": 2_000_000,
+    "max_context_tokens": 200_000,
+    "kv_timeout": 30,
+}
 TOOL_PROMPT = "Read the file [sim tool_call=Read]"
 DISCOVERY_ENV = {"CLAUDE_CODE_ENABLE_GATEWAY_MODEL_DISCOVERY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""}
 NPM_TIMEOUT_S = 600
@@ -366,7 +371,9 @@ def try_release(version: str, tags: list[str], times: dict[str, str], env: dict[
     tmp: Path = env["tmp"]
     cache = None if env["keep_npm_cache"] else tmp / "npm-cache"
     record["install"] = install(version, env["prefix"], cache)
-    print(f"   install: {'ok' if record['install']['ok'] else 'FAILED'} in {record['install']['seconds']} s, {record['install']['mib']} MiB", flush=True)
+    print(
+        f"   install: {'ok' if record['install']['ok'] else 'FAILED'} in {record['install']['seconds']} s, {record['install']['mib']} MiB", flush=True
+    )
     if not record["install"]["ok"]:
         record["result"] = "install-failed"
         record["failed"] = [f"install: {record['install']['log_tail'][-300:]}"]
@@ -442,7 +449,7 @@ def report(records: list[dict[str, Any]]) -> None:
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers) - 1)]
     print("\nClaude Code releases against the gateway")
     for i, row in enumerate([headers, *rows]):
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])
         if i == 0:
             print("-" * (sum(widths) + 2 * len(widths) + len(headers[-1])))
     passed = sum(r["result"] == "pass" for r in records)
@@ -530,7 +537,9 @@ def main() -> None:
                 "elapsed_s": round(time.monotonic() - started), "releases": records,
             }
             h.RESULTS_DIR.mkdir(parents=True, exist_ok=True)  # after each release, quietly: an interrupted run keeps it
-            (h.RESULTS_DIR / f"{args.name}.json").write_text(json.dumps({"benchmark": args.name, "partial": True, **result}, indent=2, default=str) + "\n")
+            (h.RESULTS_DIR / f"{args.name}.json").write_text(
+                json.dumps({"benchmark": args.name, "partial": True, **result}, indent=2, default=str) + "\n"
+            )
     finally:
         for process in (gateway, generation, context):
             if process is not None:

@@ -77,7 +77,9 @@ def main() -> None:
         [["feed", feed, BUDGET_US], ["feed + encode_event", both, BUDGET_US]],
     )
     print(f"verdict: {h.verdict(both <= BUDGET_US)}")
-    h.write_result("reframe_cost", {"chunks": args.chunks, "repeat": args.repeat, "feed_us": feed, "feed_encode_us": both, "runs": runs, "budget_us": BUDGET_US})
+    h.write_result(
+        "reframe_cost", {"chunks": args.chunks, "repeat": args.repeat, "feed_us": feed, "feed_encode_us": both, "runs": runs, "budget_us": BUDGET_US}
+    )
 
 
 if __name__ == "__main__":

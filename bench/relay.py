@@ -328,7 +328,8 @@ async def throughput(args: argparse.Namespace, gateway: h.GatewayProc, key: str,
         ])
     h.print_table(
         f"(b) throughput: {args.streams} concurrent streams × {args.tokens} tokens × {args.rounds} rounds",
-        ("", "content events", "wall s", "events/s", "gw CPU µs/event", "of which loop thread", "gw CPU %", "sim-gen CPU %", "sim-ctx CPU %", "loadgen CPU %"),
+        ("", "content events", "wall s", "events/s", "gw CPU µs/event", "of which loop thread",
+         "gw CPU %", "sim-gen CPU %", "sim-ctx CPU %", "loadgen CPU %"),
         rows,
         digits=1,
     )

@@ -381,7 +381,9 @@ class LazyGateway:
         return self.proc
 
 
-def run_policy(stack: h.Stack, gateways: LazyGateway, key: str, args: argparse.Namespace, workload: Workload, policy: str, run: int) -> dict[str, Any]:
+def run_policy(
+    stack: h.Stack, gateways: LazyGateway, key: str, args: argparse.Namespace, workload: Workload, policy: str, run: int
+) -> dict[str, Any]:
     sims = start_sims(stack, args)
     try:
         routing, _, variant = policy.partition("+")
@@ -394,12 +396,28 @@ def run_policy(stack: h.Stack, gateways: LazyGateway, key: str, args: argparse.N
                 for i, g in enumerate(sims.generation)
             ]
         else:
-            pools = [{"name": name, "routing": routing, "limit": args.max_local_prefill, "endpoints": contexts + [("generation", g.url) for g in sims.generation]}]
+            pools = [
+                {
+                    "name": name,
+                    "routing": routing,
+                    "limit": args.max_local_prefill,
+                    "endpoints": contexts + [("generation", g.url) for g in sims.generation],
+                }
+            ]
         create_pools(stack, pools)
         gateway = gateways.ready({p["name"] for p in pools})
         started = time.perf_counter()
         result = asyncio.run(
-            drive(gateway.url, key, [p["name"] for p in pools], workload, sims, header=header, oracle=routing == "oracle", output_tokens=args.output_tokens)
+            drive(
+                gateway.url,
+                key,
+                [p["name"] for p in pools],
+                workload,
+                sims,
+                header=header,
+                oracle=routing == "oracle",
+                output_tokens=args.output_tokens,
+            )
         )
         wall = time.perf_counter() - started
         totals = cache_totals(sims)
@@ -581,7 +599,8 @@ def main() -> None:
             r["policy"],
             r["turns"],
             r["prefill_tokens_computed"],
-            (r["prefill_tokens_computed"] / baseline["prefill_tokens_computed"]) if baseline and baseline["prefill_tokens_computed"] else float("nan"),
+            (r["prefill_tokens_computed"] / baseline["prefill_tokens_computed"])
+            if baseline and baseline["prefill_tokens_computed"] else float("nan"),
             r["cache_hit_rate"] * 100,
             (r["cache_hit_rate"] / oracle["cache_hit_rate"] * 100) if oracle and oracle["cache_hit_rate"] else float("nan"),
             r["context_phases_skipped"],
@@ -593,7 +612,8 @@ def main() -> None:
         ])
     h.print_table(
         f"Sessions ({machine}; {note})",
-        ["policy", "turns", "prefill tok", "vs RR", "hit %", "% of oracle", "ctx skipped", "TTFT p50 ms", "TTFT p99 ms", "imbalance", "routed max/mean", "errors"],
+        ["policy", "turns", "prefill tok", "vs RR", "hit %", "% of oracle", "ctx skipped",
+         "TTFT p50 ms", "TTFT p99 ms", "imbalance", "routed max/mean", "errors"],
         rows,
     )
     print(f"\nprefix index, in-process, on a {cost['prompt_bytes']:,}-byte prompt ({cost['marks']} marks of "
@@ -608,7 +628,16 @@ def main() -> None:
             print(f"  {r['policy']} error: {error}")
     h.write_result(
         h.result_name(args, "sessions"),
-        {"args": vars(args), "index_marks_per_endpoint": marks, "bytes_per_token": bytes_per_token, "machine_note": machine, "quiet": note, "results": results, "index_cost": cost, "gateway_cpu_s": gateway_cpu},
+        {
+            "args": vars(args),
+            "index_marks_per_endpoint": marks,
+            "bytes_per_token": bytes_per_token,
+            "machine_note": machine,
+            "quiet": note,
+            "results": results,
+            "index_cost": cost,
+            "gateway_cpu_s": gateway_cpu,
+        },
     )
 
 

@@ -154,7 +154,11 @@ class Client:
             ("host", f"127.0.0.1:{self.port}"), ("x-api-key", self.key), ("anthropic-version", "2023-06-01"),
             ("content-type", "application/json"), ("content-length", str(len(body))), ("connection", "close"),
         ]
-        writer.write(conn.send(h11.Request(method="POST", target="/v1/messages", headers=headers)) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        writer.write(
+            conn.send(h11.Request(method="POST", target="/v1/messages", headers=headers))
+            + conn.send(h11.Data(data=body))
+            + conn.send(h11.EndOfMessage())
+        )
         disconnect_at: float | None = None
         if scenario.disconnect == "during_context":
             disconnect_at = started + rng.uniform(1.0, 2.5)  # the context phase takes 4 s
@@ -230,7 +234,13 @@ class Client:
 
 
 def _envelope(body: Any) -> bool:
-    return isinstance(body, dict) and body.get("type") == "error" and isinstance(body.get("error"), dict) and isinstance(body["error"].get("type"), str) and isinstance(body["error"].get("message"), str)
+    return (
+        isinstance(body, dict)
+        and body.get("type") == "error"
+        and isinstance(body.get("error"), dict)
+        and isinstance(body["error"].get("type"), str)
+        and isinstance(body["error"].get("message"), str)
+    )
 
 
 _DELTA_FIELD = {"text_delta": "text", "input_json_delta": "partial_json", "thinking_delta": "thinking", "signature_delta": "signature"}
@@ -410,7 +420,9 @@ def main() -> None:
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as ids_file:
                 json.dump(disconnected, ids_file)
             db = json.loads(
-                stack.manage("shell", "-c", QUERY.format(models=list(models.values()), pools=list(pools.values()), ids_path=ids_file.name)).strip().splitlines()[-1]
+                stack.manage("shell", "-c", QUERY.format(models=list(models.values()), pools=list(pools.values()), ids_path=ids_file.name))
+                .strip()
+                .splitlines()[-1]
             )
             Path(ids_file.name).unlink()
         finally:
@@ -437,13 +449,19 @@ def report(
         "gateway alive": (alive, "yes" if alive else "NO: the gateway process died"),
         "no in_progress audit row": (db["by_status"]["in_progress"] == 0, f"{db['by_status']['in_progress']} {db['in_progress_ids'][:5]}"),
         "every reservation released": (db["unreleased"] == 0, f"{db['unreleased']} of {db['reservations']} open {db['unreleased_ids'][:5]}"),
-        "released exactly once": (duplicates in (None, 0), "not exported by /metrics" if duplicates is None else f"duplicate releases: {duplicates:g}"),
+        "released exactly once": (
+            duplicates in (None, 0),
+            "not exported by /metrics" if duplicates is None else f"duplicate releases: {duplicates:g}",
+        ),
         "sim workers idle": (
             all(s["active"] == 0 and s.get("kv_held", 0) == 0 for s in sims.values()),
             "; ".join(f"{role} active={s['active']} kv_held={s.get('kv_held')}" for role, s in sims.items()),
         ),
         "bad worker idle": (bad_stats["active"] == 0, f"active={bad_stats['active']}"),
-        "each disconnect cancelled": (not not_cancelled and not missing_rows, f"{len(disconnected)} disconnects, not cancelled: {dict(Counter(not_cancelled.values()))}, no row: {len(missing_rows)}"),
+        "each disconnect cancelled": (
+            not not_cancelled and not missing_rows,
+            f"{len(disconnected)} disconnects, not cancelled: {dict(Counter(not_cancelled.values()))}, no row: {len(missing_rows)}",
+        ),
         "no hung request": (ends.get("hung", 0) == 0, f"{ends.get('hung', 0)} (no end within {CLIENT_TIMEOUT_S} s)"),
         "no stream ended without message_stop/error": (ends.get("truncated", 0) == 0, str(ends.get("truncated", 0))),
         "no malformed SSE frame": (not malformed, f"{len(malformed)} {malformed[:2]}"),
@@ -451,7 +469,9 @@ def report(
         "no answer outside the envelope": (not non_envelope, f"{len(non_envelope)} {[r.non_envelope for r in non_envelope[:2]]}"),
         "RSS growth after warm-up < 5 %": (
             growth["growth_pct"] is not None and growth["growth_pct"] < RSS_GROWTH_TARGET_PCT,
-            "too few samples" if growth["growth_pct"] is None else f"{growth['warmup_end_mib']:.1f} → {growth['end_mib']:.1f} MiB ({growth['growth_pct']:+.1f} %), max {growth['max_mib']:.1f}",
+            "too few samples"
+            if growth["growth_pct"] is None
+            else f"{growth['warmup_end_mib']:.1f} → {growth['end_mib']:.1f} MiB ({growth['growth_pct']:+.1f} %), max {growth['max_mib']:.1f}",
         ),
     }
     print(f"\nsoak: {len(results)} requests in {load_s:.0f} s by {args.streams} clients ({database}); ends: {dict(ends)}")

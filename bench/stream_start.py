@@ -70,7 +70,7 @@ async def open_connections(port: int, count: int, batch: int = 500) -> list[h.Ht
 async def write_requests(connections: list[h.HttpConnection], wires: list[bytes], ramp: float) -> list[asyncio.Future[h.Response]]:
     """One request per connection: all in the same instant, or the i-th at i·ramp/N seconds."""
     if ramp <= 0:
-        return [conn.request(wire, frames=True) for conn, wire in zip(connections, wires)]
+        return [conn.request(wire, frames=True) for conn, wire in zip(connections, wires, strict=True)]
     futures = []
     start = time.perf_counter()
     step = ramp / len(connections)
@@ -160,7 +160,7 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateways: list[h.Gateway
                 pass
 
     gateway_names = ["gateway"] if len(gateways) == 1 else [f"gateway{i}" for i in range(len(gateways))]
-    meter = h.CpuMeter({**dict(zip(gateway_names, pids)), **{s.name: s.pid for s in sims}}).start()
+    meter = h.CpuMeter({**dict(zip(gateway_names, pids, strict=True)), **{s.name: s.pid for s in sims}}).start()
     t0 = time.perf_counter()
     sampling = asyncio.create_task(sampler(t0))
     futures = await write_requests(connections, wires, args.ramp)
@@ -179,7 +179,7 @@ async def run(args: argparse.Namespace, stack: h.Stack, gateways: list[h.Gateway
 
     responses = [f.result() if f.done() else None for f in futures]
     per_stream = []
-    for conn, resp in zip(connections, responses):
+    for conn, resp in zip(connections, responses, strict=True):
         if resp is None:
             resp = conn._resp or h.Response()  # still open at the timeout: analyse what arrived
             resp.error = resp.error or "timed out"

@@ -178,7 +178,7 @@ def run_phase(port: int, pid: int, mode: str, size: int, concurrency: int, keys:
     before = h.rss_mib(pid)
     cpu_before = h.proc_cpu_seconds(pid)
     with RssSampler(pid) as sampler:
-        threads = [threading.Thread(target=upload, args=(port, size, mode, r, k)) for r, k in zip(results, keys)]
+        threads = [threading.Thread(target=upload, args=(port, size, mode, r, k)) for r, k in zip(results, keys, strict=True)]
         for t in threads:
             t.start()
         for t in threads:

@@ -144,7 +144,13 @@ def measure(pair: bool, extra_args: list[str], max_tokens: int) -> dict[str, Any
             seconds = serve_one(server, max_tokens)
     finally:
         server.stop()
-    return {"servers": 1, "extra_args": extra_args, "startup_s": round(server.startup_seconds, 1), "request_s": round(seconds, 2), "pss": sampler.summary()}
+    return {
+        "servers": 1,
+        "extra_args": extra_args,
+        "startup_s": round(server.startup_seconds, 1),
+        "request_s": round(seconds, 2),
+        "pss": sampler.summary(),
+    }
 
 
 def main() -> int:

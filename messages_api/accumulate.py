@@ -62,7 +62,7 @@ def accumulate_message(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         raise ApiInternalError("The response ended before the message was complete")
     # Cut short by max_tokens or a content filter: a tool call's arguments may be incomplete.
     truncated = message["stop_reason"] in ("max_tokens", "refusal")
-    for block, parts in zip(blocks, pieces):
+    for block, parts in zip(blocks, pieces, strict=True):
         _finish_block(block, "".join(parts), truncated)
     message["content"] = blocks
     return message

@@ -67,7 +67,9 @@ class GatewayAdminSite(admin.AdminSite):
         return TemplateResponse(request, "admin/gateway/overview.html", context)
 
     def overview_live_view(self, request: HttpRequest) -> HttpResponse:
-        response = TemplateResponse(request, "admin/gateway/overview_live.html", {**self._live(request), "refresh_ms": int(self._refresh_s(request) * 1000)})
+        response = TemplateResponse(
+            request, "admin/gateway/overview_live.html", {**self._live(request), "refresh_ms": int(self._refresh_s(request) * 1000)}
+        )
         # The page's script swaps in only answers that carry this header: a login page (an
         # expired session) or an error page is never swapped into the overview.
         response["X-Overview-Live"] = "1"

@@ -139,7 +139,7 @@ async def check(key: str, limits: KeyLimits, estimate: Usage, lease: str, lease_
         return None
     admitted, refused_by, wait, *levels = (v.decode() if isinstance(v, bytes) else v for v in result)
     states: dict[str, BucketState] = {}
-    for (name, limit), level in zip(limits.buckets, levels[:3]):
+    for (name, limit), level in zip(limits.buckets, levels[:3], strict=True):
         if limit is not None:
             states[name] = bucket_state(float(level), limit, now)
     for kind, budget, used, end in (("day", limits.tokens_per_day, levels[3], day_end), ("month", limits.tokens_per_month, levels[4], month_end)):

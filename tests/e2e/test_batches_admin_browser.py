@@ -37,7 +37,10 @@ def test_batches_page_in_a_browser(
     # The suite's shared gateway runs no batch runner: the batch stays in progress, queued.
     with sdk_client(gateway.url, cluster.key) as client:
         batch = client.messages.batches.create(
-            requests=[{"custom_id": f"i{n}", "params": {"model": cluster.model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}} for n in range(3)]  # type: ignore[misc]
+            requests=[  # type: ignore[misc]
+                {"custom_id": f"i{n}", "params": {"model": cluster.model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}}
+                for n in range(3)
+            ]
         )
     password = "operator-password-1"
     get_user_model().objects.create_superuser("batch-operator", "batch-operator@example.com", password)

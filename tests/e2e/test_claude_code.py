@@ -310,7 +310,7 @@ def test_fixture_is_a_claude_code_request() -> None:
 
 
 def test_session_key_from_the_claude_code_header() -> None:
-    from messages_api.selection import session_key
+    from messages_api.consumers import session_key
 
     fixture = load_fixture()
     session = fixture["headers"]["X-Claude-Code-Session-Id"]
@@ -321,7 +321,7 @@ def test_session_key_from_the_claude_code_user_id() -> None:
     """Without the header, the session comes from `metadata.user_id`, which Claude Code 2.1.x sends
     as a JSON string: {"device_id": ..., "account_uuid": ..., "session_id": ...}. Every session
     mapping to the same key pins them all to one generation endpoint under session_affinity."""
-    from messages_api.selection import session_key
+    from messages_api.consumers import session_key
 
     fixture = load_fixture()
     session = fixture["headers"]["X-Claude-Code-Session-Id"]
@@ -369,8 +369,7 @@ def test_claude_code_finishes_a_tool_task_while_another_key_floods(
     wait only for the next slot, ahead of the flood (docs/tenancy.md)."""
     from django.core.management import call_command
 
-    from messages_api.auth import create_api_key
-    from messages_api.auth import hash_key
+    from messages_api.auth import create_api_key, hash_key
     from messages_api.models import ApiKey
 
     gateway = gateways(ADMISSION_QUEUE_TIMEOUT_S="20")
@@ -422,7 +421,9 @@ def test_claude_code_with_no_model_variables_uses_the_routed_claude_names_and_di
     for pattern in quickstart.CLAUDE_PATTERNS:
         call_command_quietly("model_route", pattern, pool=[cc_cluster.pool.name])
     wait_until(
-        lambda: any(m["id"] == "claude-opus-4-8" for m in httpx.get(gateway.url + "/v1/models", headers=cc_cluster.headers(), timeout=5).json()["data"]),
+        lambda: any(
+            m["id"] == "claude-opus-4-8" for m in httpx.get(gateway.url + "/v1/models", headers=cc_cluster.headers(), timeout=5).json()["data"]
+        ),
         message="routes never seen",
     )
     (tmp_path / "project").mkdir()

@@ -5,8 +5,9 @@ and `max_tokens` exceed context limit: P + T > M, …" (what Claude Code retries
 max_tokens on). A max_tokens larger than the whole window is a plain bad request about max_tokens.
 
 Each wording is the engine's own text, quoted from its source or its real server's answer, and
-read with its engine's protocol's `error_wordings`; each goes through the real worker client (a real HTTP answer, non-streamed and streamed, before the
-stream and as an SSE error frame after it), and through a real gateway to an Anthropic client.
+read with its engine's protocol's `error_wordings`; each goes through the real worker client (a
+real HTTP answer, non-streamed and streamed, before the stream and as an SSE error frame after
+it), and through a real gateway to an Anthropic client.
 """
 
 from __future__ import annotations

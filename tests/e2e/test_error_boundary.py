@@ -142,7 +142,9 @@ def test_the_deadline_ends_a_stalled_stream(
     assert {r.outcome for r in reservations_closed(row.request_id)} == {"cancelled"}
 
 
-def test_the_deadline_before_the_stream_is_a_504(deadline_gateway: Gateway, transactional_db: Any, context_worker: SimWorker, generation_worker: SimWorker) -> None:
+def test_the_deadline_before_the_stream_is_a_504(
+    deadline_gateway: Gateway, transactional_db: Any, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
     from tests.support.cluster import register_cluster
 
     cluster = register_cluster(context_worker, generation_worker)
@@ -164,7 +166,9 @@ def test_the_deadline_before_the_stream_is_a_504(deadline_gateway: Gateway, tran
     assert {r.outcome for r in reservations_closed(row.request_id)} == {"cancelled"}
 
 
-def test_the_deadline_after_pings_is_an_error_event(deadline_gateway: Gateway, transactional_db: Any, context_worker: SimWorker, generation_worker: SimWorker) -> None:
+def test_the_deadline_after_pings_is_an_error_event(
+    deadline_gateway: Gateway, transactional_db: Any, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
     from tests.support.cluster import register_cluster
 
     cluster = register_cluster(context_worker, generation_worker)

@@ -24,6 +24,7 @@ The gateways run with MESSAGES_STREAM_START_WAIT_S=0.3 and MESSAGES_PING_INTERVA
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import httpx
@@ -173,7 +174,7 @@ def test_a_slow_first_phase_starts_the_stream_at_once_and_pings(gateway: Gateway
     # Pings all through the wait: no silence longer than the interval (plus scheduling slack).
     times = [f.at for f in frames[: start + 1]]
     assert len(times) >= SLOW_PHASE_S / PING_INTERVAL - 1
-    assert max(b - a for a, b in zip(times, times[1:])) < PING_INTERVAL + 0.3
+    assert max(b - a for a, b in pairwise(times)) < PING_INTERVAL + 0.3
     assert non_ping(frames)[-2:] == ["message_delta", "message_stop"]
     row = assert_one_terminal_row(s.response_headers["request-id"], "completed")
     assert row.pings_sent >= 3

@@ -106,6 +106,8 @@ def test_the_judge_rejects_what_the_gateway_must_not_send() -> None:
     }
     for category, answer in cases.items():
         assert hostile.problem(request, answer)[0] == category
-    stream = hostile.Answer(status=200, headers={"content-type": "text/event-stream"}, body=b'event: message_start\ndata: {"type":"message_start"}\n\n')
+    stream = hostile.Answer(
+        status=200, headers={"content-type": "text/event-stream"}, body=b'event: message_start\ndata: {"type":"message_start"}\n\n'
+    )
     assert hostile.problem(request, stream)[0] == "non_envelope"
     assert hostile.problem(request, hostile.Answer(status=404, body=envelope)) == ("", "")

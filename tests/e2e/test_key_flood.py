@@ -47,7 +47,9 @@ class QueryLog:
 
 
 @pytest.fixture(scope="module")
-def counted(django_db_setup: Any, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., tuple[Gateway, QueryLog]]]:
+def counted(
+    django_db_setup: Any, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., tuple[Gateway, QueryLog]]]:
     """`counted(**env)`: a gateway whose queries are logged, with a legacy key made before it starts."""
     running: list[Gateway] = []
 

@@ -65,12 +65,12 @@ def test_the_client_s_text_is_escaped_in_the_access_log(quiet_gateway: Gateway, 
     assert response.status_code == 404  # no such model: the error message quotes it too
     request_id = response.headers["request-id"]
     line = wait_until(
-        lambda: next((l for l in log_after(quiet_gateway, offset).splitlines() if request_id in l and "messages_api.access" in l), None),
+        lambda: next((ln for ln in log_after(quiet_gateway, offset).splitlines() if request_id in ln and "messages_api.access" in ln), None),
         timeout=5, message="no access log line",
     )
     log = log_after(quiet_gateway, offset)
     assert "\x1b" not in log and "\u2028" not in log
-    assert not any(l.startswith(forged) for l in log.splitlines())  # no line forged by the client
+    assert not any(ln.startswith(forged) for ln in log.splitlines())  # no line forged by the client
     assert "evil\\n2026-01-01" in line and "\\x1b[2J\\x1b[31mred\\u2028" in line
     assert line.count("evil\\n") == 2  # the model, and the error message quoting it
 
@@ -83,7 +83,7 @@ def test_daphnes_access_lines_go_through_the_log_thread(quiet_gateway: Gateway) 
     assert httpx.get(quiet_gateway.url + "/v1/nothing", timeout=5).status_code == 404
     assert httpx.get(quiet_gateway.url + "/health", timeout=5).status_code == 200
     line = wait_until(
-        lambda: next((l for l in log_after(quiet_gateway, offset).splitlines() if '"GET /health" 200' in l), None),
+        lambda: next((ln for ln in log_after(quiet_gateway, offset).splitlines() if '"GET /health" 200' in ln), None),
         timeout=5, message="no access line for /health",
     )
     assert " INFO messages_api.server.access_log " in line and "127.0.0.1:" in line

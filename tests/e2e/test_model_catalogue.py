@@ -74,12 +74,18 @@ def test_v1_models_lists_the_exact_names_with_display_names(gateway: Gateway, cl
 
 @pytest.fixture
 def two_pools(
-    transactional_db: Any, gateways: Callable[..., Gateway], context_worker: SimWorker, generation_worker: SimWorker, sim_pair: Callable[..., tuple[SimWorker, SimWorker]]
+    transactional_db: Any,
+    gateways: Callable[..., Gateway],
+    context_worker: SimWorker,
+    generation_worker: SimWorker,
+    sim_pair: Callable[..., tuple[SimWorker, SimWorker]],
 ) -> tuple[Gateway, Cluster, WorkerPool]:
     gateway = gateways(ADMISSION_QUEUE_TIMEOUT_S="8")
     first = register_cluster(context_worker, generation_worker, schedule_style="generation_first", generation_capacity=1)
     context, generation = sim_pair("trtllm")
-    second = WorkerPool.objects.create(name="spare", model="spare-model", schedule_style="generation_first", handoff_signing_key=first.pool.handoff_signing_key)
+    second = WorkerPool.objects.create(
+        name="spare", model="spare-model", schedule_style="generation_first", handoff_signing_key=first.pool.handoff_signing_key
+    )
     WorkerEndpoint.objects.create(pool=second, role="context", url=context.url)
     WorkerEndpoint.objects.create(pool=second, role="generation", url=generation.url)
     route("claude-sonnet-4-6", pool=[first.pool.name, second.name])

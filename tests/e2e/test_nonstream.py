@@ -35,7 +35,9 @@ def test_message_through_the_pair(gateway: Gateway, cluster: Cluster) -> None:
     assert cluster.context.stats()["kv_held"] == 0
 
 
-@pytest.mark.parametrize("status,error_type", [(503, "overloaded_error"), (429, "rate_limit_error"), (500, "api_error"), (400, "invalid_request_error")])
+@pytest.mark.parametrize(
+    "status,error_type", [(503, "overloaded_error"), (429, "rate_limit_error"), (500, "api_error"), (400, "invalid_request_error")]
+)
 def test_context_failure_keeps_status(gateway: Gateway, cluster: Cluster, status: int, error_type: str) -> None:
     response = post(gateway, cluster, f"hi [sim context_status={status}]")
     assert response.status_code == status, response.text

@@ -73,7 +73,9 @@ def make_cluster(transactional_db: Any, context_worker: SimWorker, generation_wo
 # --- the live registry -------------------------------------------------------------------------------
 
 
-def test_registered_endpoint_takes_traffic_within_two_seconds(gateway: Gateway, make_cluster: Callable[..., Cluster], second_generation_worker: SimWorker) -> None:
+def test_registered_endpoint_takes_traffic_within_two_seconds(
+    gateway: Gateway, make_cluster: Callable[..., Cluster], second_generation_worker: SimWorker
+) -> None:
     cluster = make_cluster(gateway)
     second_generation_worker.reset()
     call_command("register_worker", pool=cluster.pool.name, model=cluster.model, role="generation", url=second_generation_worker.url)
@@ -86,7 +88,9 @@ def test_registered_endpoint_takes_traffic_within_two_seconds(gateway: Gateway, 
     assert seen
 
 
-def test_draining_finishes_in_flight_and_takes_no_new(gateway: Gateway, make_cluster: Callable[..., Cluster], second_generation_worker: SimWorker) -> None:
+def test_draining_finishes_in_flight_and_takes_no_new(
+    gateway: Gateway, make_cluster: Callable[..., Cluster], second_generation_worker: SimWorker
+) -> None:
     cluster = make_cluster(gateway)
     second = add_endpoint(cluster, "generation", second_generation_worker.url)
     first = WorkerEndpoint.objects.get(pool=cluster.pool, role="generation", url=cluster.generation.url)
@@ -221,7 +225,9 @@ def test_one_key_whose_prompts_make_the_worker_fail_does_not_shut_out_the_others
 # --- routing policies ------------------------------------------------------------------------------
 
 
-def test_session_affinity_keeps_a_session_on_one_generation_endpoint(gateway: Gateway, make_cluster: Callable[..., Cluster], second_generation_worker: SimWorker) -> None:
+def test_session_affinity_keeps_a_session_on_one_generation_endpoint(
+    gateway: Gateway, make_cluster: Callable[..., Cluster], second_generation_worker: SimWorker
+) -> None:
     cluster = make_cluster(gateway)
     cluster.pool.routing = "session_affinity"
     cluster.pool.save()
@@ -301,7 +307,9 @@ def bare_503_url() -> Iterator[str]:
         yield server.url
 
 
-def test_a_bare_503_from_the_context_side_is_retried_elsewhere(gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster], bare_503_url: str) -> None:
+def test_a_bare_503_from_the_context_side_is_retried_elsewhere(
+    gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster], bare_503_url: str
+) -> None:
     gateway = gateways()
     cluster = make_cluster(gateway)
     bare = add_endpoint(cluster, "context", bare_503_url)

@@ -138,7 +138,9 @@ def layout_by_definition(chat: dict[str, Any], chunk: int) -> tuple[list[int], l
 
 
 def test_a_message_that_is_not_an_object_is_a_part_without_a_role() -> None:
-    chat = {"messages": [{"role": "user", "content": "hi"}, "not an object", {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]}
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}, "not an object", {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    }
     prompt = prompt_of(chat, 16)
     # The string is a part like any other; the assistant message after it still ends a prompt.
     assert len(prompt.ends) == 5 and prompt.candidates == [0, 2, 4]

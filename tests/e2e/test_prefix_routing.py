@@ -209,5 +209,8 @@ def test_a_context_phase_goes_to_the_context_worker_holding_the_conversation(
         after = prefix_cache(contexts[home])
         # The context worker reused the conversation so far: it computed about the new turn only.
         computed = after["computed_tokens"] - before["computed_tokens"]
-        assert after["cached_tokens"] - before["cached_tokens"] >= row.input_tokens + answer.json()["usage"]["cache_read_input_tokens"] - LOCAL_PREFILL_LIMIT * 3
+        assert (
+            after["cached_tokens"] - before["cached_tokens"]
+            >= row.input_tokens + answer.json()["usage"]["cache_read_input_tokens"] - LOCAL_PREFILL_LIMIT * 3
+        )
         assert computed < LOCAL_PREFILL_LIMIT * 3

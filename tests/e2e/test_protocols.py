@@ -104,7 +104,7 @@ async def test_trtllm_runs_both_phases_and_records_their_progress(cluster: Clust
         await run.stream_ready()
         # Both requests are sent: the serialized prompt is not held for the rest of the stream.
         with pytest.raises(RuntimeError):
-            run.rendered
+            _ = run.rendered
         chunks: list[dict[str, Any]] = []
         await run.relay(chunks.append)
         assert chunks

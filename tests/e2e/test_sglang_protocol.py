@@ -183,7 +183,9 @@ def assert_served_by_both(cluster: Cluster, request_id: str) -> None:
 
 def test_non_streamed_answer(gateway: Gateway, sglang_cluster: Cluster) -> None:
     cluster = sglang_cluster
-    response = httpx.post(gateway.url + "/v1/messages", json=payload(cluster.model, "hi [sim tokens=5]", stream=False), headers=cluster.headers(), timeout=30)
+    response = httpx.post(
+        gateway.url + "/v1/messages", json=payload(cluster.model, "hi [sim tokens=5]", stream=False), headers=cluster.headers(), timeout=30
+    )
     assert response.status_code == 200, response.text
     message = response.json()
     # The decode's answer: the prefill answered one empty token, which is nowhere in it.

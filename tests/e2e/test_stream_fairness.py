@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from itertools import pairwise
 
 import pytest
 
@@ -49,7 +50,7 @@ class Ticker:
     def stop(self) -> int:
         """The most chunks relayed between two of its turns."""
         self._task.cancel()
-        return max(b - a for a, b in zip(self.seen_at, self.seen_at[1:]))
+        return max(b - a for a, b in pairwise(self.seen_at))
 
 
 async def test_a_pushed_burst_lets_other_tasks_run(unpaced_worker: SimWorker) -> None:

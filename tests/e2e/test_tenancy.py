@@ -200,7 +200,9 @@ def test_a_client_leaving_while_queued_frees_its_place(gateways: Callable[..., G
     holder.read_all()
 
 
-def test_an_interactive_key_goes_before_a_batch_key(gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster], transactional_db: Any) -> None:
+def test_an_interactive_key_goes_before_a_batch_key(
+    gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster], transactional_db: Any
+) -> None:
     gateway = gateways(**QUEUE_ENV)
     cluster = make_cluster(gateway, generation_capacity=1)
     from messages_api.auth import create_api_key
@@ -211,7 +213,9 @@ def test_an_interactive_key_goes_before_a_batch_key(gateways: Callable[..., Gate
     call_command("key_limits", ApiKey.objects.get(key_hash=hash_key(interactive)).name, priority="interactive")
     holder = start_stream(gateway, cluster, f"holds {HOLD}")
     holder.read_head()
-    batch_stream = RawStream.post_json(gateway.url + "/v1/messages", body(cluster, "batch [sim tokens=2]", stream=True), cluster.headers(**{"x-api-key": batch}))
+    batch_stream = RawStream.post_json(
+        gateway.url + "/v1/messages", body(cluster, "batch [sim tokens=2]", stream=True), cluster.headers(**{"x-api-key": batch})
+    )
     batch_stream.read_head()
     interactive_stream = RawStream.post_json(
         gateway.url + "/v1/messages", body(cluster, "interactive [sim tokens=2]", stream=True), cluster.headers(**{"x-api-key": interactive})
@@ -294,7 +298,9 @@ def test_an_endpoints_capacity_holds_across_two_processes(redis_gateways: tuple[
     assert post(second, cluster, "free again [sim tokens=2]").status_code == 200
 
 
-def test_without_redis_limits_fall_back_to_the_process_and_nothing_fails(gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster]) -> None:
+def test_without_redis_limits_fall_back_to_the_process_and_nothing_fails(
+    gateways: Callable[..., Gateway], make_cluster: Callable[..., Cluster]
+) -> None:
     # Nothing listens on port 9 (discard) here: every Redis call fails at once.
     gateway = gateways(REDIS_URL="redis://127.0.0.1:9/0", REDIS_RETRY_S="0.2")
     cluster = make_cluster(gateway, generation_capacity=4)

@@ -84,8 +84,9 @@ def test_usage_after_a_sigkill_is_the_sum_of_the_audit_rows(context_worker: SimW
         # The rows reached the database (the row writer's window, 0.25 s, is what a kill can lose).
         rows = [audit_row(request_id) for request_id in request_ids]
         assert {row.status for row in rows} == {"completed"}
-        for request_id in in_flight:
-            wait_until(lambda: MessageRequest.objects.filter(request_id=request_id).exists(), message=f"{request_id}'s row")
+        wait_until(
+            lambda: MessageRequest.objects.filter(request_id__in=in_flight).count() == len(in_flight), message="the in-flight streams' rows"
+        )
         key_id = rows[0].api_key_id
         assert key_id is not None
         first.kill(signal.SIGKILL)

@@ -71,7 +71,14 @@ def test_the_prefill_leg_is_what_vllm_router_sends() -> None:
 
 
 def test_the_decode_leg_carries_the_prefill_params_verbatim() -> None:
-    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.1", "remote_port": 5600, "extra": {"nested": [1]}}
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_block_ids": [[1, 2]],
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "extra": {"nested": [1]},
+    }
     answer = {"choices": [{"index": 0, "finish_reason": "length"}], "usage": {"prompt_tokens": 12}, "kv_transfer_params": params}
     handoff = vllm.PROTOCOL.read_context_answer(answer)
     assert handoff.generation_pending and handoff.complete_answer is None and handoff.prompt_tokens == 12
@@ -133,7 +140,9 @@ def chat_post(worker: SimWorker, body: dict[str, Any], **headers: str) -> httpx.
 
 
 def sim_prefill(context: SimWorker, text: str = "prefill me") -> dict[str, Any]:
-    response = chat_post(context, {**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS})
+    response = chat_post(
+        context, {**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
+    )
     assert response.status_code == 200, response.text
     answer: dict[str, Any] = response.json()
     return answer
@@ -431,7 +440,9 @@ def test_leaving_during_decode_releases_everything(gateway: Gateway, vllm_cluste
     cluster = vllm_cluster
     before = duplicate_releases(gateway)
     started = datetime.now(timezone.utc)
-    s = RawStream.post_json(gateway.url + "/v1/messages", message(cluster, "long decode [sim tokens=20000]", stream=stream, max_tokens=30000), cluster.headers())
+    s = RawStream.post_json(
+        gateway.url + "/v1/messages", message(cluster, "long decode [sim tokens=20000]", stream=stream, max_tokens=30000), cluster.headers()
+    )
     cluster.generation.wait_for(lambda st: st["active"] == 1)
     request_id = request_id_since(started)
     s.close()
@@ -442,7 +453,9 @@ def test_leaving_during_decode_releases_everything(gateway: Gateway, vllm_cluste
     assert duplicate_releases(gateway) == before
 
 
-def test_a_misconfigured_generation_first_vllm_pool_reaches_no_worker(transactional_db: Any, gateway: Gateway, pair: tuple[SimWorker, SimWorker]) -> None:
+def test_a_misconfigured_generation_first_vllm_pool_reaches_no_worker(
+    transactional_db: Any, gateway: Gateway, pair: tuple[SimWorker, SimWorker]
+) -> None:
     cluster = register_cluster(*pair, protocol="vllm", schedule_style="generation_first")
     wait_registered(gateway, cluster)
     response = post(gateway, cluster, "never sent")

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -108,7 +109,9 @@ CASES = [
     _prompt_case("context_drop", WORKER_FAILED),
 ]
 # The generation-first schedule opens both requests at once: its own paths for hangs and drops.
-GENERATION_FIRST_MODES = {"context_hang", "generation_hang", "context_drop", "drop_mid_stream", "context_error_body", "choices_null_item", "idle_mid_stream"}
+GENERATION_FIRST_MODES = {
+    "context_hang", "generation_hang", "context_drop", "drop_mid_stream", "context_error_body", "choices_null_item", "idle_mid_stream"
+}
 
 _ADDRESS = re.compile(rb"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\[[0-9a-f:]+\]:\d+|localhost:\d+", re.I)
 _PATH = re.compile(rb"(?:^|[\s\"'(=])/(?:opt|usr|home|root|var|tmp|etc|work|srv|app)/", re.M)
@@ -253,7 +256,7 @@ def check_stream(s: RecordingStream, case: Case) -> None:
     assert all(isinstance(d.get("text"), str) for d in text_deltas), f"a text_delta whose text is not a string: {text_deltas}"
     # Never silent while it lasted: a ping (or an event) at least every interval.
     moments = [s.head_at or 0.0, *(f.at for f in s.frames)]
-    gaps = [b - a for a, b in zip(moments, moments[1:])]
+    gaps = [b - a for a, b in pairwise(moments)]
     assert max(gaps, default=0.0) <= PING_INTERVAL_S + MARGIN_S, f"silent for {max(gaps):.1f}s: {events}"
 
 

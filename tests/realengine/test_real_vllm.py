@@ -31,7 +31,6 @@ from tests.support.cluster import audit_row, reservations_closed, wait_registere
 from tests.support.gateway import Gateway
 from tests.support.rawclient import Frame, RawStream, parse_frame
 from tests.support.claude_code import run_claude
-from tests.support.realvllm.fixtures import engine  # noqa: F401 (a fixture)
 from tests.support.realvllm.paths import MAX_MODEL_LEN
 from tests.support.realvllm.server import RealVllm
 from tests.support.sdk import sdk_client, sdk_message

@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.realvllm.fixtures import engine  # noqa: F401 (a fixture)
 from tests.support.realvllm.paths import MAX_MODEL_LEN
 from tests.support.realvllm.server import RealVllm
 from tests.support.simworkers import SimWorker, start_simworker
@@ -28,7 +27,7 @@ OVER_LENGTH = [{"role": "user", "content": "alpha beta gamma " * (MAX_MODEL_LEN 
 
 
 @pytest.fixture(scope="module")
-def sim(engine: RealVllm) -> Iterator[SimWorker]:  # noqa: F811 (the imported fixture)
+def sim(engine: RealVllm) -> Iterator[SimWorker]:
     """A generation sim with the engine's window and model name (fast: shapes, not timing)."""
     worker = start_simworker(
         "generation", model=engine.model, max_context_tokens=engine.max_model_len, tokens_per_second=2000
@@ -56,7 +55,7 @@ def chat(url: str, model: str, **body: Any) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": MESSAGES, **body}, timeout=120)
 
 
-def both(engine: RealVllm, sim: SimWorker, **body: Any) -> tuple[httpx.Response, httpx.Response]:  # noqa: F811
+def both(engine: RealVllm, sim: SimWorker, **body: Any) -> tuple[httpx.Response, httpx.Response]:
     return chat(engine.url, engine.model, **body), chat(sim.url, engine.model, **body)
 
 
@@ -76,7 +75,7 @@ def stream_signature(response: httpx.Response) -> list[Any]:
     return signature
 
 
-def test_non_streamed_answer(engine: RealVllm, sim: SimWorker) -> None:  # noqa: F811
+def test_non_streamed_answer(engine: RealVllm, sim: SimWorker) -> None:
     real, simulated = both(engine, sim, max_tokens=8, temperature=0)
     assert real.status_code == simulated.status_code == 200
     assert real.headers["content-type"].split(";")[0] == simulated.headers["content-type"].split(";")[0]
@@ -96,7 +95,7 @@ def test_non_streamed_answer(engine: RealVllm, sim: SimWorker) -> None:  # noqa:
     ],
     ids=["no-usage", "usage", "continuous-usage", "continuous-without-usage"],
 )
-def test_streamed_chunks(engine: RealVllm, sim: SimWorker, stream_options: dict[str, Any] | None) -> None:  # noqa: F811
+def test_streamed_chunks(engine: RealVllm, sim: SimWorker, stream_options: dict[str, Any] | None) -> None:
     body: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "stream": True}
     if stream_options is not None:
         body["stream_options"] = stream_options
@@ -107,7 +106,7 @@ def test_streamed_chunks(engine: RealVllm, sim: SimWorker, stream_options: dict[
     assert expected[-1] == "[DONE]" and len(expected) == (5 if stream_options and stream_options.get("include_usage") else 4)
 
 
-def test_usage_chunk_counts(engine: RealVllm, sim: SimWorker) -> None:  # noqa: F811
+def test_usage_chunk_counts(engine: RealVllm, sim: SimWorker) -> None:
     body = {"max_tokens": 5, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     for response in both(engine, sim, **body):
         chunks = [json.loads(f[6:]) for f in response.text.split("\n\n") if f.startswith("data: {")]
@@ -118,7 +117,7 @@ def test_usage_chunk_counts(engine: RealVllm, sim: SimWorker) -> None:  # noqa: 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_over_length_prompt(engine: RealVllm, sim: SimWorker, stream: bool) -> None:  # noqa: F811
+def test_over_length_prompt(engine: RealVllm, sim: SimWorker, stream: bool) -> None:
     body = {"messages": OVER_LENGTH, "max_tokens": 16, "stream": stream}
     real = httpx.post(engine.url + "/v1/chat/completions", json={"model": engine.model, **body}, timeout=120)
     simulated = httpx.post(sim.url + "/v1/chat/completions", json={"model": engine.model, **body}, timeout=120)
@@ -129,7 +128,7 @@ def test_over_length_prompt(engine: RealVllm, sim: SimWorker, stream: bool) -> N
     assert simulated.json() == real.json()
 
 
-def test_malformed_request(engine: RealVllm, sim: SimWorker) -> None:  # noqa: F811
+def test_malformed_request(engine: RealVllm, sim: SimWorker) -> None:
     real, simulated = both(engine, sim, messages="notalist")
     assert real.status_code == simulated.status_code == 400
     assert shape(simulated.json()) == shape(real.json())

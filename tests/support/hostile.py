@@ -52,7 +52,9 @@ def deep(depth: int, kind: str) -> str:
 
 _DEEP = re.compile(rb'"\\u0001deep:(\d+):(list|dict)\\u0001"')
 deep_values = st.builds(deep, st.sampled_from([64, 200, 253, 254, 255, 300, 1000, 1023, 1024, 1025, 5000]), st.sampled_from(["list", "dict"]))
-huge_strings = st.builds(lambda n, c: c * n, st.sampled_from([70_000, 300_000, 1_000_000]), st.sampled_from(["a", "\u00e9", "\U0001f30d", "\\", '"', "\x00"]))
+huge_strings = st.builds(
+    lambda n, c: c * n, st.sampled_from([70_000, 300_000, 1_000_000]), st.sampled_from(["a", "\u00e9", "\U0001f30d", "\\", '"', "\x00"])
+)
 hostile_values = st.one_of(json_values, json_values, json_values, deep_values, huge_strings)
 
 # Every content block type the API knows, with plausible and implausible inner fields.
@@ -60,13 +62,17 @@ BLOCK_TYPES = [
     "text", "image", "document", "search_result", "thinking", "redacted_thinking", "tool_use", "tool_result",
     "server_tool_use", "web_search_tool_result", "container_upload", "tool_reference", "nonsense",
 ]
+BLOCK_FIELDS = [
+    "text", "source", "id", "name", "input", "content", "tool_use_id", "thinking", "signature", "data", "title", "citations",
+    "is_error", "cache_control",
+]
 SOURCE_TYPES = ["base64", "url", "file", "text", "content", "nonsense"]
 
 
 @st.composite
 def content_blocks(draw: st.DrawFn) -> Json:
     block: dict[str, Json] = {"type": draw(st.sampled_from(BLOCK_TYPES))}
-    for key in draw(st.lists(st.sampled_from(["text", "source", "id", "name", "input", "content", "tool_use_id", "thinking", "signature", "data", "title", "citations", "is_error", "cache_control"]), max_size=4, unique=True)):
+    for key in draw(st.lists(st.sampled_from(BLOCK_FIELDS), max_size=4, unique=True)):
         if key == "source":
             source: dict[str, Json] = {"type": draw(st.sampled_from(SOURCE_TYPES))}
             for skey in draw(st.lists(st.sampled_from(["media_type", "data", "url", "file_id", "content"]), max_size=3, unique=True)):
@@ -129,7 +135,9 @@ def hostile_json_bodies(draw: st.DrawFn, model: str) -> dict[str, Json]:
     for _ in range(draw(st.integers(1, 3))):
         action = draw(st.sampled_from(["replace", "replace", "delete", "add_block", "add_key"]))
         if action == "add_block":
-            message = draw(st.sampled_from([m for m in body.get("messages", []) if isinstance(m, dict) and isinstance(m.get("content"), list)] or [None]))
+            message = draw(
+                st.sampled_from([m for m in body.get("messages", []) if isinstance(m, dict) and isinstance(m.get("content"), list)] or [None])
+            )
             if message is not None:
                 message["content"].append(draw(content_blocks()))
             continue
@@ -196,7 +204,11 @@ def byte_requests(draw: st.DrawFn, key: str, model: str) -> HostileRequest:
         st.one_of(
             st.binary(max_size=200),
             st.builds(lambda cut: valid[:cut], st.integers(0, len(valid) - 1)),
-            st.builds(lambda junk, at: valid[:at] + junk + valid[at:], st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00", b"\xf4\x90\x80\x80"]), st.integers(0, len(valid))),
+            st.builds(
+                lambda junk, at: valid[:at] + junk + valid[at:],
+                st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00", b"\xf4\x90\x80\x80"]),
+                st.integers(0, len(valid)),
+            ),
             st.builds(_deep_bytes, st.sampled_from([300, 1025, 100_000]), st.sampled_from(["list", "dict"])),
             st.sampled_from([b"", b"null", b"[]", b"1e999999", b'"x"', b"{}", b'{"model": NaN}', b'{"a":1,"a":2}', b"\xef\xbb\xbf{}"]),
         )
@@ -228,13 +240,23 @@ def header_requests(draw: st.DrawFn, key: str, model: str) -> HostileRequest:
     elif choice == "many":
         headers += [(b"x-h%d" % i, b"v") for i in range(draw(st.sampled_from([100, 500, 2000])))]
     elif choice == "content_type":
-        headers = [h for h in headers if h[0] != b"content-type"] + draw(st.sampled_from([[], [(b"content-type", b"text/plain")], [(b"content-type", b"application/json; charset=latin-1")], [(b"content-type", b"\xff")]]))
+        headers = [h for h in headers if h[0] != b"content-type"] + draw(
+            st.sampled_from(
+                [[], [(b"content-type", b"text/plain")], [(b"content-type", b"application/json; charset=latin-1")], [(b"content-type", b"\xff")]]
+            )
+        )
     elif choice == "length":
         headers.append((b"content-length", draw(st.sampled_from([b"-1", b"abc", b"99999999999999999999", b"1, 2", b"0"]))))
     elif choice == "key":
-        headers = [h for h in headers if h[0] != b"x-api-key"] + draw(st.sampled_from([[], [(b"x-api-key", b"")], [(b"x-api-key", b"\xff\xfe")], [(b"authorization", b"Bearer ")], [(b"x-api-key", b"k" * 5000)]]))
+        headers = [h for h in headers if h[0] != b"x-api-key"] + draw(
+            st.sampled_from(
+                [[], [(b"x-api-key", b"")], [(b"x-api-key", b"\xff\xfe")], [(b"authorization", b"Bearer ")], [(b"x-api-key", b"k" * 5000)]]
+            )
+        )
     elif choice == "version":
-        headers = [h for h in headers if h[0] != b"anthropic-version"] + [(b"anthropic-version", draw(st.binary(max_size=20).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))))]
+        headers = [h for h in headers if h[0] != b"anthropic-version"] + [
+            (b"anthropic-version", draw(st.binary(max_size=20).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))))
+        ]
     elif choice == "duplicate":
         headers += [(b"x-api-key", b"other"), (b"content-type", b"application/json")]
     else:
@@ -248,7 +270,10 @@ def path_requests(draw: st.DrawFn, key: str, model: str) -> HostileRequest:
     path = draw(
         st.one_of(
             st.builds(lambda t: "/v1/" + t, _token),
-            st.sampled_from(["/v1/", "/v1", "/v1/messages/", "/v1/messages/batches", "/v1/complete", "/v1/messages?beta=true", "/v1/models/", "/v1/models/%00", "/v1/models/" + "m" * 3000, "/v1/%2e%2e/admin/", "/v1/messages/count_tokens/x", "/v1//messages"]),
+            st.sampled_from([
+                "/v1/", "/v1", "/v1/messages/", "/v1/messages/batches", "/v1/complete", "/v1/messages?beta=true", "/v1/models/",
+                "/v1/models/%00", "/v1/models/" + "m" * 3000, "/v1/%2e%2e/admin/", "/v1/messages/count_tokens/x", "/v1//messages",
+            ]),
         )
     )
     method = draw(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "FOO"]))

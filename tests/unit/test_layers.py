@@ -65,7 +65,8 @@ def test_the_check_sees_a_reach_past_the_surface(tmp_path: Path) -> None:
     """The rule is live: an import of an internal module, or of an undeclared name, is caught."""
     (tmp_path / "messages_api").mkdir()
     (tmp_path / "messages_api" / "_layers_probe.py").write_text(
-        "from workers.routing.router import reserve\nfrom workers import Registry\nfrom workers import ChatRun\nfrom workers.models import WorkerPool\n"
+        "from workers.routing.router import reserve\nfrom workers import Registry\n"
+        "from workers import ChatRun\nfrom workers.models import WorkerPool\n"
     )
     assert crossing_violations("messages_api", root=tmp_path) == [
         "messages_api/_layers_probe.py: from workers.routing.router import reserve",

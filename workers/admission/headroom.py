@@ -160,4 +160,4 @@ def slots_to_keep(resource: Hashable, ticket: Ticket, capacity: int, now: float,
 def free_slots(endpoints: Iterable[EndpointInfo], held_here: Iterable[int]) -> int:
     """Free slots on capped endpoints as this process sees them (its own plus the others' at the
     last registry refresh)."""
-    return sum(max(0, e.capacity - held - e.remote_open) for e, held in zip(endpoints, held_here) if e.capacity is not None)
+    return sum(max(0, e.capacity - held - e.remote_open) for e, held in zip(endpoints, held_here, strict=True) if e.capacity is not None)

@@ -346,7 +346,7 @@ def get_queue() -> AdmissionQueue:
     loop = asyncio.get_running_loop()
     queue = _queues.get(loop)
     if queue is None:
-        for stale in [l for l in _queues if l.is_closed()]:
+        for stale in [other for other in _queues if other.is_closed()]:
             del _queues[stale]
         queue = _queues[loop] = AdmissionQueue()
     return queue

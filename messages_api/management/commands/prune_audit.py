@@ -96,7 +96,9 @@ class Command(BaseCommand):
         if options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
         if usage_age < MIN_USAGE_AGE:
-            raise CommandError(f"hourly usage is kept at least {MIN_USAGE_AGE.days}d (the admin charts the last 30 days); got {usage_age_text.strip()}")
+            raise CommandError(
+                f"hourly usage is kept at least {MIN_USAGE_AGE.days}d (the admin charts the last 30 days); got {usage_age_text.strip()}"
+            )
         count = prune(age, batch_size=options["batch_size"], dry_run=options["dry_run"])
         usage_count = prune_usage(usage_age, batch_size=options["batch_size"], dry_run=options["dry_run"])
         verb = "would delete" if options["dry_run"] else "deleted"

@@ -4,7 +4,7 @@
     server.url                 # http://127.0.0.1:PORT, serving SERVED_MODEL
 
 Start-up takes 1-2 minutes on 2 cores, so every test module that needs the engine shares one
-server per pytest process (`shared_server`); it is stopped when the session ends (the fixtures'
+server per pytest process (`shared_server`); it is stopped when the session ends (the fixture's
 finalizer) or, at the latest, when the process exits.
 """
 

@@ -134,7 +134,9 @@ def test_every_query_names_a_metric_the_gateway_exports(dashboard: dict[str, Any
 def test_the_parser_finds_names_and_labels() -> None:
     """The check above is live: it sees metric names, matchers and groupings, and skips functions."""
     names, matched, grouped = parse(
-        'histogram_quantile(0.99, sum by (le, priority) (rate(gateway_admission_wait_seconds_bucket{instance=~"$instance", outcome="admitted"}[$__rate_interval]))) / on(instance) gateway_open_streams'
+        "histogram_quantile(0.99, sum by (le, priority) "
+        '(rate(gateway_admission_wait_seconds_bucket{instance=~"$instance", outcome="admitted"}[$__rate_interval])))'
+        " / on(instance) gateway_open_streams"
     )
     assert names == {"gateway_admission_wait_seconds_bucket", "gateway_open_streams"}
     assert matched == {"gateway_admission_wait_seconds_bucket": {"instance", "outcome"}}

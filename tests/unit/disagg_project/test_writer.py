@@ -41,7 +41,7 @@ def test_prepared_values_are_djangos_own(db: Any, model: type[models.Model]) -> 
     for column, field in enumerate(fields):
         for value in sample_values(field):
             row = {name: value if i == column else None for i, name in enumerate(names)}
-            expected = [f.get_db_prep_save(row[name], connection) for name, f in zip(names, fields)]
+            expected = [f.get_db_prep_save(row[name], connection) for name, f in zip(names, fields, strict=True)]
             assert prepare_row(row, shape, fields) == expected, (field.name, value)
 
 

@@ -413,7 +413,13 @@ def test_documents_the_workers_cannot_read_are_rejected(source: dict[str, Any], 
     ],
 )
 def test_user_blocks_the_gateway_cannot_carry_are_rejected_with_their_path(block: dict[str, Any], fragment: str) -> None:
-    body = minimal(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": [{"type": "text", "text": "x"}, block]}])
+    body = minimal(
+        messages=[
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": [{"type": "text", "text": "x"}, block]},
+        ]
+    )
     rejects(body, "messages.2.content.1:", fragment)
 
 

@@ -129,7 +129,11 @@ def test_each_endpoint_shows_its_load_capacity_health_and_failures(cluster: dict
 
 def test_the_queue_depth_here_is_read_per_pool_role_and_class(cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     class FakeQueue:
-        waiting = {(("alpha", "generation"), Priority.INTERACTIVE): 2, (("alpha", "generation"), Priority.BATCH): 5, (("beta", "context"), Priority.STANDARD): 1}
+        waiting = {
+            (("alpha", "generation"), Priority.INTERACTIVE): 2,
+            (("alpha", "generation"), Priority.BATCH): 5,
+            (("beta", "context"), Priority.STANDARD): 1,
+        }
 
     monkeypatch.setattr(admission_queue, "_queues", {object(): FakeQueue()})
     (pool,) = context_for()["pools"]

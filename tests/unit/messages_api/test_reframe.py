@@ -314,7 +314,12 @@ def test_one_tool_call_streams_its_arguments() -> None:
     assert events[4]["content_block"] == {"type": "tool_use", "id": "chatcmpl-tool-9f2", "name": "get_weather", "input": {}}
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     message = final_message(events)
-    assert message["content"][1] == {"type": "tool_use", "id": "chatcmpl-tool-9f2", "name": "get_weather", "input": {"location": "Paris", "unit": "c"}}
+    assert message["content"][1] == {
+        "type": "tool_use",
+        "id": "chatcmpl-tool-9f2",
+        "name": "get_weather",
+        "input": {"location": "Paris", "unit": "c"},
+    }
     assert message["stop_reason"] == "tool_use"
 
 
@@ -405,7 +410,7 @@ def test_three_calls_with_random_interleaving_keep_every_fragment() -> None:
         for i, value in enumerate(inputs):
             text = orjson.dumps(value).decode()
             cuts = sorted(rng.sample(range(1, len(text)), 4))
-            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
             streams.append([call(i, "", id=f"c{i}", name=names[i])] + [call(i, p) for p in pieces])
         chunks = []
         while any(streams):
@@ -414,7 +419,7 @@ def test_three_calls_with_random_interleaving_keep_every_fragment() -> None:
         events = run([*chunks, chunk(finish="tool_calls")])
         content = final_message(events)["content"]
         assert sorted((b["name"], orjson.dumps(b["input"])) for b in content) == sorted(
-            (n, orjson.dumps(v)) for n, v in zip(names, inputs)
+            (n, orjson.dumps(v)) for n, v in zip(names, inputs, strict=True)
         )
 
 
@@ -1093,7 +1098,9 @@ def test_a_random_worker_ignoring_max_tokens_never_gets_past_it() -> None:
         message = final_message(events)
         assert r.relayed_tokens <= max_tokens and message["usage"]["output_tokens"] <= max_tokens
         characters = sum(len(b.get("text", b.get("thinking", ""))) for b in message["content"])
-        characters += sum(len(e["delta"]["partial_json"]) for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+        characters += sum(
+            len(e["delta"]["partial_json"]) for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"
+        )
         assert characters <= 2 * max_tokens * CHARS_PER_TOKEN + LONG_PIECE_ALLOWANCE
 
 
@@ -1122,7 +1129,10 @@ def test_a_flood_of_new_tool_calls_stops_at_the_limit() -> None:
 
 def test_the_limit_holds_for_a_complete_answer_from_the_context_phase() -> None:
     # A context worker that answered the whole request: one chunk with everything in it.
-    response = {"choices": [{"message": {"content": "x" * 40, "reasoning_content": "r" * 40}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    response = {
+        "choices": [{"message": {"content": "x" * 40, "reasoning_content": "r" * 40}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }
     events, fed = feed_until_the_limit(reframer(max_tokens=1), completion_as_chunks(response))
     assert fed == 0  # the thinking fits (it brings the count to the limit), the text does not
     message = final_message(events)

@@ -173,12 +173,18 @@ def test_body_must_be_an_object(body: object) -> None:
         (minimal(stop_sequences="END"), "stop_sequences: Input should be a valid list"),
         (minimal(stop_sequences=["a", 3]), "stop_sequences.1: Input should be a valid string"),
         (minimal(system=5), "system: Input should be a valid string or a list of text blocks"),
-        (minimal(system=[{"type": "image", "source": {}}]), "system.0.type: Input tag 'image' found using 'type' does not match any of the expected tags: 'text'"),
+        (
+            minimal(system=[{"type": "image", "source": {}}]),
+            "system.0.type: Input tag 'image' found using 'type' does not match any of the expected tags: 'text'",
+        ),
         (minimal(system=[{"type": "text"}]), "system.0.text: Field required"),
         (minimal(metadata="u"), "metadata: Input should be a valid dictionary"),
         (minimal(metadata={"user_id": 5}), "metadata.user_id: Input should be a valid string"),
         (minimal(output_config={"effort": 3}), "output_config.effort: Input should be a valid string"),
-        (minimal(output_config={"format": {"type": "regex"}}), "output_config.format.type: Input tag 'regex' found using 'type' does not match any of the expected tags: 'json_schema'"),
+        (
+            minimal(output_config={"format": {"type": "regex"}}),
+            "output_config.format.type: Input tag 'regex' found using 'type' does not match any of the expected tags: 'json_schema'",
+        ),
         (minimal(output_config={"format": {"type": "json_schema"}}), "output_config.format.schema: Field required"),
     ],
 )
@@ -202,11 +208,20 @@ def test_top_level_errors_name_the_field(body: dict[str, Any], message: str) -> 
         ({"tools": [{"type": 5, "name": "a"}]}, "tools.0.type: Input should be a valid string"),
         ({"tool_choice": "auto"}, "tool_choice: Input should be a valid dictionary"),
         ({"tool_choice": {}}, "tool_choice.type: Field required"),
-        ({"tool_choice": {"type": "required"}}, "tool_choice.type: Input tag 'required' found using 'type' does not match any of the expected tags: 'auto', 'any', 'tool', 'none'"),
+        (
+            {"tool_choice": {"type": "required"}},
+            "tool_choice.type: Input tag 'required' found using 'type' does not match any of the expected tags: 'auto', 'any', 'tool', 'none'",
+        ),
         ({"tool_choice": {"type": "tool"}}, "tool_choice.name: Field required"),
-        ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": "no"}}, "tool_choice.disable_parallel_tool_use: Input should be a valid boolean"),
+        (
+            {"tool_choice": {"type": "auto", "disable_parallel_tool_use": "no"}},
+            "tool_choice.disable_parallel_tool_use: Input should be a valid boolean",
+        ),
         ({"thinking": True}, "thinking: Input should be a valid dictionary"),
-        ({"thinking": {"type": "on"}}, "thinking.type: Input tag 'on' found using 'type' does not match any of the expected tags: 'enabled', 'disabled', 'adaptive'"),
+        (
+            {"thinking": {"type": "on"}},
+            "thinking.type: Input tag 'on' found using 'type' does not match any of the expected tags: 'enabled', 'disabled', 'adaptive'",
+        ),
         ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens: Field required"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1023}}, "thinking.budget_tokens: Input should be greater than or equal to 1024"),
         ({"thinking": {"type": "enabled", "budget_tokens": "2000"}}, "thinking.budget_tokens: Input should be a valid integer"),
@@ -242,15 +257,24 @@ def conversation(*content: Any) -> dict[str, Any]:
         (conversation({"type": "text", "text": None}), "messages.2.content.0.text: Field required"),
         (conversation({"type": "text", "text": 5}), "messages.2.content.0.text: Input should be a valid string"),
         (conversation({"type": "image"}), "messages.2.content.0.source: Field required"),
-        (conversation({"type": "image", "source": {"type": "path"}}), "messages.2.content.0.source.type: Input tag 'path' found using 'type' does not match any of the expected tags: 'base64', 'url', 'file'"),
+        (
+            conversation({"type": "image", "source": {"type": "path"}}),
+            "messages.2.content.0.source.type: Input tag 'path' found using 'type' does not match any of the expected tags: 'base64', 'url', 'file'",
+        ),
         (conversation({"type": "image", "source": {"type": "base64", "data": "AA"}}), "messages.2.content.0.source.media_type: Field required"),
         (conversation({"type": "image", "source": {"type": "url"}}), "messages.2.content.0.source.url: Field required"),
         (conversation({"type": "document", "source": "text"}), "messages.2.content.0.source: Input should be a valid dictionary"),
         (conversation({"type": "tool_use", "id": "t", "name": "n"}), "messages.2.content.0.input: Field required"),
         (conversation({"type": "tool_use", "id": "t", "name": "n", "input": "{}"}), "messages.2.content.0.input: Input should be a valid dictionary"),
         (conversation({"type": "tool_result"}), "messages.2.content.0.tool_use_id: Field required"),
-        (conversation({"type": "tool_result", "tool_use_id": "t", "content": 5}), "messages.2.content.0.content: Input should be a valid string or a list of content blocks"),
-        (conversation({"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}), "messages.2.content.0.is_error: Input should be a valid boolean"),
+        (
+            conversation({"type": "tool_result", "tool_use_id": "t", "content": 5}),
+            "messages.2.content.0.content: Input should be a valid string or a list of content blocks",
+        ),
+        (
+            conversation({"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}),
+            "messages.2.content.0.is_error: Input should be a valid boolean",
+        ),
         (conversation({"type": "thinking", "signature": "s"}), "messages.2.content.0.thinking: Field required"),
         (conversation({"type": "search_result", "content": "x"}), "messages.2.content.0.content: Input should be a valid list"),
         (
@@ -288,8 +312,12 @@ def test_count_tokens_needs_no_max_tokens() -> None:
 
 
 def test_count_tokens_checks_the_budget_floor_but_not_against_max_tokens() -> None:
-    validate_count_tokens_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled", "budget_tokens": 50000}})
-    message = error_of({"model": "m", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled", "budget_tokens": 10}}, count_tokens=True)
+    validate_count_tokens_request(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled", "budget_tokens": 50000}}
+    )
+    message = error_of(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled", "budget_tokens": 10}}, count_tokens=True
+    )
     assert message == "thinking.budget_tokens: Input should be greater than or equal to 1024"
 
 

@@ -47,7 +47,10 @@ BAD_BLOCKS = [
     ({"type": "document", "source": {"type": "content", "content": 5}}, "source.content: Input should be a valid string or a list of content blocks"),
     ({"type": "document", "source": {"type": "content"}}, "source.content: Field required"),
     ({"type": "document", "source": {"type": "content", "content": [5]}}, "source.content.0: Input should be a valid dictionary"),
-    ({"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": 1}]}}, "source.content.0.text: Input should be a valid string"),
+    (
+        {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": 1}]}},
+        "source.content.0.text: Input should be a valid string",
+    ),
     ({"type": "document", "source": {"type": "content", "content": [{"type": "image"}]}}, "source.content.0.source: Field required"),
     (
         {"type": "document", "source": {"type": "content", "content": [{"type": "document"}]}},
@@ -60,7 +63,10 @@ BAD_BLOCKS = [
     ({"type": "document", "source": {"type": "file", "file_id": 3}}, "source.file_id: Input should be a valid string"),
     ({"type": "document", "source": {"type": "pdf"}}, "source.type: Input tag 'pdf' found using 'type'"),
     ({"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}, "title": 5}, "title: Input should be a valid string"),
-    ({"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}, "context": {}}, "context: Input should be a valid string"),
+    (
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}, "context": {}},
+        "context: Input should be a valid string",
+    ),
     ({"type": "search_result", "content": [{"type": "text", "text": "x"}], "title": "t"}, "source: Field required"),
     ({"type": "search_result", "content": [{"type": "text", "text": "x"}], "source": "s", "title": 1}, "title: Input should be a valid string"),
     ({"type": "search_result", "content": [{"type": "text"}], "source": "s", "title": "t"}, "content.0.text: Field required"),

@@ -96,4 +96,4 @@ class Command(BaseCommand):
         try:
             serve(config, announce)
         except OSError as exc:
-            raise CommandError(f"cannot listen on {options['host']}:{options['port']}: {exc}")
+            raise CommandError(f"cannot listen on {options['host']}:{options['port']}: {exc}") from exc

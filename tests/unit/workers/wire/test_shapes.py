@@ -135,7 +135,9 @@ def maybe(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 TEXT = st.one_of(st.none(), st.sampled_from(["", "hi", " there"]))
 COUNT = st.integers(min_value=0, max_value=50)
-FUNCTION = st.fixed_dictionaries({}, optional={"name": maybe(st.sampled_from([None, "get", "put"])), "arguments": maybe(st.sampled_from([None, "", '{"a":', " 1}", "{}"]))})
+FUNCTION = st.fixed_dictionaries(
+    {}, optional={"name": maybe(st.sampled_from([None, "get", "put"])), "arguments": maybe(st.sampled_from([None, "", '{"a":', " 1}", "{}"]))}
+)
 TOOL_CALL = st.fixed_dictionaries(
     {"index": maybe(st.integers(min_value=0, max_value=2))},
     optional={"id": maybe(st.sampled_from([None, "call_1", "call_2"])), "type": maybe(st.just("function")), "function": maybe(FUNCTION)},
@@ -154,7 +156,9 @@ USAGE = st.fixed_dictionaries(
 
 
 def answers(body_name: str) -> st.SearchStrategy[Any]:
-    choice = st.fixed_dictionaries({"index": maybe(st.just(0))}, optional={body_name: maybe(BODY), "finish_reason": maybe(FINISH), "stop_reason": JUNK})
+    choice = st.fixed_dictionaries(
+        {"index": maybe(st.just(0))}, optional={body_name: maybe(BODY), "finish_reason": maybe(FINISH), "stop_reason": JUNK}
+    )
     return maybe(st.fixed_dictionaries({"choices": maybe(st.lists(maybe(choice), max_size=2))}, optional={"usage": maybe(USAGE), "id": TEXT}))
 
 

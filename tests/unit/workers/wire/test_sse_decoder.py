@@ -181,7 +181,7 @@ def reference(stream: bytes) -> list[Event]:
 @given(streams(), st.lists(st.integers(min_value=0), max_size=12))
 def test_any_split_of_a_stream_gives_the_events_of_the_whole(stream: bytes, cuts: list[int]) -> None:
     points = sorted({cut % (len(stream) + 1) for cut in cuts})
-    feeds = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)])]
+    feeds = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
     assert decode(*feeds) == decode(stream) == reference(stream)
 
 

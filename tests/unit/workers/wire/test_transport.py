@@ -564,22 +564,22 @@ async def test_a_push_stopped_by_its_receiver_leaves_the_rest_to_a_read() -> Non
         await response.aclose()
 
 
-async def test_bytes_pushed_before_the_connection_was_lost_come_before_the_error() -> None:
+@pytest.mark.parametrize("hooked_late", [False, True], ids=["hooked-early", "hooked-late"])
+async def test_bytes_pushed_before_the_connection_was_lost_come_before_the_error(hooked_late: bool) -> None:
     async with ScriptedServer(last_word_then_gone) as server, worker_transport() as transport:
-        for hooked_late in (False, True):
-            response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
-            pushed = Pushed()
-            if hooked_late:  # the chunk and the failure both arrived before the push began
-                content = response.stream._response.content  # type: ignore[attr-defined]
-                await wait_for(lambda: content.exception() is not None)
-            push = push_body(response, pushed.on_data, pushed.on_end)
-            assert push is not None
-            await asyncio.wait_for(pushed.ended.wait(), 5)
-            assert b"".join(pushed.data) == b"last word"
-            assert isinstance(pushed.error, httpx.TransportError)
-            assert "127.0.0.1" not in str(pushed.error)  # never the worker's address
-            push.stop()
-            await response.aclose()
+        response = await transport.handle_async_request(httpx.Request("POST", server.url, content=b"{}"))
+        pushed = Pushed()
+        if hooked_late:  # the chunk and the failure both arrived before the push began
+            content = response.stream._response.content  # type: ignore[attr-defined]
+            await wait_for(lambda: content.exception() is not None)
+        push = push_body(response, pushed.on_data, pushed.on_end)
+        assert push is not None
+        await asyncio.wait_for(pushed.ended.wait(), 5)
+        assert b"".join(pushed.data) == b"last word"
+        assert isinstance(pushed.error, httpx.TransportError)
+        assert "127.0.0.1" not in str(pushed.error)  # never the worker's address
+        push.stop()
+        await response.aclose()
 
 
 async def test_another_transports_body_is_not_pushed() -> None:
