@@ -98,7 +98,7 @@ async def serve(
     )
     try:
         record.begin()
-        record.run = run  # the audit reads the run's trace (stage, endpoints, timings) when it writes
+        record.run = run  # the audit reads the run's progress (stage, endpoints, timings) when it writes
         async with run:
             replied = await reply(Answer(request, run, reframer, lease.headers, record))
     finally:
