@@ -1,13 +1,15 @@
 """Picks an endpoint for a stage of a request, by the pool's routing policy, and reserves it.
 
 Routing reads only memory: the registry snapshot and this process's open reservations (plus, for
-`least_loaded`, the other processes' open reservations as of the last registry refresh), and for
-`cache_aware` this process's prefix index (`workers.routing.prefix_index`).
+`least_loaded`, the other processes' open reservations as of the last registry refresh, and the
+engines' own load while fresh: `_load`), and for `cache_aware` this process's prefix index
+(`workers.routing.prefix_index`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -17,8 +19,10 @@ from workers.admission import Ticket, admit
 from workers.admission.capacity import fits_here
 from workers.admission.queue import get_queue
 from workers.exceptions import NoEndpointAvailable
+from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.models import Role, RoutingPolicy
+from workers.protocols.engine_load import EngineLoad
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
 from workers.schedule.rendered_chat import RenderedChat
 from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
@@ -48,7 +52,31 @@ def _round_robin(pool: PoolInfo, role: str, candidates: list[EndpointInfo], sess
 
 
 def _load(endpoint: EndpointInfo) -> int:
-    return ledger.open_count(endpoint.id) + endpoint.remote_open
+    """How busy the endpoint is, in requests: the one load signal of `least_loaded`, the
+    cache-aware choice between two endpoints and its guard, and retries.
+
+    The gateway's own count (this process's open requests plus the other processes' at the last
+    refresh) is exact for what went through the gateway. The engine's own figures, while fresh
+    (`workers.cluster.engine_load`), also count what did not (other gateways, outside traffic):
+    the larger of the two counts, plus a penalty for a nearly full KV cache. Stale or absent
+    figures leave the gateway's own count."""
+    own = ledger.open_count(endpoint.id) + endpoint.remote_open
+    if engine_loads.view:  # empty while polling is off: nothing more to look up
+        reported = engine_loads.fresh(endpoint.id)
+        if reported is not None:
+            return _blended(own, reported)
+    return own
+
+
+def _blended(own: int, reported: EngineLoad) -> int:
+    """The gateway's own count beside the engine's (its waiting and running requests include
+    those the gateway sent, so the larger, not the sum), plus up to ENGINE_LOAD_KV_PENALTY for a
+    KV cache fuller than ENGINE_LOAD_KV_THRESHOLD (new requests there evict or wait)."""
+    load = max(own, reported.requests)
+    threshold = settings.ENGINE_LOAD_KV_THRESHOLD
+    if reported.kv_usage is not None and reported.kv_usage > threshold and threshold < 1:
+        load += math.ceil(settings.ENGINE_LOAD_KV_PENALTY * (reported.kv_usage - threshold) / (1 - threshold))
+    return load
 
 
 def _least_loaded(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
