@@ -80,9 +80,10 @@ def _blended(own: int, reported: EngineLoad) -> int:
 
 
 def _least_loaded(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
-    # Ties go round robin so that an idle pool still spreads its work.
-    lowest = min(_load(e) for e in candidates)
-    tied = [e for e in candidates if _load(e) == lowest]
+    # Ties go round robin so that an idle pool still spreads its work. Each load is read once.
+    loads = [_load(e) for e in candidates]
+    lowest = min(loads)
+    tied = [e for e, load in zip(candidates, loads, strict=True) if load == lowest]
     return _round_robin(pool, role, tied, session)
 
 
