@@ -12,8 +12,9 @@ A background service (`workers.cluster.services`) calls `engine_loads.poll_all` 
 - without Redis, or while it fails, each process reads every engine itself.
 
 Reading an engine: one GET within `ENGINE_LOAD_TIMEOUT_S`, at most `ENGINE_LOAD_MAX_BYTES` of
-answer, parsed on a thread of its own (a 100 KB scrape costs ~0.4 ms of regular-expression scan;
-a hostile full-size one ~10 ms: not on the event loop). A failed read publishes nothing.
+answer, parsed on a thread of its own: the scan of a whole scrape is not trivially cheap, and a
+worker's answer is outside input (bench/engine_load_cpu.py measures both). A failed read publishes
+nothing.
 
 Routing asks `fresh(endpoint_id)`: the figures if they are younger than `ENGINE_LOAD_MAX_AGE_S`,
 else None, and then routes on the gateway's own counts (`workers.routing.router._load`). Figures
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -86,6 +88,10 @@ class EndpointLoad:
     fresh_until: float
     #: This process read the engine itself (False: another process's figures, through Redis).
     polled_here: bool
+    #: What routing counts (`workers.routing.router._load`), worked out once per reading rather
+    #: than per request: the engine's waiting + running, and the requests its KV use adds.
+    requests: int = 0
+    kv_penalty: int = 0
 
     @property
     def fresh(self) -> bool:
@@ -111,12 +117,12 @@ class EngineLoads:
 
     # --- routing -----------------------------------------------------------------------------------
 
-    def fresh(self, endpoint_id: int) -> EngineLoad | None:
-        """The endpoint's engine load if fresh enough to route on, else None."""
+    def fresh(self, endpoint_id: int) -> EndpointLoad | None:
+        """The endpoint's figures if fresh enough to route on, else None."""
         entry = self.view.get(endpoint_id)
         if entry is None or time.monotonic() >= entry.fresh_until:
             return None
-        return entry.load
+        return entry
 
     def error(self, endpoint_id: int) -> str:
         """Why this process's last read of the endpoint's engine failed ("" when it did not)."""
@@ -225,7 +231,18 @@ def _reads_load(pool: PoolInfo) -> bool:
 
 def _entry(load: EngineLoad, read_at: float, *, polled_here: bool) -> EndpointLoad:
     age = max(0.0, time.time() - read_at)
-    return EndpointLoad(load, read_at, time.monotonic() + settings.ENGINE_LOAD_MAX_AGE_S - age, polled_here)
+    return EndpointLoad(
+        load, read_at, time.monotonic() + settings.ENGINE_LOAD_MAX_AGE_S - age, polled_here, load.requests, kv_penalty(load.kv_usage)
+    )
+
+
+def kv_penalty(kv_usage: float | None) -> int:
+    """The requests a nearly full KV cache counts as: none up to ENGINE_LOAD_KV_THRESHOLD, rising
+    to ENGINE_LOAD_KV_PENALTY at a full cache (new requests there evict others' blocks or wait)."""
+    threshold = settings.ENGINE_LOAD_KV_THRESHOLD
+    if kv_usage is None or kv_usage <= threshold or threshold >= 1:
+        return 0
+    return math.ceil(settings.ENGINE_LOAD_KV_PENALTY * (kv_usage - threshold) / (1 - threshold))
 
 
 def _keys(endpoint_id: int) -> tuple[str, str]:

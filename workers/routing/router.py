@@ -9,7 +9,6 @@ engines' own load while fresh: `_load`), and for `cache_aware` this process's pr
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -22,7 +21,6 @@ from workers.exceptions import NoEndpointAvailable
 from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.models import Role, RoutingPolicy
-from workers.protocols.engine_load import EngineLoad
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
 from workers.schedule.rendered_chat import RenderedChat
 from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
@@ -64,19 +62,11 @@ def _load(endpoint: EndpointInfo) -> int:
     if engine_loads.view:  # empty while polling is off: nothing more to look up
         reported = engine_loads.fresh(endpoint.id)
         if reported is not None:
-            return _blended(own, reported)
+            # The engine's waiting and running include what the gateway sent it: the larger of
+            # the two counts, not their sum; plus what a nearly full KV cache counts as
+            # (`engine_load.kv_penalty`, worked out when the figures were read).
+            return max(own, reported.requests) + reported.kv_penalty
     return own
-
-
-def _blended(own: int, reported: EngineLoad) -> int:
-    """The gateway's own count beside the engine's (its waiting and running requests include
-    those the gateway sent, so the larger, not the sum), plus up to ENGINE_LOAD_KV_PENALTY for a
-    KV cache fuller than ENGINE_LOAD_KV_THRESHOLD (new requests there evict or wait)."""
-    load = max(own, reported.requests)
-    threshold = settings.ENGINE_LOAD_KV_THRESHOLD
-    if reported.kv_usage is not None and reported.kv_usage > threshold and threshold < 1:
-        load += math.ceil(settings.ENGINE_LOAD_KV_PENALTY * (reported.kv_usage - threshold) / (1 - threshold))
-    return load
 
 
 def _least_loaded(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:

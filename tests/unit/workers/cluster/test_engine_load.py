@@ -17,7 +17,7 @@ from django.test import override_settings
 from disagg_project import get_shared_state
 from tests.support.redis import redis_url_or_skip
 from workers.cluster import engine_load as module
-from workers.cluster.engine_load import EngineLoads, _entry
+from workers.cluster.engine_load import EngineLoads, _entry, kv_penalty
 from workers.cluster.registry import ClusterSnapshot, EndpointInfo, PoolInfo
 from workers.exceptions import WorkerUnreachable
 from workers.protocols.engine_load import EngineLoad
@@ -90,13 +90,23 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> Iterator[EngineLoads]:
 # --- the blend -------------------------------------------------------------------------------------
 
 
-def test_the_larger_count_wins_and_a_full_cache_adds_a_penalty() -> None:
+def test_the_larger_count_wins_and_a_full_cache_adds_a_penalty(loads: EngineLoads, monkeypatch: pytest.MonkeyPatch) -> None:
+    endpoint = make_pool(1).endpoints[0]
+    own = {"n": 0}
+    monkeypatch.setattr(router.ledger, "open_count", lambda endpoint_id: own["n"])
+
+    def load(mine: int, reported: EngineLoad) -> int:
+        own["n"] = mine
+        loads.view[endpoint.id] = _entry(reported, time.time(), polled_here=True)
+        return router._load(endpoint)
+
     with override_settings(ENGINE_LOAD_KV_THRESHOLD=0.9, ENGINE_LOAD_KV_PENALTY=8):
-        assert router._blended(2, EngineLoad(waiting=40, running=2)) == 42
-        assert router._blended(5, EngineLoad(waiting=0, running=3)) == 5  # the gateway's own requests, not yet there
-        assert router._blended(0, EngineLoad(waiting=0, running=0, kv_usage=0.9)) == 0
-        assert router._blended(0, EngineLoad(waiting=0, running=0, kv_usage=0.95)) == 4
-        assert router._blended(1, EngineLoad(waiting=0, running=1, kv_usage=1.0)) == 9
+        assert load(2, EngineLoad(waiting=40, running=2)) == 42
+        assert load(5, EngineLoad(waiting=0, running=3)) == 5  # the gateway's own requests, not yet there
+        assert load(0, EngineLoad(waiting=0, running=0, kv_usage=0.9)) == 0
+        assert load(0, EngineLoad(waiting=0, running=0, kv_usage=0.95)) == 4
+        assert load(1, EngineLoad(waiting=0, running=1, kv_usage=1.0)) == 9
+    assert kv_penalty(None) == 0
 
 
 def test_routing_avoids_an_engine_busy_with_outside_traffic_while_its_figures_are_fresh(loads: EngineLoads) -> None:
@@ -139,7 +149,7 @@ async def test_each_engine_is_read_and_a_failing_one_is_logged_once(
     with override_settings(REDIS_URL=""), caplog.at_level(logging.WARNING, logger=module.__name__):
         await loads.poll_all()
         await loads.poll_all()
-    assert loads.fresh(good.id) == EngineLoad(waiting=9, running=2, kv_usage=0.5)
+    assert (loads.fresh(good.id) or pytest.fail("not fresh")).load == EngineLoad(waiting=9, running=2, kv_usage=0.5)
     assert loads.fresh(bad.id) is None and "connection refused" in loads.error(bad.id)
     assert sorted(set(engines.reads)) == sorted([good.url + "/metrics", bad.url + "/metrics"])  # a plain OpenAI server: never
     assert loads.polls[good.id]["ok"] == 2 and loads.polls[bad.id]["failed"] == 2
@@ -206,7 +216,7 @@ async def test_when_redis_fails_each_process_reads_every_engine(loads: EngineLoa
             await loads.poll_all()
         finally:
             await shared.aclose()
-    assert loads.fresh(endpoint.id) == EngineLoad(waiting=3, running=0, kv_usage=0.5)
+    assert (loads.fresh(endpoint.id) or pytest.fail("not fresh")).load == EngineLoad(waiting=3, running=0, kv_usage=0.5)
 
 
 async def test_figures_nobody_refreshes_go_stale(loads: EngineLoads, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
