@@ -79,8 +79,8 @@ def routing(state: str) -> dict[str, Any]:
             for i, endpoint in enumerate(p.endpoints):
                 engine_loads.view[endpoint.id] = _entry(EngineLoad(waiting=i, running=1, kv_usage=0.95), read_at, polled_here=True)
         candidates = list(p.endpoints)
-        result[f"load_ns_{n}"] = best(lambda: router._load(candidates[0]), 200_000) * 1e9
-        result[f"decision_us_{n}"] = best(lambda: router._least_loaded(p, "generation", candidates, None), 20_000) * 1e6
+        result[f"load_ns_{n}"] = best(lambda c=candidates: router._load(c[0]), 200_000) * 1e9
+        result[f"decision_us_{n}"] = best(lambda p=p, c=candidates: router._least_loaded(p, "generation", c, None), 20_000) * 1e6
     engine_loads.view.clear()
     return result
 
