@@ -509,6 +509,21 @@ BREAKER_COOLDOWN_S = env_float("BREAKER_COOLDOWN_S", 30.0)
 BREAKER_DISTINCT_KEYS = env_int("BREAKER_DISTINCT_KEYS", 2)
 BREAKER_KEY_WINDOW_S = env_float("BREAKER_KEY_WINDOW_S", 60.0)
 
+# Engine-reported load (workers/cluster/engine_load.py, docs/engines.md): every ENGINE_LOAD_POLL_S
+# (0: off) the gateway reads each endpoint's Prometheus metrics (its engine's queue, running
+# requests and KV-cache use), within ENGINE_LOAD_TIMEOUT_S and at most ENGINE_LOAD_MAX_BYTES of
+# answer. With Redis one process polls each endpoint and the others read what it published. Figures
+# older than ENGINE_LOAD_MAX_AGE_S are ignored: routing falls back to the gateway's own counts.
+# Routing counts an endpoint as busy as the larger of the gateway's own open requests and the
+# engine's waiting + running; a KV cache fuller than ENGINE_LOAD_KV_THRESHOLD adds up to
+# ENGINE_LOAD_KV_PENALTY requests more (the penalty at a full cache).
+ENGINE_LOAD_POLL_S = env_float("ENGINE_LOAD_POLL_S", 1.0)
+ENGINE_LOAD_TIMEOUT_S = env_float("ENGINE_LOAD_TIMEOUT_S", 1.0)
+ENGINE_LOAD_MAX_AGE_S = env_float("ENGINE_LOAD_MAX_AGE_S", 5.0)
+ENGINE_LOAD_MAX_BYTES = env_int("ENGINE_LOAD_MAX_BYTES", 2 * 1024 * 1024)
+ENGINE_LOAD_KV_THRESHOLD = env_float("ENGINE_LOAD_KV_THRESHOLD", 0.9)
+ENGINE_LOAD_KV_PENALTY = env_int("ENGINE_LOAD_KV_PENALTY", 8)
+
 # Each process writes a heartbeat; one silent for GATEWAY_DEAD_AFTER_S is dead and its open
 # reservations and in-progress audit rows are closed by the next live process that sweeps.
 GATEWAY_HEARTBEAT_INTERVAL_S = env_float("GATEWAY_HEARTBEAT_INTERVAL_S", 5.0)

@@ -11,7 +11,8 @@ Where each number comes from:
   reservation rows, the audit rows (requests per minute, errors by type, time to first token,
   failed requests), the processes' heartbeats, the Message Batches in progress and their items;
 - **this process only** (its memory): the circuit breakers, its own probes, the reservations it
-  holds, the requests waiting in its admission queue (`workers.local_state`). Another process
+  holds, the requests waiting in its admission queue, each engine's queue and KV use as it last
+  reported them here (`workers.local_state`). Another process
   may see an endpoint's breaker open while this one does not; the page says which is which.
 
 Cheap by construction: about eight queries, each bounded by the 15-minute window on indexed
@@ -227,6 +228,10 @@ class EndpointRow:
     tokens_here: int
     requests: int | None
     failed: int | None
+    #: The engine's own load as this process last had it (`workers.local_state`), and why its last
+    #: read here failed.
+    engine: Any = None
+    engine_error: str = ""
 
     @property
     def breaker_label(self) -> str:
@@ -287,6 +292,7 @@ def cluster(now: datetime, seen: Access, window: Traffic | None) -> tuple[list[P
             probed_here=mine.probed_healthy, breaker=mine.breaker, open_all=open_all.get(e["id"], 0),
             capacity=e["capacity"], capacity_tokens=e["capacity_tokens"], open_here=mine.open_here, tokens_here=mine.tokens_here,
             requests=counts[0] if counts is not None else None, failed=counts[1] if counts is not None else None,
+            engine=mine.engine, engine_error=mine.engine_error,
         ))  # fmt: skip
     rows = []
     for p in pools:

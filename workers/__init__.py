@@ -12,8 +12,9 @@ has (`workers.models`); `tests/unit/test_layers.py` enforces it. Inside, the pac
     routing/     picking an endpoint: the router, the prefix index, reservations
     admission/   endpoint capacity and the fair admission queue of requests waiting for it
     schedule/    one chat request through the cluster: the pipeline and what it records
-    cluster/     the cluster's state in this process: registry, health, recovery, the services
-                 it starts, and what this process alone knows (local_state, for the admin)
+    cluster/     the cluster's state in this process: registry, health, the engines' reported
+                 load, recovery, the services it starts, and what this process alone knows
+                 (local_state, for the admin)
     sim/         a simulated worker for every dialect (`manage.py simworker`)
 
 What both apps share (Redis shared state, ids, the row writer, the admin's base classes, the

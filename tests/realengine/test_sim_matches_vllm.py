@@ -133,3 +133,16 @@ def test_malformed_request(engine: RealVllm, sim: SimWorker) -> None:
     assert real.status_code == simulated.status_code == 400
     assert shape(simulated.json()) == shape(real.json())
     assert simulated.json()["error"]["code"] == real.json()["error"]["code"] == 400
+
+
+def test_its_load_is_read_by_the_gateways_vllm_reader(engine: RealVllm) -> None:  # noqa: F811
+    """The gateway's vLLM reader (workers.protocols.vllm, used by workers.cluster.engine_load) finds
+    the real engine's queue, running requests and KV use in its /metrics; the sim's vLLM dialect
+    publishes the same names (tests/unit/workers/test_sim_engine_metrics.py)."""
+    from workers.protocols import PROTOCOLS
+
+    reader = PROTOCOLS["vllm"]
+    assert reader.metrics_path is not None
+    load = reader.read_load(httpx.get(engine.url + reader.metrics_path, timeout=10).text, engine.model)
+    assert load is not None and load.waiting >= 0 and load.running >= 0
+    assert load.kv_usage is not None and 0.0 <= load.kv_usage <= 1.0

@@ -36,6 +36,9 @@ DEFAULT_ENV = {
     # Every gateway probes every endpoint in the (shared) test database: probing is off unless a
     # test starts a gateway of its own for it.
     "HEALTH_CHECK_INTERVAL_S": "3600",
+    # Likewise the engines' load (their /metrics): read only by a test's own gateway for it
+    # (tests/e2e/test_engine_load.py).
+    "ENGINE_LOAD_POLL_S": "0",
     # Every test's client is 127.0.0.1, and many send wrong keys on purpose: no failure throttle per
     # address unless a test starts a gateway of its own for it (tests/e2e/test_key_flood.py).
     "GATEWAY_AUTH_FAILURES_PER_MINUTE": "0",

@@ -1,6 +1,6 @@
 """What this process alone knows of the cluster, for the admin's cluster overview: each endpoint's
-breaker, this process's own health probe, the reservations it holds, and the requests waiting in
-its admission queues.
+breaker, this process's own health probe, the reservations it holds, its engine's load as last
+reported (`workers.cluster.engine_load`), and the requests waiting in its admission queues.
 
 Every gateway process keeps these in memory, so the process that serves an admin page can speak
 only for itself; the database holds what every process shares (endpoint health as last written,
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from disagg_project import GATEWAY_INSTANCE
 from workers.admission.queue import Priority, waiting_here
+from workers.cluster.engine_load import EndpointLoad, engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
 from workers.routing.reservations import ledger
@@ -30,6 +31,10 @@ class EndpointHere:
     #: Reservations this process holds on the endpoint, and their tokens.
     open_here: int
     tokens_here: int
+    #: The engine's own figures as this process last had them (None: none read), and why this
+    #: process's last read of them failed ("" when it did not).
+    engine: EndpointLoad | None = None
+    engine_error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,8 @@ def local_state(endpoint_ids: Iterable[int]) -> LocalState:
             probe_error=probe.last_error if probe is not None and probed else "",
             open_here=ledger.open_count(endpoint_id),
             tokens_here=ledger.tokens(endpoint_id),
+            engine=engine_loads.view.get(endpoint_id),
+            engine_error=engine_loads.error(endpoint_id),
         )
     queued: dict[tuple[str, str, str], int] = {}
     for (resource, priority), n in waiting_here().items():

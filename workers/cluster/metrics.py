@@ -1,5 +1,6 @@
 """Prometheus metrics of the cluster side: retries, open reservations, duplicate releases,
-breaker state.
+breaker state, and the engines' own load as this process knows it (`workers.cluster.engine_load`):
+their queues, KV use, whether the figures are fresh enough to route on, and the reads made here.
 
 Gauges that mirror in-memory state are read at scrape time by a collector, so the hot path never
 touches them.
@@ -13,6 +14,7 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import BreakerState, health
 from workers.cluster.registry import get_registry
 from workers.routing.reservations import ledger
@@ -35,6 +37,19 @@ class ClusterCollector(Collector):
         healthy = GaugeMetricFamily(
             "gateway_endpoint_healthy", "1 when the endpoint may take new requests here.", labels=["pool", "role", "endpoint"]
         )
+        labelled = ["pool", "role", "endpoint"]
+        waiting = GaugeMetricFamily("gateway_engine_requests_waiting", "Requests queued in the engine, as it last reported.", labels=labelled)
+        running = GaugeMetricFamily("gateway_engine_requests_running", "Requests the engine runs, as it last reported.", labels=labelled)
+        kv_usage = GaugeMetricFamily("gateway_engine_kv_usage", "Fraction of the engine's KV cache in use, as it last reported.", labels=labelled)
+        fresh = GaugeMetricFamily(
+            "gateway_engine_load_fresh",
+            "1 while the engine's figures are fresh enough to route on; 0: routing uses the gateway's own counts.",
+            labels=labelled,
+        )
+        age = GaugeMetricFamily("gateway_engine_load_age_seconds", "Age of the engine's last figures this process has.", labels=labelled)
+        polls = CounterMetricFamily(
+            "gateway_engine_load_polls", "Reads of the engine's metrics made by this process, by outcome.", labels=[*labelled, "outcome"]
+        )
         snapshot = get_registry().current()
         for pool in snapshot.pools if snapshot else ():
             for endpoint in pool.endpoints:
@@ -42,9 +57,20 @@ class ClusterCollector(Collector):
                 open_reservations.add_metric(labels, ledger.open_count(endpoint.id))
                 breaker.add_metric(labels, _BREAKER_VALUE[health.breaker_state(endpoint.id)])
                 healthy.add_metric(labels, 1 if health.usable(endpoint) else 0)
+                reported = engine_loads.view.get(endpoint.id)
+                if reported is not None:
+                    waiting.add_metric(labels, reported.load.waiting)
+                    running.add_metric(labels, reported.load.running)
+                    if reported.load.kv_usage is not None:
+                        kv_usage.add_metric(labels, reported.load.kv_usage)
+                    fresh.add_metric(labels, 1 if reported.fresh else 0)
+                    age.add_metric(labels, reported.age_s)
+                for outcome, n in engine_loads.polls.get(endpoint.id, {}).items():
+                    polls.add_metric([*labels, outcome], n)
         yield open_reservations
         yield breaker
         yield healthy
+        yield from (waiting, running, kv_usage, fresh, age, polls)
         yield CounterMetricFamily(
             "gateway_duplicate_releases",
             "Releases of a reservation that was already released (each is released once; above 0 is a bug).",

@@ -1,5 +1,6 @@
-"""The background work of a gateway process: registry refresh, health probes, heartbeat and
-recovery of dead processes' rows, and (with Redis) the renewal of the leases it holds there.
+"""The background work of a gateway process: registry refresh, health probes, the engines' load
+(`workers.cluster.engine_load`), heartbeat and recovery of dead processes' rows, and (with Redis)
+the renewal of the leases it holds there.
 
 They are started in one place per server: daphne has no ASGI lifespan, so `disagg_project.asgi`
 starts them on daphne's event loop as soon as the application is loaded, before any request.
@@ -19,6 +20,7 @@ from django.conf import settings
 from disagg_project import shared_leases as leases
 from workers.cluster import recovery
 from disagg_project import DatabaseThread
+from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
 
@@ -39,6 +41,10 @@ def start_services() -> None:
         loop.create_task(_every(settings.HEALTH_CHECK_INTERVAL_S, health.probe_all), name="health-probe"),
         loop.create_task(_every(settings.GATEWAY_HEARTBEAT_INTERVAL_S, _heartbeat_and_recover, first_delay=0), name="heartbeat"),
     ]
+    if settings.ENGINE_LOAD_POLL_S > 0:
+        _started[loop].append(
+            loop.create_task(_every(settings.ENGINE_LOAD_POLL_S, engine_loads.poll_all, first_delay=0), name="engine-load")
+        )
     if settings.REDIS_URL:
         _started[loop].append(loop.create_task(_every(settings.CAPACITY_LEASE_S / 3, leases.renew), name="lease-renewal"))
 

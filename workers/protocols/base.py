@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from workers.exceptions import WorkerError
+from workers.protocols.engine_load import EngineLoad, LoadMetrics, read_load
 from workers.wire.error_reading import Wordings
 
 AGGREGATED = "aggregated"
@@ -177,6 +178,18 @@ class WorkerProtocol(ABC):
     #: generation worker (TensorRT-LLM's `prompt_token_ids`): read as its JSON text, never as
     #: Python ints (`workers.wire.raw_ints`). None: the answer is parsed whole.
     relayed_ints_field: ClassVar[str | None] = None
+    #: Path of the engine's Prometheus metrics on a worker's base URL, and the names of its load
+    #: figures there (`workers.protocols.engine_load`). None: the gateway reads no load from the
+    #: engine and routes on its own counts alone (`workers.cluster.engine_load`).
+    metrics_path: ClassVar[str | None] = None
+    load_metrics: ClassVar[LoadMetrics | None] = None
+
+    def read_load(self, scrape: str, model: str | None = None) -> EngineLoad | None:
+        """The engine's load in a scrape of its `metrics_path` (`model`: the pool's model, for an
+        engine that labels its series by model), or None when it says none."""
+        if self.load_metrics is None:
+            return None
+        return read_load(scrape, self.load_metrics, model)
 
     def salted(self, body: dict[str, Any], call: Call) -> dict[str, Any]:
         """`body` with the call's cache salt in the engine's field (every leg of a request carries

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from workers.exceptions import WorkerError
+from workers.protocols.engine_load import LoadMetrics
 from workers.wire.error_reading import Wordings, wording
 from workers.protocols.base import (
     AGGREGATED,
@@ -149,6 +150,15 @@ class SglangProtocol(WorkerProtocol):
     # which namespaces its radix cache (`OpenAIServingBase._compute_extra_key`); servers from
     # before the field drop it (pydantic's default `extra="ignore"`) and share their cache.
     cache_salt_field: ClassVar[str | None] = "cache_salt"
+    # python/sglang/srt/metrics/collector.py (SchedulerMetricsCollector), served at /metrics when
+    # the server runs with --enable-metrics: gauges labelled `model_name` (and, in newer releases,
+    # the ranks). `token_usage` is the fraction of the KV pool's tokens in use.
+    metrics_path: ClassVar[str | None] = "/metrics"
+    load_metrics: ClassVar[LoadMetrics | None] = LoadMetrics(
+        waiting=("sglang:num_queue_reqs",),
+        running=("sglang:num_running_reqs",),
+        kv_usage=("sglang:token_usage",),
+    )
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
         return self.salted(streamed(chat), call)

@@ -49,6 +49,7 @@ import orjson
 from workers.wire import client
 from workers.wire.error_reading import Wordings, wording
 from workers.exceptions import MalformedAnswer, WorkerError
+from workers.protocols.engine_load import LoadMetrics
 from workers.protocols.base import (
     AGGREGATED,
     CONTEXT_FIRST,
@@ -404,6 +405,16 @@ class TrtllmProtocol(WorkerProtocol):
     # (400): a pool of those must share its cache.
     cache_salt_field: ClassVar[str | None] = "cache_salt"
     relayed_ints_field: ClassVar[str | None] = "prompt_token_ids"
+    # tensorrt_llm/metrics/collector.py (MetricsCollector.log_iteration_stats), mounted at
+    # /prometheus/metrics by trtllm-serve (tensorrt_llm/serve/openai_server.py; its /metrics is JSON
+    # iteration stats); the iteration gauges need `enable_iter_perf_stats`. Labelled `model_name`
+    # and `engine_type`; `kv_cache_utilization` is used blocks over the maximum.
+    metrics_path: ClassVar[str | None] = "/prometheus/metrics"
+    load_metrics: ClassVar[LoadMetrics | None] = LoadMetrics(
+        waiting=("trtllm_num_requests_waiting",),
+        running=("trtllm_num_requests_running",),
+        kv_usage=("trtllm_kv_cache_utilization",),
+    )
 
     def headers(self, body: dict[str, Any], call: Call) -> Mapping[str, str]:
         if not needs_signature(body):

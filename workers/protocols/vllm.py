@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from workers.exceptions import MalformedAnswer
+from workers.protocols.engine_load import LoadMetrics
 from workers.wire.error_reading import Wordings, wording
 from workers.protocols.base import (
     AGGREGATED,
@@ -152,6 +153,15 @@ class VllmProtocol(WorkerProtocol):
     # salted prompt differs from the same prompt's under another salt (vllm/v1/core/
     # kv_cache_utils.py `generate_block_hash_extra_keys`); the V0 engine refuses the field (400).
     cache_salt_field: ClassVar[str | None] = "cache_salt"
+    # vllm/v1/metrics/loggers.py (PrometheusStatLogger): gauges labelled `model_name` (the served
+    # model name) and `engine` (one series per data-parallel engine). `vllm:gpu_cache_usage_perc`
+    # is the KV figure's name before vLLM renamed it (kept as deprecated for a while, then gone).
+    metrics_path: ClassVar[str | None] = "/metrics"
+    load_metrics: ClassVar[LoadMetrics | None] = LoadMetrics(
+        waiting=("vllm:num_requests_waiting",),
+        running=("vllm:num_requests_running",),
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    )
 
     def headers(self, body: dict[str, Any], call: Call) -> dict[str, str]:
         # vLLM names the request after it (and both legs after the same one, as the routers do).

@@ -1,8 +1,9 @@
 """Picks an endpoint for a stage of a request, by the pool's routing policy, and reserves it.
 
 Routing reads only memory: the registry snapshot and this process's open reservations (plus, for
-`least_loaded`, the other processes' open reservations as of the last registry refresh), and for
-`cache_aware` this process's prefix index (`workers.routing.prefix_index`).
+`least_loaded`, the other processes' open reservations as of the last registry refresh, and the
+engines' own load while fresh: `_load`), and for `cache_aware` this process's prefix index
+(`workers.routing.prefix_index`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from workers.admission import Ticket, admit
 from workers.admission.capacity import fits_here
 from workers.admission.queue import get_queue
 from workers.exceptions import NoEndpointAvailable
+from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.models import Role, RoutingPolicy
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
@@ -48,13 +50,30 @@ def _round_robin(pool: PoolInfo, role: str, candidates: list[EndpointInfo], sess
 
 
 def _load(endpoint: EndpointInfo) -> int:
-    return ledger.open_count(endpoint.id) + endpoint.remote_open
+    """How busy the endpoint is, in requests: the one load signal of `least_loaded`, the
+    cache-aware choice between two endpoints and its guard, and retries.
+
+    The gateway's own count (this process's open requests plus the other processes' at the last
+    refresh) is exact for what went through the gateway. The engine's own figures, while fresh
+    (`workers.cluster.engine_load`), also count what did not (other gateways, outside traffic):
+    the larger of the two counts, plus a penalty for a nearly full KV cache. Stale or absent
+    figures leave the gateway's own count."""
+    own = ledger.open_count(endpoint.id) + endpoint.remote_open
+    if engine_loads.view:  # empty while polling is off: nothing more to look up
+        reported = engine_loads.fresh(endpoint.id)
+        if reported is not None:
+            # The engine's waiting and running include what the gateway sent it: the larger of
+            # the two counts, not their sum; plus what a nearly full KV cache counts as
+            # (`engine_load.kv_penalty`, worked out when the figures were read).
+            return max(own, reported.requests) + reported.kv_penalty
+    return own
 
 
 def _least_loaded(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
-    # Ties go round robin so that an idle pool still spreads its work.
-    lowest = min(_load(e) for e in candidates)
-    tied = [e for e in candidates if _load(e) == lowest]
+    # Ties go round robin so that an idle pool still spreads its work. Each load is read once.
+    loads = [_load(e) for e in candidates]
+    lowest = min(loads)
+    tied = [e for e, load in zip(candidates, loads, strict=True) if load == lowest]
     return _round_robin(pool, role, tied, session)
 
 

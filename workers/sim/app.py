@@ -14,6 +14,10 @@ Routes:
     GET  /sim/prefix_cache     the prefix cache's size and counters (prefix_cache.py)
     POST /sim/prefix_cache/match   {"messages", "tools", "cache_salt"?} -> {"cached_tokens"}, without touching it
     GET  /sim/kv_events?after=N    stored/removed block hashes since event N (KV-event publisher)
+    GET  /metrics              the engine's load in its Prometheus names (TensorRT-LLM's dialect:
+                               /prometheus/metrics; none for the plain OpenAI one): engine_metrics.py
+    POST /sim/outside_load     {"waiting", "running", "kv_usage"?, "metrics_status"?}: load the
+                               metrics report beyond the sim's own (traffic from elsewhere)
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from .asgi import (
 )
 from .chat import ChatCompletions
 from .config import SimConfig
+from .engine_metrics import OutsideLoad, render
 from .error_answers import SimError, SimulatedDrop
 from .handoffs import HandoffStore
 from .stats import Outcome, RequestLog, Stats
@@ -104,6 +109,11 @@ class SimApp:
             ("POST", "/sim/prefix_cache/match"): self._prefix_match,
             ("GET", "/sim/kv_events"): self._kv_events,
         }
+        self.outside = OutsideLoad(config.outside_waiting, config.outside_running)
+        self.metrics_reads = 0
+        if self.chat.dialect.metrics is not None:
+            self._routes[("GET", self.chat.dialect.metrics.path)] = self._metrics
+            self._routes[("POST", "/sim/outside_load")] = self._outside_load
         self._paths = {path for _, path in self._routes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -190,11 +200,13 @@ class SimApp:
                 "kv_taken": self.handoffs.taken,
                 "kv_expired": self.handoffs.expired,
                 "kv_waiting": self.handoffs.waiting,
+                "metrics_reads": self.metrics_reads,
             },
         )
 
     async def _reset(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.stats.reset()
+        self.metrics_reads = 0
         self.handoffs.reset_counters()
         self.log.clear()
         await send_json(send, 200, {"status": "ok"})
@@ -254,3 +266,40 @@ class SimApp:
         except ValueError:
             raise SimError(400, "after must be an integer") from None
         await send_json(send, 200, self.chat.cache.events_after(after))
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.metrics_reads += 1
+        names = self.chat.dialect.metrics
+        assert names is not None  # routed only for a dialect with metrics
+        outside = self.outside
+        if outside.metrics_status != 200:
+            raise SimError(outside.metrics_status, "metrics unavailable")
+        cache = self.chat.cache
+        kv = cache.blocks_held / cache.capacity_blocks if cache.enabled else 0.0
+        if outside.kv_usage is not None:
+            kv = max(kv, outside.kv_usage)
+        queued = self.chat.queued
+        body = render(
+            names, self.config.model, waiting=queued + outside.waiting,
+            running=max(0, self.stats.active - queued) + outside.running, kv_usage=kv,
+        )
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"), (b"content-length", str(len(body)).encode()),
+        ]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    async def _outside_load(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(receive)
+        if not isinstance(body, dict):
+            raise SimError(400, "outside_load needs a JSON object")
+        counts = {k: body.get(k, 0) for k in ("waiting", "running")}
+        if any(type(v) is not int or v < 0 for v in counts.values()):
+            raise SimError(400, "waiting and running must be non-negative integers")
+        kv = body.get("kv_usage")
+        if kv is not None and (not isinstance(kv, (int, float)) or not 0 <= kv <= 1):
+            raise SimError(400, "kv_usage must be a fraction between 0 and 1")
+        status = body.get("metrics_status", 200)
+        if type(status) is not int or not (status == 200 or 400 <= status <= 599):
+            raise SimError(400, "metrics_status must be 200 or an error status")
+        self.outside = OutsideLoad(counts["waiting"], counts["running"], None if kv is None else float(kv), status)
+        await send_json(send, 200, {"status": "ok"})

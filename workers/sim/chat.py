@@ -45,6 +45,8 @@ class ChatCompletions:
         self.handoffs = handoffs
         self.puller = puller
         self.dialect = dialects.get(config.protocol)
+        #: Requests waiting for a prefill slot (the engine's queue, in its metrics).
+        self.queued = 0
 
     async def handle(self, body: bytes, send: Send, headers: Mapping[str, str] | None = None) -> Outcome:
         """Answers the request; returns FAILED when the answer was an error status.
@@ -104,8 +106,15 @@ class ChatCompletions:
         else:
             # Cache hits are looked up when the prompt is scheduled, not when it arrived (as an
             # engine's scheduler does): a prompt queued behind one with the same head reuses it.
-            async with self._prefill_slots:
+            self.queued += 1
+            try:
+                await self._prefill_slots.acquire()
+            finally:
+                self.queued -= 1
+            try:
                 cached = await self._compute(prompt_ids, blocks, local)
+            finally:
+                self._prefill_slots.release()
         if request.directives.context_delay > 0:
             await asyncio.sleep(request.directives.context_delay)
         return cached

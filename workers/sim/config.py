@@ -40,6 +40,10 @@ class SimConfig:
     # How many prefills run at once (an accelerator computes one batch at a time; queued prompts
     # wait their turn); 0: unlimited, each prompt's prefill time is independent.
     prefill_concurrency: int = 0
+    # Requests the engine reports in its metrics beyond its own (`workers.sim.engine_metrics`):
+    # traffic that never passed through the gateway. `POST /sim/outside_load` changes them.
+    outside_waiting: int = 0
+    outside_running: int = 0
 
     @property
     def token_interval(self) -> float:

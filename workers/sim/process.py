@@ -71,6 +71,13 @@ class SimWorker:
         """Zeroes the counters and the request log (held KV handoffs stay)."""
         httpx.post(self.url + "/sim/reset", timeout=5.0, trust_env=False).raise_for_status()
 
+    def outside_load(self, waiting: int = 0, running: int = 0, **more: Any) -> None:
+        """Make its metrics report this much load beyond its own (`POST /sim/outside_load`;
+        `kv_usage=`, `metrics_status=` too)."""
+        httpx.post(
+            self.url + "/sim/outside_load", json={"waiting": waiting, "running": running, **more}, timeout=5.0, trust_env=False
+        ).raise_for_status()
+
     def wait_for(
         self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0
     ) -> dict[str, Any]:

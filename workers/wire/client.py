@@ -220,6 +220,22 @@ async def get_json(url: str, *, timeout: float, stage: str = "health") -> Any:
         return orjson.loads(content) if content else None
 
 
+async def get_text(url: str, *, timeout: float, limit: int, stage: str) -> str:
+    """GET a text answer (an engine's Prometheus metrics) within `timeout`, at most `limit` bytes
+    of it (AnswerTooLarge past that), decoded as UTF-8 with what is not replaced; anything else
+    raises WorkerError."""
+    with boundary(stage):
+        async with asyncio.timeout(timeout):
+            response = await _send("GET", url, None, {"accept": "text/plain"}, timeout)
+            try:
+                if response.status_code < 300:
+                    return (await _read_bounded(response, limit, stage)).decode("utf-8", "replace")
+                error_body = await _error_body(response)
+            finally:
+                await response.aclose()
+    raise worker_error(response.status_code, error_body, stage, _retry_after(response))
+
+
 async def open_stream(
     url: str,
     body: JsonBody,

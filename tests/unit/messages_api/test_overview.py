@@ -320,3 +320,23 @@ def test_api_key_pages_still_work(db: Any) -> None:
     root = client_with(superuser=True)
     assert root.get(reverse("admin:messages_api_apikey_change", args=[key.pk])).status_code == 200
     assert root.get(reverse("admin:messages_api_apikey_usage", args=[key.pk])).status_code == 200
+
+
+def test_each_endpoint_shows_its_engines_queue_and_kv_use_and_whether_they_are_fresh(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from workers.cluster.engine_load import _entry, engine_loads
+    from workers.protocols.engine_load import EngineLoad
+
+    context, generation = cluster["context"], cluster["generation"]
+    monkeypatch.setitem(engine_loads.view, generation.id, _entry(EngineLoad(12, 3, 0.5), time.time(), polled_here=True))
+    monkeypatch.setitem(engine_loads.view, context.id, _entry(EngineLoad(1, 0, None), time.time() - 3600, polled_here=False))
+    (pool,) = context_for()["pools"]
+    shown = {e.role: e.engine for e in pool.endpoints}
+    assert shown["generation"].load == EngineLoad(12, 3, 0.5) and shown["generation"].fresh
+    assert not shown["context"].fresh
+    html = client_with(superuser=True, name="engine").get(reverse("admin:cluster_overview_live")).content.decode()
+    assert "12 waiting · KV 50%" in html
+    assert "1 waiting (stale)" in html and "routing uses the gateway's own counts" in html

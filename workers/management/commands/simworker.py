@@ -56,6 +56,11 @@ class Command(BaseCommand):
             "--prefill-concurrency", type=int, default=0,
             help="prefills computed at once (others queue); 0 is unlimited",
         )
+        parser.add_argument(
+            "--outside-waiting", type=int, default=0,
+            help="requests its metrics report queued beyond its own (traffic from elsewhere)",
+        )
+        parser.add_argument("--outside-running", type=int, default=0, help="likewise, running")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not 0 <= options["port"] <= 65535:
@@ -67,7 +72,7 @@ class Command(BaseCommand):
             raise CommandError("--local-prefill-tokens-per-second must not be negative")
         if options["kv_block_tokens"] < 1:
             raise CommandError("--kv-block-tokens must be at least 1")
-        for name in ("kv_cache_blocks", "prefill_concurrency"):
+        for name in ("kv_cache_blocks", "prefill_concurrency", "outside_waiting", "outside_running"):
             if options[name] < 0:
                 raise CommandError(f"--{name.replace('_', '-')} must not be negative")
         if options["max_context_tokens"] < 1:
@@ -87,6 +92,8 @@ class Command(BaseCommand):
             kv_cache_blocks=options["kv_cache_blocks"],
             local_prefill_tokens_per_second=options["local_prefill_tokens_per_second"],
             prefill_concurrency=options["prefill_concurrency"],
+            outside_waiting=options["outside_waiting"],
+            outside_running=options["outside_running"],
         )
 
         def announce(line: str) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import SimConfig
+from ..engine_metrics import MetricNames
 from ..error_answers import SimError
 from ..schema import DisaggParams
 
@@ -33,6 +34,9 @@ class Dialect:
     name: ClassVar[str]
     #: The request field the engine salts its prefix cache with (None: it has none).
     cache_salt_field: ClassVar[str | None] = "cache_salt"
+    #: Where and how the engine publishes its load (`workers.sim.engine_metrics`); None: it has
+    #: no metrics route (a plain OpenAI server).
+    metrics: ClassVar[MetricNames | None] = None
 
     def parse(
         self, payload: Mapping[str, Any], headers: Mapping[str, str], config: SimConfig

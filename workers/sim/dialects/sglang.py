@@ -30,6 +30,7 @@ from ..config import SimConfig
 from ..error_answers import SimError
 from ..schema import DisaggParams
 from ..wire import prefill_completion, usage
+from ..engine_metrics import MetricNames
 from .base import ContextIssue, Dialect
 
 MAX_ROOM = 2**63 - 1
@@ -75,6 +76,10 @@ def bootstrap_url(host: str, port: int) -> str:
 
 class SglangDialect(Dialect):
     name: ClassVar[str] = "sglang"
+    # python/sglang/srt/metrics/collector.py (served with --enable-metrics).
+    metrics: ClassVar[MetricNames | None] = MetricNames(
+        "/metrics", "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"
+    )
 
     def parse(
         self, payload: Mapping[str, Any], headers: Mapping[str, str], config: SimConfig

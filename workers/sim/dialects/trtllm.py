@@ -25,6 +25,7 @@ from ..config import SimConfig
 from ..error_answers import SimError
 from ..schema import DisaggParams, encode_token_ids_b64, optional_int, optional_str
 from ..wire import prefill_completion
+from ..engine_metrics import MetricNames
 from .base import ContextIssue, Dialect
 
 AUTH_HEADER = "x-trtllm-disagg-auth"
@@ -75,6 +76,11 @@ def check_signature(raw: Mapping[str, Any], headers: Mapping[str, str], key: str
 
 class TrtllmDialect(Dialect):
     name: ClassVar[str] = "trtllm"
+    # tensorrt_llm/metrics/collector.py, mounted at /prometheus/metrics by trtllm-serve.
+    metrics: ClassVar[MetricNames | None] = MetricNames(
+        "/prometheus/metrics", "trtllm_num_requests_waiting", "trtllm_num_requests_running", "trtllm_kv_cache_utilization",
+        (("engine_type", "trtllm"),),
+    )
 
     def parse(
         self, payload: Mapping[str, Any], headers: Mapping[str, str], config: SimConfig

@@ -32,6 +32,7 @@ from ..config import SimConfig
 from ..error_answers import SimError
 from ..schema import DisaggParams
 from ..wire import prefill_completion, usage
+from ..engine_metrics import MetricNames
 from .base import ContextIssue, Dialect
 
 # The CPU backend's KV block size (what the blocks a sim prefill reports are counted in).
@@ -80,6 +81,10 @@ def _bad_params(value: Any) -> SimError:
 
 class VllmDialect(Dialect):
     name: ClassVar[str] = "vllm"
+    # vllm/v1/metrics/loggers.py: one series per engine, labelled with it.
+    metrics: ClassVar[MetricNames | None] = MetricNames(
+        "/metrics", "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", (("engine", "0"),)
+    )
 
     def parse(
         self, payload: Mapping[str, Any], headers: Mapping[str, str], config: SimConfig
