@@ -13,6 +13,13 @@ Fencing. Only the claim (instance and attempt both matching, the item still `run
 an item's result, give it back to the queue, or renew its lease; a process that lost its lease
 (expired, recovered after it was thought dead, expired with its batch) changes nothing.
 
+Lock order. Every statement that writes several items locks them first, in primary-key order,
+in a short transaction of its own (`_update_items`): on PostgreSQL two such writers can then never
+wait for each other in a cycle. The sweep's writes skip rows another transaction holds (the
+writer holding them is finishing, renewing or sweeping them; the next sweep takes what is left),
+so a sweep never waits at all. Single-row writes (a result, a requeue) and the batch row's own
+updates hold no other lock while they wait.
+
 Ending. A batch ends when none of its items is queued or running: its counts are written then,
 once (a conditional update on its status).
 """
@@ -27,7 +34,7 @@ from typing import Any
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Count, F
+from django.db.models import Count, F, QuerySet
 
 from messages_api.batches.schema import BatchView, ItemSpec, PageQuery, new_batch_id
 from messages_api.errors import invalid_request
@@ -70,6 +77,8 @@ EXPIRED_RESULT = '{"type":"expired"}'
 _UNFINISHED = (ItemState.QUEUED, ItemState.RUNNING)
 # Items inserted per statement when a batch is created.
 INSERT_ROWS = 1000
+# Items locked and written per transaction by a multi-row write (`_update_items`).
+LOCK_ROWS = 1000
 
 _VIEW_FIELDS = (
     "batch_id", "processing_status", "created_at", "expires_at", "ended_at", "cancel_initiated_at", "archived_at",
@@ -83,6 +92,26 @@ def _now() -> datetime:
 
 def _view(batch: MessageBatch) -> BatchView:
     return BatchView(**{name: getattr(batch, name) for name in _VIEW_FIELDS})
+
+
+def _update_items(items: QuerySet[BatchItem], *, skip_locked: bool = False, **values: Any) -> int:
+    """Set `values` on the items, LOCK_ROWS at a time, each chunk's rows locked in primary-key
+    order before they are written (the lock order of every multi-row write, see the module's
+    docstring); with `skip_locked`, rows another transaction holds are left as they are. The
+    values must take a row out of `items` (the loop ends when nothing matches). How many were
+    written."""
+    locking = connection.features.has_select_for_update_skip_locked
+    written = 0
+    while True:
+        with transaction.atomic():
+            chunk = items.order_by("pk")
+            if locking:
+                chunk = chunk.select_for_update(skip_locked=skip_locked, of=("self",))
+            pks = list(chunk.values_list("pk", flat=True)[:LOCK_ROWS])
+            if pks:
+                written += BatchItem.objects.filter(pk__in=pks).update(**values)
+        if len(pks) < LOCK_ROWS:
+            return written
 
 
 # --- the API ---------------------------------------------------------------------------------------
@@ -157,9 +186,10 @@ def cancel_batch(key_id: int, batch_id: str) -> BatchView | None:
     return _view(batch)
 
 
-def _cancel_queued(batch_pks: list[int], now: datetime) -> int:
-    return BatchItem.objects.filter(batch_id__in=batch_pks, state=ItemState.QUEUED).update(
-        state=ItemState.DONE, result_type=ResultType.CANCELED, result=CANCELED_RESULT, finished_at=now
+def _cancel_queued(batch_pks: list[int], now: datetime, *, skip_locked: bool = False) -> int:
+    return _update_items(
+        BatchItem.objects.filter(batch_id__in=batch_pks, state=ItemState.QUEUED), skip_locked=skip_locked,
+        state=ItemState.DONE, result_type=ResultType.CANCELED, result=CANCELED_RESULT, finished_at=now,
     )
 
 
@@ -252,8 +282,10 @@ def renew(instance: str, held: dict[int, int], lease_s: float) -> set[int]:
     if not held:
         return set()
     with transaction.atomic():
-        rows = BatchItem.objects.filter(pk__in=list(held), claimed_by=instance, state=ItemState.RUNNING).values_list("pk", "attempts")
-        kept = {pk for pk, attempts in rows if held.get(pk) == attempts}
+        mine = BatchItem.objects.filter(pk__in=list(held), claimed_by=instance, state=ItemState.RUNNING).order_by("pk")
+        if connection.features.has_select_for_update_skip_locked:
+            mine = mine.select_for_update(of=("self",))  # in primary-key order: the lock order
+        kept = {pk for pk, attempts in mine.values_list("pk", "attempts") if held.get(pk) == attempts}
         if kept:
             BatchItem.objects.filter(pk__in=kept).update(lease_until=_now() + timedelta(seconds=lease_s))
     return kept
@@ -283,8 +315,9 @@ def requeue(instance: str, item: Claimed, not_before: datetime, request_id: str)
 
 def release_instances(instances: list[str]) -> int:
     """Items held by dead processes go back to the queue (`workers.process_abandoned`)."""
-    return BatchItem.objects.filter(claimed_by__in=instances, state=ItemState.RUNNING).update(
-        state=ItemState.QUEUED, claimed_by="", lease_until=None, not_before=_now()
+    return _update_items(
+        BatchItem.objects.filter(claimed_by__in=instances, state=ItemState.RUNNING),
+        state=ItemState.QUEUED, claimed_by="", lease_until=None, not_before=_now(),
     )
 
 
@@ -301,22 +334,24 @@ def sweep(lease_grace_s: float) -> Swept:
     """What no single process's runner does on its own, idempotent so that every process may:
     items of batches past their expiry become `expired`; leases expired `lease_grace_s` ago go
     back to the queue; queued items of canceling batches become `canceled`; batches with nothing
-    left unfinished end."""
+    left unfinished end. It skips the items another transaction holds, and so never waits."""
     now = _now()
     live = MessageBatch.objects.exclude(processing_status=BatchStatus.ENDED)
     due = list(live.filter(expires_at__lte=now).values_list("pk", flat=True))
     expired = 0
     if due:
-        expired = BatchItem.objects.filter(batch_id__in=due, state__in=_UNFINISHED).update(
+        expired = _update_items(
+            BatchItem.objects.filter(batch_id__in=due, state__in=_UNFINISHED), skip_locked=True,
             state=ItemState.DONE, result_type=ResultType.EXPIRED, result=EXPIRED_RESULT, finished_at=now,
             claimed_by="", lease_until=None,
         )
-    released = BatchItem.objects.filter(
-        state=ItemState.RUNNING, lease_until__lt=now - timedelta(seconds=lease_grace_s)
-    ).update(state=ItemState.QUEUED, claimed_by="", lease_until=None, not_before=now)
+    released = _update_items(
+        BatchItem.objects.filter(state=ItemState.RUNNING, lease_until__lt=now - timedelta(seconds=lease_grace_s)),
+        skip_locked=True, state=ItemState.QUEUED, claimed_by="", lease_until=None, not_before=now,
+    )
     canceling = list(live.filter(processing_status=BatchStatus.CANCELING).values_list("pk", flat=True))
     if canceling:
-        _cancel_queued(canceling, now)
+        _cancel_queued(canceling, now, skip_locked=True)
     ended = _end_if_done(list(live.values_list("pk", flat=True)))
     depth = dict(
         BatchItem.objects.filter(state__in=_UNFINISHED).order_by().values_list("state").annotate(n=Count("pk")).values_list("state", "n")

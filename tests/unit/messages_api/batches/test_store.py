@@ -4,11 +4,13 @@ the PostgreSQL claim's SQL shape (CI runs the suite on PostgreSQL; here it is co
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import orjson
 import pytest
+from django.db import connection, transaction
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgresWrapper
 
 from messages_api.auth import create_api_key
@@ -216,3 +218,35 @@ def test_items_of_a_batch_past_its_expiry_are_not_claimed() -> None:
     new_batch(1)
     MessageBatch.objects.update(expires_at=datetime.now(timezone.utc) - timedelta(seconds=1))
     assert store.claim(ME, 5, 60) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sweep_never_waits_for_rows_another_transaction_holds() -> None:
+    """On PostgreSQL the sweep skips locked rows (store.py, lock order): two sweeps, or a sweep and
+    a renewal, cannot deadlock. The rows it skipped are the next sweep's."""
+    if not connection.features.has_select_for_update_skip_locked:
+        pytest.skip("row locks: PostgreSQL")
+    new_batch(3)
+    claimed = store.claim(ME, 3, 60)
+    BatchItem.objects.filter(pk__in=[c.pk for c in claimed]).update(lease_until=datetime.now(timezone.utc) - timedelta(hours=1))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                list(BatchItem.objects.select_for_update().filter(pk=claimed[0].pk))
+                held.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        swept = store.sweep(0)  # waiting for the held row would take the holder's 10 s
+        assert not release.is_set() and swept.released == 2
+    finally:
+        release.set()
+        holder.join()
+    assert store.sweep(0).released == 1
