@@ -38,7 +38,7 @@ from django.db.models import Count, F, QuerySet
 
 from messages_api.batches.schema import BatchView, ItemSpec, PageQuery, new_batch_id
 from messages_api.errors import invalid_request
-from messages_api.models import BatchItem, BatchStatus, ItemState, MessageBatch, ResultType
+from messages_api.models import ApiKey, BatchItem, BatchStatus, ItemState, MessageBatch, ResultType
 from disagg_project import DatabaseThread
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "EXPIRED_RESULT",
     "finish",
     "get_batch",
+    "key_room",
     "list_batches",
     "Page",
     "release_instances",
@@ -251,15 +252,34 @@ def claimable(now: datetime, database: BaseDatabaseWrapper = connection) -> Any:
     return items
 
 
+def key_room() -> dict[int, int]:
+    """Keys with a concurrency limit and a batch in progress: how many more of their items may run
+    (the limit less their items running in every process). A claim takes no more: items beyond it
+    would only be refused (429) by the key's limits once claimed. Counted in the database, so it
+    holds whether the limits are shared (Redis) or each process's own (then it is the stricter)."""
+    limits = dict(
+        ApiKey.objects.filter(max_concurrency__isnull=False, batches__processing_status=BatchStatus.IN_PROGRESS)
+        .distinct().values_list("pk", "max_concurrency")
+    )
+    if not limits:
+        return {}
+    running = dict(
+        BatchItem.objects.filter(state=ItemState.RUNNING, batch__api_key_id__in=list(limits)).order_by()
+        .values_list("batch__api_key_id").annotate(n=Count("pk")).values_list("batch__api_key_id", "n")
+    )
+    return {key: max(0, limit - running.get(key, 0)) for key, limit in limits.items()}
+
+
 def claim(instance: str, size: int, lease_s: float, paused_keys: Collection[str] = ()) -> list[Claimed]:
     """Claim up to `size` queued items for `instance`, leased for `lease_s` seconds; none of the
-    batches of the keys (hashes) in `paused_keys`."""
+    batches of the keys (hashes) in `paused_keys`, and no more of a key's than its concurrency
+    leaves room for (`key_room`)."""
     now = _now()
     with transaction.atomic():
         items = claimable(now)
         if paused_keys:
             items = items.exclude(batch__api_key__key_hash__in=list(paused_keys))
-        pks = list(items.values_list("pk", flat=True)[:size])
+        pks = _within_key_room(items, size)
         if not pks:
             return []
         BatchItem.objects.filter(pk__in=pks, state=ItemState.QUEUED).update(
@@ -271,6 +291,32 @@ def claim(instance: str, size: int, lease_s: float, paused_keys: Collection[str]
         )
         return [Claimed(pk, batch_pk, batch_id, custom_id, params.encode(), attempts, key_hash)
                 for pk, batch_pk, batch_id, custom_id, params, attempts, key_hash in rows]  # fmt: skip
+
+
+def _within_key_room(items: Any, size: int) -> list[int]:
+    """Up to `size` of `items` (locked as read, where the database can), at most each key's room.
+    A key whose room fills is left out of the next read, so a full key's items ahead in the queue
+    do not take the claim's place (a few reads at most: one more per key that fills)."""
+    room = key_room()
+    taken: list[int] = []
+    while len(taken) < size:
+        full = [key for key, left in room.items() if left <= 0]
+        rows = list(items.exclude(batch__api_key_id__in=full).exclude(pk__in=taken).values_list("pk", "batch__api_key_id")[: size - len(taken)])
+        if not rows:
+            break
+        filled = False
+        for pk, key in rows:
+            left = room.get(key)
+            if left is None:
+                taken.append(pk)
+            elif left > 0:
+                taken.append(pk)
+                room[key] = left - 1
+            else:
+                filled = True
+        if not filled:
+            break
+    return taken
 
 
 def _held(instance: str, pk: int, attempt: int) -> Any:

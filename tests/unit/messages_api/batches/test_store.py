@@ -250,3 +250,20 @@ def test_a_sweep_never_waits_for_rows_another_transaction_holds() -> None:
         release.set()
         holder.join()
     assert store.sweep(0).released == 1
+
+
+def test_a_claim_takes_no_more_of_a_keys_items_than_its_concurrency_leaves() -> None:
+    """A key with max_concurrency=1 gets one item claimed, not a claim's worth that its limits
+    would refuse; the items of other keys behind its own are claimed in the same claim."""
+    limited, _ = create_api_key("one-at-a-time")
+    limited.max_concurrency = 1
+    limited.save()
+    new_batch(5, key=limited)
+    _, other = new_batch(3)
+    claimed = store.claim(ME, 16, 60)
+    assert [c.key_hash == limited.key_hash for c in claimed] == [True, False, False, False]
+    assert store.key_room() == {limited.pk: 0}
+    assert store.claim(OTHER, 16, 60) == []  # its one slot is taken, in any process
+    assert store.finish(ME, claimed[0], "succeeded", "{}", "req_1")
+    again = store.claim(OTHER, 16, 60)
+    assert len(again) == 1 and again[0].key_hash == limited.key_hash and again[0].custom_id == "i1"
