@@ -67,6 +67,9 @@ class _Running:
     """An item this process runs: its claim, its task, and whether its key was revoked."""
 
     item: Claimed
+    #: When its claim began (monotonic): the attempt's audit row counts as received then, so
+    #: that an item claimed before a cancellation never reads as started after it.
+    claimed_at: float = field(default_factory=time.monotonic)
     task: asyncio.Task[None] | None = None
     revoked: bool = False
 
@@ -109,8 +112,8 @@ class BatchRunner:
         while True:
             claimed: list[Claimed] = []
             room = self.room()
+            claimed_at = now = time.monotonic()
             if room > 0:
-                now = time.monotonic()
                 self.paused = {key: until for key, until in self.paused.items() if until > now}
                 try:
                     claimed = await store.RUNNER_THREAD.run(
@@ -119,7 +122,7 @@ class BatchRunner:
                 except Exception:
                     logger.exception("could not claim batch items; retrying")
             for item in claimed:
-                self.start(item)
+                self.start(item, claimed_at)
             if claimed and len(claimed) == room:
                 # There may be more: claim again once these have reached the admission queue (a
                 # few milliseconds of intake), so that its count of waiting batch items is theirs.
@@ -131,8 +134,8 @@ class BatchRunner:
             except TimeoutError:
                 pass
 
-    def start(self, item: Claimed) -> None:
-        running = _Running(item)
+    def start(self, item: Claimed, claimed_at: float | None = None) -> None:
+        running = _Running(item) if claimed_at is None else _Running(item, claimed_at)
         self.running[item.pk] = running
         running.task = asyncio.get_running_loop().create_task(self._run_item(running), name=f"batch-item-{item.pk}")
 
@@ -141,6 +144,7 @@ class BatchRunner:
     async def _run_item(self, running: _Running) -> None:
         item = running.item
         record = AuditRecord(route="POST /v1/messages", batch_id=item.batch_id, custom_id=item.custom_id)
+        record.received_earlier(time.monotonic() - running.claimed_at)
         try:
             await self._answer(running, record)
         except asyncio.CancelledError:

@@ -13,6 +13,13 @@ Fencing. Only the claim (instance and attempt both matching, the item still `run
 an item's result, give it back to the queue, or renew its lease; a process that lost its lease
 (expired, recovered after it was thought dead, expired with its batch) changes nothing.
 
+Lock order. Every statement that writes several items locks them first, in primary-key order,
+in a short transaction of its own (`_update_items`): on PostgreSQL two such writers can then never
+wait for each other in a cycle. The sweep's writes skip rows another transaction holds (the
+writer holding them is finishing, renewing or sweeping them; the next sweep takes what is left),
+so a sweep never waits at all. Single-row writes (a result, a requeue) and the batch row's own
+updates hold no other lock while they wait.
+
 Ending. A batch ends when none of its items is queued or running: its counts are written then,
 once (a conditional update on its status).
 """
@@ -27,11 +34,11 @@ from typing import Any
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Count, F
+from django.db.models import Count, F, QuerySet
 
 from messages_api.batches.schema import BatchView, ItemSpec, PageQuery, new_batch_id
 from messages_api.errors import InvalidRequest
-from messages_api.models import BatchItem, BatchStatus, ItemState, MessageBatch, ResultType
+from messages_api.models import ApiKey, BatchItem, BatchStatus, ItemState, MessageBatch, ResultType
 from disagg_project import DatabaseThread
 
 __all__ = [
@@ -47,6 +54,7 @@ __all__ = [
     "EXPIRED_RESULT",
     "finish",
     "get_batch",
+    "key_room",
     "list_batches",
     "Page",
     "release_instances",
@@ -70,6 +78,8 @@ EXPIRED_RESULT = '{"type":"expired"}'
 _UNFINISHED = (ItemState.QUEUED, ItemState.RUNNING)
 # Items inserted per statement when a batch is created.
 INSERT_ROWS = 1000
+# Items locked and written per transaction by a multi-row write (`_update_items`).
+LOCK_ROWS = 1000
 
 _VIEW_FIELDS = (
     "batch_id", "processing_status", "created_at", "expires_at", "ended_at", "cancel_initiated_at", "archived_at",
@@ -83,6 +93,26 @@ def _now() -> datetime:
 
 def _view(batch: MessageBatch) -> BatchView:
     return BatchView(**{name: getattr(batch, name) for name in _VIEW_FIELDS})
+
+
+def _update_items(items: QuerySet[BatchItem], *, skip_locked: bool = False, **values: Any) -> int:
+    """Set `values` on the items, LOCK_ROWS at a time, each chunk's rows locked in primary-key
+    order before they are written (the lock order of every multi-row write, see the module's
+    docstring); with `skip_locked`, rows another transaction holds are left as they are. The
+    values must take a row out of `items` (the loop ends when nothing matches). How many were
+    written."""
+    locking = connection.features.has_select_for_update_skip_locked
+    written = 0
+    while True:
+        with transaction.atomic():
+            chunk = items.order_by("pk")
+            if locking:
+                chunk = chunk.select_for_update(skip_locked=skip_locked, of=("self",))
+            pks = list(chunk.values_list("pk", flat=True)[:LOCK_ROWS])
+            if pks:
+                written += BatchItem.objects.filter(pk__in=pks).update(**values)
+        if len(pks) < LOCK_ROWS:
+            return written
 
 
 # --- the API ---------------------------------------------------------------------------------------
@@ -157,9 +187,10 @@ def cancel_batch(key_id: int, batch_id: str) -> BatchView | None:
     return _view(batch)
 
 
-def _cancel_queued(batch_pks: list[int], now: datetime) -> int:
-    return BatchItem.objects.filter(batch_id__in=batch_pks, state=ItemState.QUEUED).update(
-        state=ItemState.DONE, result_type=ResultType.CANCELED, result=CANCELED_RESULT, finished_at=now
+def _cancel_queued(batch_pks: list[int], now: datetime, *, skip_locked: bool = False) -> int:
+    return _update_items(
+        BatchItem.objects.filter(batch_id__in=batch_pks, state=ItemState.QUEUED), skip_locked=skip_locked,
+        state=ItemState.DONE, result_type=ResultType.CANCELED, result=CANCELED_RESULT, finished_at=now,
     )
 
 
@@ -221,15 +252,34 @@ def claimable(now: datetime, database: BaseDatabaseWrapper = connection) -> Any:
     return items
 
 
+def key_room() -> dict[int, int]:
+    """Keys with a concurrency limit and a batch in progress: how many more of their items may run
+    (the limit less their items running in every process). A claim takes no more: items beyond it
+    would only be refused (429) by the key's limits once claimed. Counted in the database, so it
+    holds whether the limits are shared (Redis) or each process's own (then it is the stricter)."""
+    limits = dict(
+        ApiKey.objects.filter(max_concurrency__isnull=False, batches__processing_status=BatchStatus.IN_PROGRESS)
+        .distinct().values_list("pk", "max_concurrency")
+    )
+    if not limits:
+        return {}
+    running = dict(
+        BatchItem.objects.filter(state=ItemState.RUNNING, batch__api_key_id__in=list(limits)).order_by()
+        .values_list("batch__api_key_id").annotate(n=Count("pk")).values_list("batch__api_key_id", "n")
+    )
+    return {key: max(0, limit - running.get(key, 0)) for key, limit in limits.items()}
+
+
 def claim(instance: str, size: int, lease_s: float, paused_keys: Collection[str] = ()) -> list[Claimed]:
     """Claim up to `size` queued items for `instance`, leased for `lease_s` seconds; none of the
-    batches of the keys (hashes) in `paused_keys`."""
+    batches of the keys (hashes) in `paused_keys`, and no more of a key's than its concurrency
+    leaves room for (`key_room`)."""
     now = _now()
     with transaction.atomic():
         items = claimable(now)
         if paused_keys:
             items = items.exclude(batch__api_key__key_hash__in=list(paused_keys))
-        pks = list(items.values_list("pk", flat=True)[:size])
+        pks = _within_key_room(items, size)
         if not pks:
             return []
         BatchItem.objects.filter(pk__in=pks, state=ItemState.QUEUED).update(
@@ -243,6 +293,32 @@ def claim(instance: str, size: int, lease_s: float, paused_keys: Collection[str]
                 for pk, batch_pk, batch_id, custom_id, params, attempts, key_hash in rows]  # fmt: skip
 
 
+def _within_key_room(items: Any, size: int) -> list[int]:
+    """Up to `size` of `items` (locked as read, where the database can), at most each key's room.
+    A key whose room fills is left out of the next read, so a full key's items ahead in the queue
+    do not take the claim's place (a few reads at most: one more per key that fills)."""
+    room = key_room()
+    taken: list[int] = []
+    while len(taken) < size:
+        full = [key for key, left in room.items() if left <= 0]
+        rows = list(items.exclude(batch__api_key_id__in=full).exclude(pk__in=taken).values_list("pk", "batch__api_key_id")[: size - len(taken)])
+        if not rows:
+            break
+        filled = False
+        for pk, key in rows:
+            left = room.get(key)
+            if left is None:
+                taken.append(pk)
+            elif left > 0:
+                taken.append(pk)
+                room[key] = left - 1
+            else:
+                filled = True
+        if not filled:
+            break
+    return taken
+
+
 def _held(instance: str, pk: int, attempt: int) -> Any:
     return BatchItem.objects.filter(pk=pk, claimed_by=instance, attempts=attempt, state=ItemState.RUNNING)
 
@@ -252,8 +328,10 @@ def renew(instance: str, held: dict[int, int], lease_s: float) -> set[int]:
     if not held:
         return set()
     with transaction.atomic():
-        rows = BatchItem.objects.filter(pk__in=list(held), claimed_by=instance, state=ItemState.RUNNING).values_list("pk", "attempts")
-        kept = {pk for pk, attempts in rows if held.get(pk) == attempts}
+        mine = BatchItem.objects.filter(pk__in=list(held), claimed_by=instance, state=ItemState.RUNNING).order_by("pk")
+        if connection.features.has_select_for_update_skip_locked:
+            mine = mine.select_for_update(of=("self",))  # in primary-key order: the lock order
+        kept = {pk for pk, attempts in mine.values_list("pk", "attempts") if held.get(pk) == attempts}
         if kept:
             BatchItem.objects.filter(pk__in=kept).update(lease_until=_now() + timedelta(seconds=lease_s))
     return kept
@@ -283,8 +361,9 @@ def requeue(instance: str, item: Claimed, not_before: datetime, request_id: str)
 
 def release_instances(instances: list[str]) -> int:
     """Items held by dead processes go back to the queue (`workers.process_abandoned`)."""
-    return BatchItem.objects.filter(claimed_by__in=instances, state=ItemState.RUNNING).update(
-        state=ItemState.QUEUED, claimed_by="", lease_until=None, not_before=_now()
+    return _update_items(
+        BatchItem.objects.filter(claimed_by__in=instances, state=ItemState.RUNNING),
+        state=ItemState.QUEUED, claimed_by="", lease_until=None, not_before=_now(),
     )
 
 
@@ -301,22 +380,24 @@ def sweep(lease_grace_s: float) -> Swept:
     """What no single process's runner does on its own, idempotent so that every process may:
     items of batches past their expiry become `expired`; leases expired `lease_grace_s` ago go
     back to the queue; queued items of canceling batches become `canceled`; batches with nothing
-    left unfinished end."""
+    left unfinished end. It skips the items another transaction holds, and so never waits."""
     now = _now()
     live = MessageBatch.objects.exclude(processing_status=BatchStatus.ENDED)
     due = list(live.filter(expires_at__lte=now).values_list("pk", flat=True))
     expired = 0
     if due:
-        expired = BatchItem.objects.filter(batch_id__in=due, state__in=_UNFINISHED).update(
+        expired = _update_items(
+            BatchItem.objects.filter(batch_id__in=due, state__in=_UNFINISHED), skip_locked=True,
             state=ItemState.DONE, result_type=ResultType.EXPIRED, result=EXPIRED_RESULT, finished_at=now,
             claimed_by="", lease_until=None,
         )
-    released = BatchItem.objects.filter(
-        state=ItemState.RUNNING, lease_until__lt=now - timedelta(seconds=lease_grace_s)
-    ).update(state=ItemState.QUEUED, claimed_by="", lease_until=None, not_before=now)
+    released = _update_items(
+        BatchItem.objects.filter(state=ItemState.RUNNING, lease_until__lt=now - timedelta(seconds=lease_grace_s)),
+        skip_locked=True, state=ItemState.QUEUED, claimed_by="", lease_until=None, not_before=now,
+    )
     canceling = list(live.filter(processing_status=BatchStatus.CANCELING).values_list("pk", flat=True))
     if canceling:
-        _cancel_queued(canceling, now)
+        _cancel_queued(canceling, now, skip_locked=True)
     ended = _end_if_done(list(live.values_list("pk", flat=True)))
     depth = dict(
         BatchItem.objects.filter(state__in=_UNFINISHED).order_by().values_list("state").annotate(n=Count("pk")).values_list("state", "n")

@@ -242,14 +242,15 @@ def test_delete_and_results_wait_for_the_end(client: anthropic.Anthropic, cluste
 
 def test_expiry(cluster: Cluster, batch_gateways: Callable[..., Gateway]) -> None:
     """Unfinished items expire with their batch, running ones too (their runner gives them up at
-    its next renewal, and writes nothing)."""
+    its next renewal, and writes nothing). Either of the module's gateways may have claimed them:
+    both renew within BATCH_ENV's lease / 3, well inside the items' context delay."""
     from messages_api.models import BatchItem
 
     gateway = batch_gateways(BATCH_EXPIRY_S="1.5", BATCH_LEASE_S="1.5")
     wait_registered(gateway, cluster)
     with sdk_client(gateway.url, cluster.key) as client:
         batch = client.messages.batches.create(
-            requests=[item(f"slow{n}", f"slow {n} [sim context_delay=4 tokens=1]", cluster.model) for n in range(2)]  # type: ignore[misc]
+            requests=[item(f"slow{n}", f"slow {n} [sim context_delay=8 tokens=1]", cluster.model) for n in range(2)]  # type: ignore[misc]
         )
         done = ended(client, batch.id, timeout=20)
         assert done.request_counts.expired == 2 and done.request_counts.processing == 0

@@ -12,6 +12,9 @@ BATCH_ENV = {
     "BATCH_SWEEP_INTERVAL_S": "0.2",
     "BATCH_RETRY_BASE_S": "0.2",
     "BATCH_RETRY_MAX_S": "1",
+    # Renewals every 4/3 s: a process notices an item it lost (its batch expired) within that,
+    # whichever of a module's gateways claimed it.
+    "BATCH_LEASE_S": "4",
 }
 
 

@@ -4,11 +4,13 @@ the PostgreSQL claim's SQL shape (CI runs the suite on PostgreSQL; here it is co
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import orjson
 import pytest
+from django.db import connection, transaction
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgresWrapper
 
 from messages_api.auth import create_api_key
@@ -216,3 +218,52 @@ def test_items_of_a_batch_past_its_expiry_are_not_claimed() -> None:
     new_batch(1)
     MessageBatch.objects.update(expires_at=datetime.now(timezone.utc) - timedelta(seconds=1))
     assert store.claim(ME, 5, 60) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sweep_never_waits_for_rows_another_transaction_holds() -> None:
+    """On PostgreSQL the sweep skips locked rows (store.py, lock order): two sweeps, or a sweep and
+    a renewal, cannot deadlock. The rows it skipped are the next sweep's."""
+    if not connection.features.has_select_for_update_skip_locked:
+        pytest.skip("row locks: PostgreSQL")
+    new_batch(3)
+    claimed = store.claim(ME, 3, 60)
+    BatchItem.objects.filter(pk__in=[c.pk for c in claimed]).update(lease_until=datetime.now(timezone.utc) - timedelta(hours=1))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                list(BatchItem.objects.select_for_update().filter(pk=claimed[0].pk))
+                held.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        swept = store.sweep(0)  # waiting for the held row would take the holder's 10 s
+        assert not release.is_set() and swept.released == 2
+    finally:
+        release.set()
+        holder.join()
+    assert store.sweep(0).released == 1
+
+
+def test_a_claim_takes_no_more_of_a_keys_items_than_its_concurrency_leaves() -> None:
+    """A key with max_concurrency=1 gets one item claimed, not a claim's worth that its limits
+    would refuse; the items of other keys behind its own are claimed in the same claim."""
+    limited, _ = create_api_key("one-at-a-time")
+    limited.max_concurrency = 1
+    limited.save()
+    new_batch(5, key=limited)
+    _, other = new_batch(3)
+    claimed = store.claim(ME, 16, 60)
+    assert [c.key_hash == limited.key_hash for c in claimed] == [True, False, False, False]
+    assert store.key_room() == {limited.pk: 0}
+    assert store.claim(OTHER, 16, 60) == []  # its one slot is taken, in any process
+    assert store.finish(ME, claimed[0], "succeeded", "{}", "req_1")
+    again = store.claim(OTHER, 16, 60)
+    assert len(again) == 1 and again[0].key_hash == limited.key_hash and again[0].custom_id == "i1"

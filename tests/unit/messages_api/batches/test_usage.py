@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
 from messages_api.audit import AuditRecord
 from messages_api.models import ApiKey, KeyUsage
 from messages_api.usage import UsageRecorder
 
 
-@pytest.mark.django_db
-def test_batch_items_count_apart_within_the_keys_usage() -> None:
+def test_batch_items_count_apart_within_the_keys_usage(transactional_db: Any) -> None:
+    # transactional: a flush returns its connection to the pool on PostgreSQL (usage.py), which
+    # an enclosing test transaction would not survive.
     key = ApiKey.objects.create(name="batcher", key_hash="h" * 64, prefix="sk-x")
     recorder = UsageRecorder(0)
     interactive = AuditRecord(api_key_id=key.pk, api_key_name=key.name, input_tokens=10, output_tokens=5)
