@@ -31,8 +31,8 @@ from channels.generic.http import AsyncHttpConsumer
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from disagg_project import drop_tracebacks
-from messages_api import intake, metrics
+from disagg_project import drop_tracebacks, tracing
+from messages_api import intake, metrics, request_span
 from messages_api.server import loop_lag
 from messages_api.accumulate import accumulate_message
 from messages_api.server.arrival import seconds_since_received
@@ -255,6 +255,7 @@ class ApiConsumer(AsyncHttpConsumer):
     async def _serve(self, body: bytes) -> None:
         """The request's task: everything it raises ends in `_answer_error`, the one boundary."""
         current_request_id.set(self.record.request_id)
+        span = request_span.start(self.scope, self.request_headers, self.record) if tracing.on else None  # tracing
         deadline_s = settings.MESSAGES_REQUEST_DEADLINE_S
         try:
             # The deadline counts from the request's arrival (its upload included) to the last byte.
@@ -292,6 +293,8 @@ class ApiConsumer(AsyncHttpConsumer):
             if self._send_queue is not None:
                 # The response is over (ended, failed, or its client gone): nothing more is sent.
                 self._send_queue.close()
+            if span is not None:  # tracing: the span ends with the record's outcome (its error type, or cancelled)
+                request_span.end(span, self.record)
 
     # --- the error boundary ----------------------------------------------------------------------
 
@@ -434,6 +437,7 @@ class MessagesConsumer(ApiConsumer):
         pool = await pool_for_model(request["model"], principal, chat)
 
         record.pool_name = pool.name
+        record.max_tokens, record.priority = request["max_tokens"], principal.priority.label  # tracing: span attributes
         run = ChatRun(
             chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request),
             tenant=record.api_key_name, priority=principal.priority, size=len(body),
