@@ -75,10 +75,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from disagg_project.db_thread import DatabaseThread
-    from disagg_project.client_address import address_of
     from disagg_project.admin_base import GuardedAdmin, ReadOnlyAdmin
+    from disagg_project.client_address import address_of
     from disagg_project.commands import limit_argument, log_change
+    from disagg_project.db_thread import DatabaseThread
     from disagg_project.ids import GATEWAY_INSTANCE, new_id
     from disagg_project.log_text import loggable
     from disagg_project.shared_state import Script, get_shared_state, lease_expiry
