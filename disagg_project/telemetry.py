@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import os
 import time
@@ -141,10 +142,8 @@ class Tracing:
         """Start a CLIENT span (a child of the current one) for a worker request and put its
         `traceparent` (and the trace's `tracestate`) into `headers`, so the engine's spans join the
         trace under it. End it with `end`."""
-        span = self._tracer.start_span(name, kind=trace.SpanKind.CLIENT, attributes=attributes)
-        if span.is_recording():
-            span.set_attributes(_server_of(url))
-            span.set_attribute("http.request.method", method)
+        # One attribute dict at the start: each attribute set later costs a lock and a check.
+        span = self._tracer.start_span(name, kind=trace.SpanKind.CLIENT, attributes={**_server_of(url), "http.request.method": method, **attributes})
         self._propagator.inject(headers, context=trace.set_span_in_context(span))
         return span
 
@@ -208,7 +207,9 @@ def _error_type(error: BaseException) -> str:
     return type(error).__name__
 
 
+@functools.lru_cache(maxsize=256)
 def _server_of(url: str) -> dict[str, AttributeValue]:
+    """A worker URL's `server.*` attributes (cached: a pool has few endpoints). Not to be changed."""
     parts = urlsplit(url)
     attributes: dict[str, AttributeValue] = {"server.address": parts.hostname or ""}
     if parts.port is not None:

@@ -40,7 +40,6 @@ def start(scope: Mapping[str, Any], headers: Mapping[bytes, bytes], record: Audi
     attributes: dict[str, Any] = {
         "http.request.method": method,
         "url.path": path,
-        "url.scheme": str(scope.get("scheme", "http")),
         "http.route": route,
         "gateway.request_id": record.request_id,
     }
@@ -75,7 +74,6 @@ def end(span: RequestSpan, record: AuditRecord) -> None:
     _put(attributes, "gateway.usage.cache_read_input_tokens", record.cache_read_input_tokens)
     _put(attributes, "gateway.usage.cache_creation_input_tokens", record.cache_creation_input_tokens)
     _put(attributes, "gateway.queued_ms", record.queued_ms)
-    _put(attributes, "gateway.first_token_ms", record.first_token_ms)
     for name, value in (
         ("gateway.pool", record.pool_name),
         ("gateway.endpoint.context", record.context_endpoint),
