@@ -67,6 +67,7 @@ class AuditRecord:
     # Read by the request's span only (messages_api/request_span.py); not in the row.
     max_tokens: int | None = None
     priority: str = ""
+    stop_reason: str = ""
     begun: bool = False
     ended: bool = False
     # The run serving the request, once there is one: its progress (stage, endpoints, timings) is

@@ -595,6 +595,7 @@ class MessagesConsumer(ApiConsumer):
             record.output_tokens = self.reframer.output_tokens
             record.cache_read_input_tokens = self.reframer.cache_read_input_tokens
             record.cache_creation_input_tokens = self.reframer.cache_creation_input_tokens
+            record.stop_reason = self.reframer.stop_reason  # tracing: gen_ai.response.finish_reasons
 
 
 class FrameWriter:

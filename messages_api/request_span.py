@@ -69,6 +69,8 @@ def end(span: RequestSpan, record: AuditRecord) -> None:
             # The gateway answers in the model's name the client asked for.
             attributes["gen_ai.response.model"] = record.model
     _put(attributes, "gen_ai.request.max_tokens", record.max_tokens)
+    if record.stop_reason:
+        attributes["gen_ai.response.finish_reasons"] = [record.stop_reason]  # Anthropic's stop_reason
     _put(attributes, "gen_ai.usage.input_tokens", record.input_tokens)
     _put(attributes, "gen_ai.usage.output_tokens", record.output_tokens)
     _put(attributes, "gateway.usage.cache_read_input_tokens", record.cache_read_input_tokens)

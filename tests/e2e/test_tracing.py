@@ -85,6 +85,7 @@ def test_a_clients_trace_is_continued_into_the_workers(traced: tuple[Gateway, Cl
     assert attributes["gen_ai.operation.name"] == "chat"
     assert attributes["gen_ai.request.model"] == cluster.model == attributes["gen_ai.response.model"]
     assert attributes["gen_ai.request.max_tokens"] == 32
+    assert attributes["gen_ai.response.finish_reasons"] == ["end_turn"]
     assert attributes["gen_ai.usage.output_tokens"] == 4 and attributes["gen_ai.usage.input_tokens"] > 0
     assert attributes["http.response.status_code"] == 200 and attributes["http.route"] == "/v1/messages"
     assert attributes["gateway.pool"] == cluster.pool.name
@@ -156,3 +157,19 @@ def test_an_exporter_that_is_down_costs_requests_nothing_and_drops_are_counted(
     while metric_total(httpx.get(gateway.url + "/metrics", timeout=5).text, "gateway_trace_spans_dropped_total") == 0:
         assert time.monotonic() < deadline, "no dropped spans counted"
         time.sleep(0.1)
+
+
+def test_a_client_leaving_ends_the_spans_cancelled(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
+    gateway, cluster = traced
+    trace_id = secrets.token_hex(16)
+    headers = cluster.headers(traceparent=f"00-{trace_id}-{secrets.token_hex(8)}-01")
+    body = {"model": cluster.model, "max_tokens": 32, "stream": True, "messages": [{"role": "user", "content": "leaving [sim context_delay=30]"}]}
+    with httpx.Client(timeout=30) as client, client.stream("POST", gateway.url + "/v1/messages", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        cluster.context.wait_for(lambda s: s["active"] == 1, timeout=10)
+    # The connection closed: the request is cancelled, its worker call with it.
+    receiver.wait_for(lambda spans: {"POST /v1/messages", "context"} <= {s.name for s in spans if s.trace_id == trace_id})
+    spans = receiver.trace(trace_id)
+    server, context = one(spans, "POST /v1/messages"), one(spans, "context")
+    assert server.status_code == ERROR and server.attributes["error.type"] == "cancelled"
+    assert context.status_code == ERROR and context.attributes["error.type"] == "cancelled"
