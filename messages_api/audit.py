@@ -23,7 +23,7 @@ from disagg_project import GATEWAY_INSTANCE, get_writer
 from messages_api import metrics, usage
 from messages_api.models import MessageRequest, RequestStatus
 from messages_api.request_context import loggable
-from workers import RunProgress, SupportsProgress
+from workers import Priority, RunProgress, SupportsProgress
 
 access_log = logging.getLogger("messages_api.access")
 
@@ -66,7 +66,7 @@ class AuditRecord:
     trace_id: str = ""
     # Read by the request's span only (messages_api/request_span.py); not in the row.
     max_tokens: int | None = None
-    priority: str = ""
+    priority: Priority | None = None
     stop_reason: str = ""
     begun: bool = False
     ended: bool = False

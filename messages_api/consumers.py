@@ -437,7 +437,7 @@ class MessagesConsumer(ApiConsumer):
         pool = await pool_for_model(request["model"], principal, chat)
 
         record.pool_name = pool.name
-        record.max_tokens, record.priority = request["max_tokens"], principal.priority.label  # tracing: span attributes
+        record.max_tokens, record.priority = request["max_tokens"], principal.priority  # tracing: span attributes
         run = ChatRun(
             chat, pool=pool, request_id=record.request_id, session=session_key(self.request_headers, request),
             tenant=record.api_key_name, priority=principal.priority, size=len(body),

@@ -81,7 +81,7 @@ def end(span: RequestSpan, record: AuditRecord) -> None:
         ("gateway.endpoint.context", record.context_endpoint),
         ("gateway.endpoint.generation", record.generation_endpoint),
         ("gateway.api_key.name", record.api_key_name),
-        ("gateway.priority", record.priority),
+        ("gateway.priority", record.priority.label if record.priority is not None else ""),
         ("gateway.batch_id", record.batch_id),
     ):
         if value:

@@ -90,7 +90,8 @@ def test_a_clients_trace_is_continued_into_the_workers(traced: tuple[Gateway, Cl
     assert attributes["http.response.status_code"] == 200 and attributes["http.route"] == "/v1/messages"
     assert attributes["gateway.pool"] == cluster.pool.name
     assert attributes["gateway.endpoint.generation"] == cluster.generation.url
-    assert attributes["gateway.api_key.name"].startswith("test-key-")
+    assert attributes["gateway.api_key.name"].startswith("test-key-") and attributes["gateway.priority"] == "standard"
+    assert attributes["gateway.schedule"] == "context_first" and attributes["gen_ai.provider.name"] == "trtllm"
     # Nothing of the prompt, the answer, or the key itself.
     everything = repr([s.attributes for s in spans])
     assert "continued" not in everything and cluster.key not in everything
