@@ -68,10 +68,10 @@ __all__ = [
     "loggable",
     "new_id",
     "ReadOnlyAdmin",
+    "RequestSpan",
     "Script",
     "shared_leases",
     "tracing",
-    "RequestSpan",
 ]
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import Counter
 
-__all__ = ["install", "RequestSpan", "Span", "tracing", "Tracing", "spans_dropped"]
+__all__ = ["exporters_from_environment", "install", "RequestSpan", "Span", "spans_dropped", "tracing", "Tracing"]
 
 logger = logging.getLogger(__name__)
 
