@@ -17,6 +17,8 @@ neither app (`tests/unit/test_layers.py` enforces it), and the apps use only the
                                     let go
     client_address.py               the client's address (the socket peer, or the one a trusted
                                     proxy names)
+    telemetry.py                    OpenTelemetry tracing's facade (`tracing`: off unless the
+                                    OTEL_* environment configures it; `RequestSpan`)
 
 The rest is the project's own wiring: settings.py, urls.py, asgi.py (with gc_tuning.py,
 log_queue.py, login_guard.py), admin.py (users and groups) and relied_on.py
@@ -49,6 +51,8 @@ _HOMES = {
     "ReadOnlyAdmin": ("disagg_project.admin_base", "ReadOnlyAdmin"),
     "Script": ("disagg_project.shared_state", "Script"),
     "shared_leases": ("disagg_project.shared_state", "leases"),
+    "tracing": ("disagg_project.telemetry", "tracing"),
+    "RequestSpan": ("disagg_project.telemetry", "RequestSpan"),
 }
 __all__ = [
     "address_of",
@@ -64,19 +68,22 @@ __all__ = [
     "loggable",
     "new_id",
     "ReadOnlyAdmin",
+    "RequestSpan",
     "Script",
     "shared_leases",
+    "tracing",
 ]
 
 if TYPE_CHECKING:
-    from disagg_project.db_thread import DatabaseThread
-    from disagg_project.client_address import address_of
     from disagg_project.admin_base import GuardedAdmin, ReadOnlyAdmin
+    from disagg_project.client_address import address_of
     from disagg_project.commands import limit_argument, log_change
+    from disagg_project.db_thread import DatabaseThread
     from disagg_project.ids import GATEWAY_INSTANCE, new_id
     from disagg_project.log_text import loggable
     from disagg_project.shared_state import Script, get_shared_state, lease_expiry
     from disagg_project.shared_state import leases as shared_leases
+    from disagg_project.telemetry import RequestSpan, tracing
     from disagg_project.tracebacks import drop_tracebacks
     from disagg_project.writer import get_writer
 else:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 from django.conf import settings
 from twisted.internet.defer import Deferred
 
-from disagg_project import gc_tuning, log_queue
+from disagg_project import gc_tuning, log_queue, telemetry
 from messages_api import (
     install_access_log,
     install_direct_writes,
@@ -153,6 +153,9 @@ HOOKS: tuple[Hook, ...] = (
     # Log records formatted and written on a thread of their own, not on the loop
     # (disagg_project/log_queue.py).
     Hook("log queue", lambda daphne: log_queue.install()),
+    # OpenTelemetry tracing, when the OTEL_* environment asks for it (disagg_project/telemetry.py):
+    # its batch processor's export thread starts here, before any request.
+    Hook("tracing", lambda daphne: telemetry.install()),
     #
     # What is scheduled for later: when the reactor starts (`callWhenRunning`, before the loop's
     # first turn), on the loop's first turn, at shutdown.

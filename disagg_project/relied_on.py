@@ -350,6 +350,20 @@ RELIANCES: tuple[Reliance, ...] = (
         "the SIGUSR1 dump names the future each task is suspended on",
         "Python 3.11",
     ),
+    # --- OpenTelemetry ----------------------------------------------------------------------------
+    Reliance(
+        "opentelemetry.sdk.trace.export.BatchSpanProcessor", ("_batch_processor",),
+        "disagg_project/telemetry.py (_counted_batch_processor)",
+        "the span processor's queue and thread, whose metrics hook is replaced",
+        "opentelemetry-sdk 1.45.2",
+    ),
+    Reliance(
+        "opentelemetry.sdk._shared_internal.BatchProcessor", ("_metrics",),
+        "disagg_project/telemetry.py (_counted_batch_processor)",
+        "replaced by _DropCounter: a full queue's drops are reported only there (drop_items), and "
+        "are counted in gateway_trace_spans_dropped_total",
+        "opentelemetry-sdk 1.45.2",
+    ),
 )
 
 PINNED_SOURCES: tuple[PinnedSource, ...] = (

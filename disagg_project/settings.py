@@ -202,6 +202,12 @@ ADMIN_URL = os.environ.get("ADMIN_URL", "admin/").strip("/") + "/"
 if ADMIN_URL == "/":
     raise ImproperlyConfigured("ADMIN_URL must not be empty (the admin would take every path)")
 
+# The admin's request page links a traced request's trace id through this template (`{trace_id}`
+# is replaced), e.g. `http://jaeger:16686/trace/{trace_id}` or Grafana Tempo's explore URL; empty:
+# the id is shown without a link. Tracing itself is configured by the OTEL_* environment
+# (disagg_project/telemetry.py, docs/operating.md).
+TRACE_URL_TEMPLATE = os.environ.get("TRACE_URL_TEMPLATE", "")
+
 # Login throttling (django-axes): after ADMIN_LOGIN_FAILURE_LIMIT failed logins from one client
 # address, that address's logins are refused (429) for ADMIN_LOGIN_COOLOFF_S without checking the
 # password. The lockout backend comes first: a refused login never reaches the password hasher,

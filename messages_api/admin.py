@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.contrib import admin
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse
@@ -51,7 +52,7 @@ class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
     date_hierarchy = "received_at"
     list_per_page = 50
     readonly_fields = (
-        "summary", "timeline", "client_error", "endpoints", "reservations", "key_link",
+        "summary", "timeline", "client_error", "endpoints", "reservations", "key_link", "trace",
     )
 
     class Media:
@@ -104,7 +105,7 @@ class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
 
     def get_fieldsets(self, request: HttpRequest, obj: MessageRequest | None = None) -> Any:
         fieldsets: list[tuple[str | None, dict[str, Any]]] = [
-            (None, {"fields": ("request_id", "status", "summary", "key_link")}),
+            (None, {"fields": ("request_id", "status", "summary", "key_link", "trace")}),
             ("Timeline (ms after receipt)", {"fields": ("timeline",)}),
         ]
         if obj is not None and (obj.error_type or obj.error_message):
@@ -132,6 +133,17 @@ class MessageRequestAdmin(ReadOnlyAdmin[MessageRequest]):
             ),
         ]  # fmt: skip
         return fieldsets
+
+    @admin.display(description="trace")
+    def trace(self, row: MessageRequest) -> SafeString:
+        """The request's OpenTelemetry trace id, a link to it through TRACE_URL_TEMPLATE when set."""
+        if not row.trace_id:
+            return format_html("{}", "— (not traced)")
+        template: str = settings.TRACE_URL_TEMPLATE
+        if not template:
+            return format_html('<span class="gw-mono">{}</span>', row.trace_id)
+        url = template.replace("{trace_id}", row.trace_id)
+        return format_html('<a class="gw-mono" href="{}" rel="noopener noreferrer" target="_blank">{}</a>', url, row.trace_id)
 
     @admin.display(description="outcome")
     def summary(self, row: MessageRequest) -> SafeString:

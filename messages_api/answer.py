@@ -78,6 +78,7 @@ async def serve(
     record.stream = bool(request.get("stream"))
     pool = await pool_for_model(request["model"], principal, chat)
     record.pool_name = pool.name
+    record.max_tokens, record.priority = request["max_tokens"], priority  # the request span's attributes
     run = ChatRun(
         chat, pool=pool, request_id=record.request_id, session=session_of(request),
         tenant=record.api_key_name, priority=priority, size=len(body),
@@ -108,6 +109,7 @@ async def serve(
             record.output_tokens = reframer.output_tokens
             record.cache_read_input_tokens = reframer.cache_read_input_tokens
             record.cache_creation_input_tokens = reframer.cache_creation_input_tokens
+            record.stop_reason = reframer.stop_reason  # gen_ai.response.finish_reasons
         # Anthropic's input-token limits count what was written to the cache too.
         used = Usage((record.input_tokens or 0) + (record.cache_creation_input_tokens or 0), record.output_tokens or 0)
         lease.settle(used)

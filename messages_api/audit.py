@@ -23,7 +23,7 @@ from disagg_project import GATEWAY_INSTANCE, get_writer
 from messages_api import metrics, usage
 from messages_api.models import MessageRequest, RequestStatus
 from messages_api.request_context import loggable
-from workers import RunProgress, SupportsProgress
+from workers import Priority, RunProgress, SupportsProgress
 
 access_log = logging.getLogger("messages_api.access")
 
@@ -62,6 +62,12 @@ class AuditRecord:
     api_key_id: int | None = None  # the authenticated key's row (its name may change later)
     batch_id: str = ""  # a Message Batch item's attempt: its batch and custom_id
     custom_id: str = ""
+    # The request's trace (32 hex digits) when it was sampled for tracing, else "" (disagg_project/telemetry.py).
+    trace_id: str = ""
+    # Read by the request's span only (messages_api/request_span.py); not in the row.
+    max_tokens: int | None = None
+    priority: Priority | None = None
+    stop_reason: str = ""
     begun: bool = False
     ended: bool = False
     # The run serving the request, once there is one: its progress (stage, endpoints, timings) is
@@ -176,6 +182,7 @@ class AuditRecord:
             "gateway_instance": GATEWAY_INSTANCE,
             "batch_id": self.batch_id,
             "custom_id": self.custom_id,
+            "trace_id": self.trace_id,
         }
 
 

@@ -109,6 +109,9 @@ class MessageRequest(models.Model):
     # Database defaults too: the row writer inserts the columns it is given.
     batch_id = models.CharField(max_length=64, blank=True, default="", db_default="", db_index=True)
     custom_id = models.CharField(max_length=64, blank=True, default="", db_default="")
+    # The request's OpenTelemetry trace (32 hex digits) when it was sampled, else empty; the admin
+    # links it through TRACE_URL_TEMPLATE.
+    trace_id = models.CharField(max_length=32, blank=True, default="", db_default="")
 
     class Meta:
         verbose_name = "message request"

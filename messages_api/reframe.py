@@ -183,6 +183,7 @@ class StreamReframer:
         "_max_tokens",
         "_long_chars",
         "_long_limit",
+        "stop_reason",
     )
 
     def __init__(
@@ -200,6 +201,8 @@ class StreamReframer:
         worker did not read it from its cache. `max_tokens`: the request's, enforced here (see
         the module); None, no limit."""
         self._message_id = message_id
+        #: The message's stop_reason once `finish` ended it ("" before, and after a failure).
+        self.stop_reason = ""
         self._model = model
         self._stop_sequences = frozenset(stop_sequences or ())
         self._start_input_tokens = input_tokens or 0
@@ -366,6 +369,7 @@ class StreamReframer:
             self._drain_waiting_calls(out)
             self._close_block(out)
         stop_reason, stop_sequence = self._stop_reason()
+        self.stop_reason = stop_reason
         out.append(
             {
                 "type": "message_delta",

@@ -22,7 +22,8 @@ from channels.generic.http import AsyncHttpConsumer
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from disagg_project import drop_tracebacks
+from disagg_project import drop_tracebacks, tracing
+from messages_api import request_span
 from messages_api.answer import end_failed
 from messages_api.audit import AuditRecord
 from messages_api.auth import INVALID_KEY, MISSING_KEY, CredentialError, Principal, key_cache, key_from_headers
@@ -179,6 +180,8 @@ class ApiConsumer(AsyncHttpConsumer):
     async def _serve(self, body: bytes) -> None:
         """The request's work: everything it raises ends in `_answer_error`, the one boundary."""
         current_request_id.set(self.record.request_id)
+        # The request's server span (disagg_project/telemetry.py): ended with the record's outcome.
+        span = request_span.start(self.scope, self.request_headers, self.record) if tracing.on else None
         deadline_s = settings.MESSAGES_REQUEST_DEADLINE_S
         try:
             # The deadline counts from the request's arrival (its upload included) to the last byte.
@@ -214,6 +217,8 @@ class ApiConsumer(AsyncHttpConsumer):
             if self._send_queue is not None:
                 # The response is over (ended, failed, or its client gone): nothing more is sent.
                 self._send_queue.close()
+            if span is not None:  # its status from the record: the error's type, or cancelled
+                request_span.end(span, self.record)
 
     async def handle_request(self, body: bytes) -> None:
         """The route's work on the complete body (each route's consumer implements it)."""

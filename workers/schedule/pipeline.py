@@ -26,6 +26,7 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
+from disagg_project import tracing
 from workers import protocols
 from workers.admission import Priority, Ticket
 from workers.admission.queue import get_queue
@@ -197,6 +198,9 @@ class ChatRun:
                 await close_when_taken(generation_open, timeout=0)
         if self._stream is not None:
             stream, self._stream = self._stream, None
+            if stream.span is not None:  # traced, and not relayed to its end
+                tracing.end(stream.span, "" if outcome == Outcome.SUCCESS else str(outcome))
+                stream.span = None
             await stream.aclose()
         for reservation in self._reservations:
             # The phases release what they are done with; a second release would be counted as
@@ -256,12 +260,15 @@ class ChatRun:
         assert stream is not None, "relay() before stream_ready()"
         feedback = self.feedback
         hide = self._hide_cache_hits
+        span = stream.span  # the generation call's, when traced
 
         def on_chunk(chunk: dict[str, Any]) -> None:
             if self._first_chunk:  # the endpoint holds the prompt's prefix now
                 self._first_chunk = False
                 self.note(first_chunk_at=time.monotonic())
                 feedback.on_first_chunk(self._generation_endpoint_id)
+                if span is not None:
+                    tracing.event(span, "gen_ai.first_token")
             if feedback.wants_usage and "usage" in chunk:
                 feedback.on_usage(chunk["usage"])  # before hiding: the index reads the worker's real count
             if hide:
@@ -272,11 +279,17 @@ class ChatRun:
             await stream.pump(on_chunk, gather)
         except WorkerError as exc:
             self.report(self._generation_endpoint_id, exc)
+            if span is not None:
+                tracing.end(span, exc)
+                stream.span = None
             raise
         except StopRelay:
             # Not drained (the pump drains only after [DONE]): closing it closes the connection.
             await stream.aclose()
             self._stream = None
+        if span is not None:  # the relay's end: the generation call's span ends with it
+            tracing.end(span)
+            stream.span = None
         self.report(self._generation_endpoint_id, None)
         self.note(stage=Stage.DONE)
 
@@ -316,6 +329,8 @@ class ChatRun:
         waited = time.monotonic() - started
         if waited > 0.001:
             self.note(queued_s=self._progress.queued_s + waited)
+            if tracing.on:  # the admission wait as a span of its own, recorded when there was one
+                tracing.past_child("gateway.admission", waited, {"gateway.pool": self.pool.name, "gateway.priority": self.priority.label})
 
     # --- the steps a schedule takes (workers.schedule.schedules.Steps) -------------------------
 

@@ -59,7 +59,7 @@ class RequestLog:
     the few headers in `RECORDED_HEADERS` (an allow-list: a request's other headers may carry
     credentials, which a test double must not keep either)."""
 
-    RECORDED_HEADERS = ("x-request-id",)
+    RECORDED_HEADERS = ("x-request-id", "traceparent", "tracestate")
 
     def __init__(self, size: int = 200) -> None:
         self._entries: deque[tuple[Any, dict[str, str]]] = deque(maxlen=size)

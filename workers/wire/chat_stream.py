@@ -231,6 +231,9 @@ class ChunkStream:
         self._pumping = False
         self._push: PushedBody | None = None  # while `pump` runs
         self._paused = False
+        #: The stream's CLIENT span when traced (disagg_project.tracing), else None: opened by
+        #: `open_stream`, ended by whoever relays the stream (workers.schedule.pipeline.ChatRun).
+        self.span: Any = None
 
     async def pump(self, sink: Callable[[dict[str, Any]], None], gather: Gather | None = None) -> None:
         """Each validated chunk to `sink` as it arrives, until `[DONE]`. `sink` runs in the worker

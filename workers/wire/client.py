@@ -29,6 +29,7 @@ import httpx
 import orjson
 from django.conf import settings
 
+from disagg_project import tracing
 from workers.exceptions import AnswerTooLarge
 from workers.wire.boundary import boundary
 from workers.wire.chat_stream import ChunkStream
@@ -185,7 +186,19 @@ async def post_json(
     A top-level `relayed_ints` field holding a large array of ints comes back as its JSON text
     (an `orjson.Fragment`: workers.wire.raw_ints)."""
     sent = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
-    content = await _fetch("POST", url, _encoded(body), sent, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage, wordings)
+    span = None
+    if tracing.on:
+        # A CLIENT span named for the stage (context, tokenize), its traceparent sent (in a copy).
+        sent = dict(sent)
+        span = tracing.worker_call(stage, "POST", url, sent, {"gateway.stage": stage})
+    try:
+        content = await _fetch("POST", url, _encoded(body), sent, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage, wordings)
+    except BaseException as exc:
+        if span is not None:
+            tracing.end(span, exc)
+        raise
+    if span is not None:
+        tracing.end(span)
     with boundary(stage):
         data = orjson.loads(content) if relayed_ints is None else loads_keeping_ints(content, relayed_ints)
         if not isinstance(data, dict):
@@ -259,13 +272,27 @@ async def open_stream(
     ends_by = sent_at + settings.WORKER_REQUEST_TIMEOUT_S
     first_byte_s = settings.WORKER_FIRST_BYTE_TIMEOUT_S + (settings.WORKER_CONTEXT_TIMEOUT_S if waits_for_context else 0.0)
     first_byte_by = min(sent_at + first_byte_s, ends_by)
-    with boundary(stage):
-        async with asyncio.timeout_at(first_byte_by):
-            response = await _send("POST", url, _encoded(body), sent, first_byte_by - sent_at)
-            if response.status_code >= 300:
-                try:
-                    error_body = await _error_body(response)
-                finally:
-                    await response.aclose()
-                raise worker_error(response.status_code, error_body, stage, _retry_after(response), wordings=wordings)
-    return ChunkStream(response, stage, first_byte_by=first_byte_by, ends_by=ends_by, wordings=wordings)
+    span = None
+    if tracing.on:
+        # A CLIENT span named for the stage, its traceparent sent (in a copy of the headers). It
+        # ends with the stream (whoever relays it ends `ChunkStream.span`), or here if the
+        # stream never opens.
+        sent = dict(sent)
+        span = tracing.worker_call(stage, "POST", url, sent, {"gateway.stage": stage})
+    try:
+        with boundary(stage):
+            async with asyncio.timeout_at(first_byte_by):
+                response = await _send("POST", url, _encoded(body), sent, first_byte_by - sent_at)
+                if response.status_code >= 300:
+                    try:
+                        error_body = await _error_body(response)
+                    finally:
+                        await response.aclose()
+                    raise worker_error(response.status_code, error_body, stage, _retry_after(response), wordings=wordings)
+    except BaseException as exc:
+        if span is not None:
+            tracing.end(span, exc)
+        raise
+    stream = ChunkStream(response, stage, first_byte_by=first_byte_by, ends_by=ends_by, wordings=wordings)
+    stream.span = span
+    return stream

@@ -75,6 +75,7 @@ def test_the_hooks_keep_their_order() -> None:
         "loop monitor",
         "memory return",
         "log queue",
+        "tracing",
         "access log",
         "TCP_NODELAY",
         "worker transport closed at shutdown",

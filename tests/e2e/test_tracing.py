@@ -1,0 +1,176 @@
+"""OpenTelemetry tracing end to end: real daphne gateways exporting OTLP/HTTP to a real receiver
+(decoded with the official `opentelemetry-proto`), sim workers recording the `traceparent` they
+were sent, and the audit row's trace id."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.cluster import Cluster, audit_row, register_cluster, wait_registered
+from tests.support.gateway import Gateway
+from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.support.ports import refused_url
+from tests.support.prometheus import metric_total
+from tests.support.simworkers import SimWorker
+
+SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
+ERROR = 2  # Status.StatusCode
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+def traced_env(receiver_url: str, **extra: str) -> dict[str, str]:
+    return {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver_url,
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_SERVICE_NAME": "gateway-under-test",
+        **extra,
+    }
+
+
+@pytest.fixture
+def traced(
+    transactional_db: Any, gateways: Callable[..., Gateway], receiver: OtlpReceiver, context_worker: SimWorker, generation_worker: SimWorker
+) -> tuple[Gateway, Cluster]:
+    gateway = gateways(**traced_env(receiver.url))
+    cluster = register_cluster(context_worker, generation_worker)
+    wait_registered(gateway, cluster)
+    return gateway, cluster
+
+
+def post(gateway: Gateway, cluster: Cluster, text: str, headers: dict[str, str] | None = None, **body: object) -> httpx.Response:
+    payload = {"model": cluster.model, "max_tokens": 32, "messages": [{"role": "user", "content": text}], **body}
+    return httpx.post(gateway.url + "/v1/messages", json=payload, headers=cluster.headers(**(headers or {})), timeout=30)
+
+
+def worker_traceparent(worker: SimWorker, needle: str) -> str:
+    entries = httpx.get(worker.url + "/sim/requests?headers=1", timeout=5, trust_env=False).json()
+    [entry] = [e for e in entries if needle in str(e["body"].get("messages"))]
+    traceparent: str = entry["headers"]["traceparent"]
+    return traceparent
+
+
+def one(spans: list[ReceivedSpan], name: str) -> ReceivedSpan:
+    [span] = [s for s in spans if s.name == name]
+    return span
+
+
+def test_a_clients_trace_is_continued_into_the_workers(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
+    gateway, cluster = traced
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    response = post(gateway, cluster, "continued [sim tokens=4]", {"traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=x"})
+    assert response.status_code == 200, response.text
+
+    spans = receiver.wait_for(lambda spans: {"POST /v1/messages", "context", "generation"} <= {s.name for s in spans if s.trace_id == trace_id})
+    spans = [s for s in spans if s.trace_id == trace_id]
+    server, context, generation = one(spans, "POST /v1/messages"), one(spans, "context"), one(spans, "generation")
+    assert server.kind == SERVER and server.parent_span_id == parent_id
+    assert context.kind == CLIENT and context.parent_span_id == server.span_id
+    assert generation.kind == CLIENT and generation.parent_span_id == server.span_id
+    assert "gen_ai.first_token" in generation.events
+    assert server.status_code != ERROR and generation.status_code != ERROR
+    assert server.resource["service.name"] == "gateway-under-test"
+    attributes = server.attributes
+    assert attributes["gen_ai.operation.name"] == "chat"
+    assert attributes["gen_ai.request.model"] == cluster.model == attributes["gen_ai.response.model"]
+    assert attributes["gen_ai.request.max_tokens"] == 32
+    assert attributes["gen_ai.response.finish_reasons"] == ["end_turn"]
+    assert attributes["gen_ai.usage.output_tokens"] == 4 and attributes["gen_ai.usage.input_tokens"] > 0
+    assert attributes["http.response.status_code"] == 200 and attributes["http.route"] == "/v1/messages"
+    assert attributes["gateway.pool"] == cluster.pool.name
+    assert attributes["gateway.endpoint.generation"] == cluster.generation.url
+    assert attributes["gateway.api_key.name"].startswith("test-key-") and attributes["gateway.priority"] == "standard"
+    assert attributes["gateway.schedule"] == "context_first" and attributes["gen_ai.provider.name"] == "trtllm"
+    # Nothing of the prompt, the answer, or the key itself.
+    everything = repr([s.attributes for s in spans])
+    assert "continued" not in everything and cluster.key not in everything
+
+    # Each worker saw the gateway's client span for its call as the parent, in the client's trace.
+    assert worker_traceparent(cluster.context, "continued") == f"00-{trace_id}-{context.span_id}-01"
+    assert worker_traceparent(cluster.generation, "continued") == f"00-{trace_id}-{generation.span_id}-01"
+    assert audit_row(response.headers["request-id"]).trace_id == trace_id
+
+
+def test_a_new_trace_without_one(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
+    gateway, cluster = traced
+    response = post(gateway, cluster, "fresh trace [sim tokens=2]", stream=True)
+    assert response.status_code == 200, response.text
+    row = audit_row(response.headers["request-id"])
+    assert len(row.trace_id) == 32
+    spans = receiver.wait_for(lambda spans: {"POST /v1/messages", "generation"} <= {s.name for s in spans if s.trace_id == row.trace_id})
+    server = one(receiver.trace(row.trace_id), "POST /v1/messages")
+    assert server.parent_span_id == "" and server.attributes["gateway.stream"] is True
+    assert worker_traceparent(cluster.generation, "fresh trace").startswith(f"00-{row.trace_id}-")
+    assert spans
+
+
+def test_an_error_ends_the_spans_in_error(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
+    gateway, cluster = traced
+    response = post(gateway, cluster, "fails [sim context_status=500]")
+    assert response.status_code == 500
+    row = audit_row(response.json()["request_id"])
+    receiver.wait_for(lambda spans: {"POST /v1/messages", "context"} <= {s.name for s in spans if s.trace_id == row.trace_id})
+    spans = receiver.trace(row.trace_id)
+    server, context = one(spans, "POST /v1/messages"), one(spans, "context")
+    assert server.status_code == ERROR and server.attributes["error.type"] == "api_error"
+    assert server.attributes["http.response.status_code"] == 500
+    assert context.status_code == ERROR and context.attributes["error.type"]
+
+
+def test_sampling_off_traces_nothing_but_still_propagates(
+    transactional_db: Any, gateways: Callable[..., Gateway], receiver: OtlpReceiver, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
+    gateway = gateways(**traced_env(receiver.url, OTEL_TRACES_SAMPLER="always_off"))
+    cluster = register_cluster(context_worker, generation_worker)
+    wait_registered(gateway, cluster)
+    response = post(gateway, cluster, "unsampled [sim tokens=2]")
+    assert response.status_code == 200, response.text
+    assert audit_row(response.headers["request-id"]).trace_id == ""
+    # Not sampled: the worker is told so (the sampled flag clear), and nothing reaches the receiver.
+    traceparent = worker_traceparent(cluster.generation, "unsampled")
+    assert int(traceparent.split("-")[3], 16) & 1 == 0
+    assert receiver.trace(traceparent.split("-")[1]) == []
+
+
+def test_an_exporter_that_is_down_costs_requests_nothing_and_drops_are_counted(
+    transactional_db: Any, gateways: Callable[..., Gateway], context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
+    gateway = gateways(
+        **traced_env(refused_url(), OTEL_BSP_MAX_QUEUE_SIZE="2", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="1", OTEL_EXPORTER_OTLP_TIMEOUT="1")
+    )
+    cluster = register_cluster(context_worker, generation_worker)
+    wait_registered(gateway, cluster)
+    for n in range(8):
+        response = post(gateway, cluster, f"nowhere {n} [sim tokens=2]")
+        assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 15
+    while metric_total(httpx.get(gateway.url + "/metrics", timeout=5).text, "gateway_trace_spans_dropped_total") == 0:
+        assert time.monotonic() < deadline, "no dropped spans counted"
+        time.sleep(0.1)
+
+
+def test_a_client_leaving_ends_the_spans_cancelled(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
+    gateway, cluster = traced
+    trace_id = secrets.token_hex(16)
+    headers = cluster.headers(traceparent=f"00-{trace_id}-{secrets.token_hex(8)}-01")
+    body = {"model": cluster.model, "max_tokens": 32, "stream": True, "messages": [{"role": "user", "content": "leaving [sim context_delay=30]"}]}
+    with httpx.Client(timeout=30) as client, client.stream("POST", gateway.url + "/v1/messages", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        cluster.context.wait_for(lambda s: s["active"] == 1, timeout=10)
+    # The connection closed: the request is cancelled, its worker call with it.
+    receiver.wait_for(lambda spans: {"POST /v1/messages", "context"} <= {s.name for s in spans if s.trace_id == trace_id})
+    spans = receiver.trace(trace_id)
+    server, context = one(spans, "POST /v1/messages"), one(spans, "context")
+    assert server.status_code == ERROR and server.attributes["error.type"] == "cancelled"
+    assert context.status_code == ERROR and context.attributes["error.type"] == "cancelled"
