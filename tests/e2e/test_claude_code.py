@@ -310,7 +310,7 @@ def test_fixture_is_a_claude_code_request() -> None:
 
 
 def test_session_key_from_the_claude_code_header() -> None:
-    from messages_api.consumers import session_key
+    from messages_api.selection import session_key
 
     fixture = load_fixture()
     session = fixture["headers"]["X-Claude-Code-Session-Id"]
@@ -321,7 +321,7 @@ def test_session_key_from_the_claude_code_user_id() -> None:
     """Without the header, the session comes from `metadata.user_id`, which Claude Code 2.1.x sends
     as a JSON string: {"device_id": ..., "account_uuid": ..., "session_id": ...}. Every session
     mapping to the same key pins them all to one generation endpoint under session_affinity."""
-    from messages_api.consumers import session_key
+    from messages_api.selection import session_key
 
     fixture = load_fixture()
     session = fixture["headers"]["X-Claude-Code-Session-Id"]
