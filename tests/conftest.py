@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+from tests.support import flush_retry
 from tests.support.gateway import Gateway
 from tests.support.simworkers import SimWorker, start_simworker
 from tests.support.cluster import SIM_ENV, SIM_OPTIONS, Cluster, register_cluster, sim_worker, wait_registered
@@ -17,6 +18,9 @@ from tests.support.cluster import SIM_ENV, SIM_OPTIONS, Cluster, register_cluste
 # (an 18.8 s stall failed a pure-function property test in CI, 2026-12-03).
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
+
+# PostgreSQL may abort the flush between tests as a deadlock's victim: it is tried again.
+flush_retry.install()
 
 @pytest.fixture(scope="session")
 def context_worker() -> Iterator[SimWorker]:
