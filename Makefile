@@ -93,9 +93,11 @@ else
 	$(PY) -m pytest -q
 endif
 
-# Static types: mypy --strict (with the Django plugin) on the two apps.
+# The linter (ruff: pyflakes, pycodestyle, bugbear, import sorting; ruff.toml) on the whole tree, and
+# static types: mypy --strict (with the Django plugin) on the two apps and the project's shared layer.
 check: $(DEV_STAMP)
-	$(PY) -m mypy messages_api workers
+	$(PY) -m ruff check .
+	$(PY) -m mypy disagg_project messages_api workers
 
 clean:
 	rm -rf $(VENV) $(LOCK_VENV) .gateway gateway.sqlite3* test_gateway.sqlite3*

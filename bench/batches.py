@@ -49,9 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 import harness as h
+import httpx
 
 POOL = "bench-batches"
 ACTIVE_FLOW_S = 10.0  # the gateway's ADMISSION_ACTIVE_FLOW_S default

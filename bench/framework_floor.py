@@ -66,11 +66,10 @@ if not settings.configured:
     django.setup()
 
 import aiohttp  # noqa: E402
+from channels.exceptions import StopConsumer  # noqa: E402
 from channels.generic.http import AsyncHttpConsumer  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
-
-from channels.exceptions import StopConsumer  # noqa: E402
 
 from messages_api.framing import encode_events, text_delta_frame  # noqa: E402  (the gateway's frames)
 from messages_api.server.body_writer import BodyWriter, body_writer  # noqa: E402  (and its writer)

@@ -40,6 +40,7 @@ from bench.harness import write_result  # noqa: E402
 from tests.support.realvllm.pd import KV_CONFIG, LATE_READ, NO_KV_TRANSFER, prompt, start_pair  # noqa: E402
 from tests.support.realvllm.server import RealVllm, missing  # noqa: E402
 
+
 def run_once(prefill: RealVllm, decode: RealVllm, run: int, max_tokens: int, stall_s: float) -> dict[str, Any]:
     messages = [{"role": "user", "content": prompt(run)}]
     started = time.monotonic()

@@ -43,8 +43,8 @@ def text_chunk() -> dict[str, Any]:
 
 def measure(chunks: int) -> tuple[float, float]:
     """(feed µs/chunk, feed+encode µs/chunk)."""
-    from messages_api.reframe import StreamReframer
     from messages_api.framing import encode_event
+    from messages_api.reframe import StreamReframer
 
     reframer = StreamReframer(message_id="msg_bench", model="claude-sonnet-4-6")
     chunk = text_chunk()

@@ -61,7 +61,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h  # noqa: E402
-
 import httpx  # noqa: E402
 
 from messages_api.convert import to_chat_request  # noqa: E402

@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h  # noqa: E402
+
 from tests.support.ports import unused_port  # noqa: E402
 
 # The per-call child: run with the checkout under test on its path (Script and get_shared_state

@@ -48,8 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402  (puts the project on the path)
 import h11  # noqa: E402
+import harness as h  # noqa: E402  (puts the project on the path)
 
 from tests.support.badworker import start_badworker  # noqa: E402
 from tests.support.rawclient import parse_frame  # noqa: E402

@@ -44,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h  # noqa: E402
+
 from tests.support.chunked import LAST_CHUNK, chunk  # noqa: E402  (harness puts the project on the path)
 
 RSS_GROWTH_TARGET_MIB = 64

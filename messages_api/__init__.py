@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from messages_api.batches.runner import start as start_batch_runner
     from messages_api.routes import http_application
     from messages_api.server.access_log import install as install_access_log
     from messages_api.server.direct_write import install as install_direct_writes
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
     from messages_api.server.loop_lag import install as install_loop_monitor
     from messages_api.server.memory import install as install_memory_return
     from messages_api.server.state_dump import install as install_state_dump
-    from messages_api.batches.runner import start as start_batch_runner
 else:
 
     def __getattr__(name: str) -> object:

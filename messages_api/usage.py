@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 from django.db import close_old_connections, connection, transaction
 from django.db.models import Field
 
-from messages_api.models import ApiKey, KeyUsage, MessageRequest
 from disagg_project import get_writer
+from messages_api.models import ApiKey, KeyUsage, MessageRequest
 
 if TYPE_CHECKING:
     from messages_api.audit import AuditRecord

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import settings
 
 from tests.support import flush_retry
+from tests.support.cluster import SIM_ENV, SIM_OPTIONS, Cluster, register_cluster, sim_worker, wait_registered
 from tests.support.gateway import Gateway
 from tests.support.simworkers import SimWorker, start_simworker
-from tests.support.cluster import SIM_ENV, SIM_OPTIONS, Cluster, register_cluster, sim_worker, wait_registered
 
 # No per-example deadline for hypothesis: its 200 ms default measures the machine, not the code.
 # This 2-core machine stalls every process for seconds while a real vLLM engine starts or decodes
@@ -72,8 +72,8 @@ def release_test_database(django_db_setup: Any, django_db_blocker: Any) -> Itera
     yield
     from django.db import connection
 
-    from messages_api.usage import get_recorder
     from disagg_project.writer import get_writer
+    from messages_api.usage import get_recorder
 
     with django_db_blocker.unblock():
         get_writer().flush()

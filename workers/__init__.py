@@ -88,9 +88,9 @@ if TYPE_CHECKING:
     from workers.protocols.base import AGGREGATED
     from workers.routing.router import candidates, choose_pool
     from workers.schedule.pipeline import ChatRun
-    from workers.schedule.rendered_chat import RenderedChat
-    from workers.schedule.prompt_tokens import count_prompt_tokens
     from workers.schedule.progress import RunProgress, SupportsProgress
+    from workers.schedule.prompt_tokens import count_prompt_tokens
+    from workers.schedule.rendered_chat import RenderedChat
     from workers.wire.client import close_transport
 else:
 

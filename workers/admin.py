@@ -21,7 +21,6 @@ from django.utils.safestring import SafeString
 from disagg_project import GuardedAdmin, ReadOnlyAdmin
 from workers.models import ModelRoute, ModelRoutePool, Reservation, WorkerEndpoint, WorkerPool
 
-
 # --- endpoints ------------------------------------------------------------------------------------
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.ports import unused_port
 from messages_api.server.listeners import bind_listeners
+from tests.support.ports import unused_port
 from workers.sim.process import stop_process
 
 from .bodies import port_of

@@ -5,7 +5,6 @@ Django's autodiscovery reads)."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
 
 from django.contrib import admin, messages
 from django.db.models import Count, Q, QuerySet
@@ -14,9 +13,9 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from disagg_project import ReadOnlyAdmin
 from messages_api.batches import store
 from messages_api.models import BatchStatus, MessageBatch, ResultType
-from disagg_project import ReadOnlyAdmin
 
 # The progress column's parts, in order: (label, CSS class of the console's badges).
 PROGRESS = (

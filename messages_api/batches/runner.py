@@ -298,7 +298,7 @@ def start() -> None:
     loop = asyncio.get_running_loop()
     if loop in _runners:
         return
-    for stale in [l for l in _runners if l.is_closed()]:
+    for stale in [other for other in _runners if other.is_closed()]:
         del _runners[stale]
     runner = BatchRunner()
     _runners[loop] = (runner, loop.create_task(runner.run(), name="batch-runner"))

@@ -38,7 +38,7 @@ __all__ = [
     "rfc3339",
 ]
 
-CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # whole: fullmatch (`$` would let a final newline through)
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -85,7 +85,7 @@ def parse_create_body(body: bytes, may_use: Callable[[str], bool]) -> list[ItemS
             raise InvalidRequest(f"{path}.custom_id: Field required")
         if not isinstance(custom_id, str):
             raise InvalidRequest(f"{path}.custom_id: Input should be a valid string")
-        if not CUSTOM_ID.match(custom_id):
+        if not CUSTOM_ID.fullmatch(custom_id):
             raise InvalidRequest(f"{path}.custom_id: String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$'")
         if custom_id in seen:
             raise InvalidRequest(f"{path}.custom_id: Duplicate custom_id '{custom_id}': each must be unique within the batch")

@@ -36,10 +36,10 @@ from django.db import connection, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Count, F, QuerySet
 
+from disagg_project import DatabaseThread
 from messages_api.batches.schema import BatchView, ItemSpec, PageQuery, new_batch_id
 from messages_api.errors import InvalidRequest
 from messages_api.models import ApiKey, BatchItem, BatchStatus, ItemState, MessageBatch, ResultType
-from disagg_project import DatabaseThread
 
 __all__ = [
     "API_THREAD",

@@ -48,7 +48,8 @@ def body_writer(send: Any) -> BodyWriter | None:
         or getattr(request, "server", None) is not server
     ):
         return None
-    connections: dict[Any, dict[str, Any]] = getattr(server, "connections")
+    # getattr: mypy keeps `server` as `Any | None` from its getattr above.
+    connections: dict[Any, dict[str, Any]] = getattr(server, "connections")  # noqa: B009
     # daphne keeps one entry per request from its connection to its end and marks it
     # "disconnected" in place: looked up once, not per token (a lookup hashes the request
     # in Python, `WebRequest.__hash__`).

@@ -57,8 +57,8 @@ from messages_api.auth import (
     key_cache,
     key_from_values,
 )
-from messages_api.routes import requires_api_key
 from messages_api.routes import body_limit as route_body_limit
+from messages_api.routes import requires_api_key
 from messages_api.server.auth_throttle import FailureThrottle
 
 __all__ = [

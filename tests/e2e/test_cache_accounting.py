@@ -12,8 +12,9 @@ import pytest
 
 from tests.support.cluster import Cluster, register_cluster, wait_registered
 from tests.support.gateway import Gateway
-from tests.support.simworkers import SimWorker
 from tests.support.sdk import sdk_client, sdk_message
+from tests.support.simworkers import SimWorker
+
 
 def system(unique: str) -> list[dict[str, Any]]:
     """A system prompt no earlier test sent (the sims' caches live for the session)."""

@@ -18,9 +18,9 @@ from channels.testing import ApplicationCommunicator
 
 from messages_api.consumers import MessagesConsumer
 from tests.support.cluster import Cluster, audit_row, consumer_scope, reservations_closed
-from workers.schedule import pipeline
-from workers.protocols import trtllm
 from workers.cluster.registry import get_registry
+from workers.protocols import trtllm
+from workers.schedule import pipeline
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

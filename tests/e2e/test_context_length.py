@@ -26,10 +26,10 @@ from tests.support.gateway import Gateway
 from tests.support.rawclient import RawStream
 from tests.support.scripted import Request, ScriptedServer, answering, response
 from tests.support.simworkers import SimWorker
+from workers.exceptions import ContextLengthExceeded, OutputLimitExceeded, WorkerError
 from workers.protocols import PROTOCOLS, error_wordings
 from workers.wire.client import open_stream, post_completion
 from workers.wire.error_reading import worker_error
-from workers.exceptions import ContextLengthExceeded, OutputLimitExceeded, WorkerError
 
 EVERY = error_wordings()  # as the pipeline reads a worker's error answer
 

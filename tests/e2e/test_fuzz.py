@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-import pytest
 import hypothesis
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 

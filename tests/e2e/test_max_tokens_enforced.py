@@ -137,7 +137,8 @@ def streamed(gateway: Gateway, cluster: Cluster, chars: int, total: int, max_tok
     assert s.status == 200 and s.ended
     events = [f.event for f in frames]
     deltas = events.count("content_block_delta")
-    assert events == ["message_start", "content_block_start", *["content_block_delta"] * deltas, "content_block_stop", "message_delta", "message_stop"], events[:8]
+    expected = ["message_start", "content_block_start", *["content_block_delta"] * deltas, "content_block_stop", "message_delta", "message_stop"]
+    assert events == expected, events[:8]
     text = "".join(f.data["delta"]["text"] for f in frames if f.event == "content_block_delta")
     return text, frames[-2].data, s.response_headers["request-id"]
 

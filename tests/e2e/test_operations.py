@@ -19,9 +19,9 @@ from tests.support.cluster import (
     wait_registered,
     wait_until,
 )
-from tests.support.prometheus import metric_value
 from tests.support.gateway import Gateway
 from tests.support.ports import refused_url
+from tests.support.prometheus import metric_value
 from tests.support.rawclient import RawStream
 from tests.support.scripted import ScriptedServer, answering, response
 from tests.support.simworkers import SimWorker

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
@@ -14,12 +13,12 @@ from django.test import override_settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from disagg_project.writer import get_writer
+from workers.cluster.registry import EndpointInfo, PoolInfo
 from workers.routing import router
 from workers.routing.prefix_index import PrefixIndex, Prompt, get_index
-from workers.schedule.rendered_chat import RenderedChat
-from workers.cluster.registry import EndpointInfo, PoolInfo
 from workers.routing.reservations import Reservation
-from disagg_project.writer import get_writer
+from workers.schedule.rendered_chat import RenderedChat
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 200}
 TOOLS = [{"type": "function", "function": {"name": f"tool{i}", "parameters": {"type": "object", "description": "x" * 300}}} for i in range(8)]

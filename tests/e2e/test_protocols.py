@@ -22,10 +22,10 @@ from tests.support.cluster import Cluster, register_cluster, reservations_closed
 from tests.support.simworkers import SimWorker
 from workers import protocols
 from workers.checks import check_pool_protocols
-from workers.exceptions import WorkerError
-from workers.schedule.pipeline import ChatRun
-from workers.protocols.base import AGGREGATED, Call, WorkerProtocol
 from workers.cluster.registry import PoolInfo, get_registry
+from workers.exceptions import WorkerError
+from workers.protocols.base import AGGREGATED, Call, WorkerProtocol
+from workers.schedule.pipeline import ChatRun
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -18,11 +18,11 @@ from tests.support.ports import refused_url
 from tests.support.rawclient import RawStream
 from tests.support.simworkers import SimWorker
 from workers import protocols
+from workers.cluster.registry import get_registry
 from workers.exceptions import MalformedAnswer
-from workers.schedule.pipeline import ChatRun
 from workers.protocols import vllm
 from workers.protocols.base import Call, ContextPeer
-from workers.cluster.registry import get_registry
+from workers.schedule.pipeline import ChatRun
 from workers.sim.dialects.vllm import engine_id
 
 PREFILL_PARAMS = {

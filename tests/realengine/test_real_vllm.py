@@ -27,14 +27,13 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.claude_code import run_claude
 from tests.support.cluster import audit_row, reservations_closed, wait_registered, wait_until
 from tests.support.gateway import Gateway
 from tests.support.rawclient import Frame, RawStream, parse_frame
-from tests.support.claude_code import run_claude
 from tests.support.realvllm.paths import MAX_MODEL_LEN
 from tests.support.realvllm.server import RealVllm
 from tests.support.sdk import sdk_client, sdk_message
-
 
 PROTOCOLS = ("openai", "vllm")
 

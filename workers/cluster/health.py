@@ -32,10 +32,10 @@ from enum import Enum
 
 from django.conf import settings
 
-from workers.wire import client
 from disagg_project import DatabaseThread
-from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
 from workers.cluster.registry import EndpointInfo, get_registry
+from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
+from workers.wire import client
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,7 @@ from typing import Any
 
 from django.db.models import Count
 
-from disagg_project import GATEWAY_INSTANCE
-from disagg_project import DatabaseThread
+from disagg_project import GATEWAY_INSTANCE, DatabaseThread
 from workers.models import ModelRoute, ModelRoutePool, Reservation, WorkerEndpoint, WorkerPool
 
 

@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 
 from django.conf import settings
 
+from disagg_project import DatabaseThread
 from disagg_project import shared_leases as leases
 from workers.cluster import recovery
-from disagg_project import DatabaseThread
 from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
@@ -34,7 +34,7 @@ def start_services() -> None:
     loop = asyncio.get_running_loop()
     if loop in _started:
         return
-    for stale in [l for l in _started if l.is_closed()]:
+    for stale in [other for other in _started if other.is_closed()]:
         del _started[stale]
     _started[loop] = [
         loop.create_task(_every(settings.REGISTRY_REFRESH_INTERVAL_S, get_registry().refresh), name="registry-refresh"),

@@ -39,8 +39,6 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from workers.exceptions import WorkerError
-from workers.protocols.engine_load import LoadMetrics
-from workers.wire.error_reading import Wordings, wording
 from workers.protocols.base import (
     AGGREGATED,
     GENERATION_FIRST,
@@ -53,6 +51,8 @@ from workers.protocols.base import (
     reported_prompt_tokens,
     streamed_request,
 )
+from workers.protocols.engine_load import LoadMetrics
+from workers.wire.error_reading import Wordings, wording
 
 logger = logging.getLogger(__name__)
 

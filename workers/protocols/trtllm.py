@@ -46,10 +46,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from workers.wire import client
-from workers.wire.error_reading import Wordings, wording
 from workers.exceptions import MalformedAnswer, WorkerError
-from workers.protocols.engine_load import LoadMetrics
 from workers.protocols.base import (
     AGGREGATED,
     CONTEXT_FIRST,
@@ -63,6 +60,9 @@ from workers.protocols.base import (
     reported_prompt_tokens,
     streamed_request,
 )
+from workers.protocols.engine_load import LoadMetrics
+from workers.wire import client
+from workers.wire.error_reading import Wordings, wording
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from workers.exceptions import MalformedAnswer
-from workers.protocols.engine_load import LoadMetrics
-from workers.wire.error_reading import Wordings, wording
 from workers.protocols.base import (
     AGGREGATED,
     CONTEXT_FIRST,
@@ -38,6 +36,8 @@ from workers.protocols.base import (
     reported_prompt_tokens,
     streamed_request,
 )
+from workers.protocols.engine_load import LoadMetrics
+from workers.wire.error_reading import Wordings, wording
 
 REQUEST_ID_HEADER = "X-Request-Id"
 

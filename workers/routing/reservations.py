@@ -16,9 +16,9 @@ from disagg_project import GATEWAY_INSTANCE, get_writer, new_id
 from workers.admission import capacity
 from workers.admission.headroom import activity
 from workers.admission.queue import notify_freed
+from workers.cluster.registry import EndpointInfo
 from workers.models import Outcome
 from workers.models import Reservation as ReservationRow
-from workers.cluster.registry import EndpointInfo
 
 
 class ReservationLedger:

@@ -17,14 +17,14 @@ from django.conf import settings
 from workers.admission import Ticket, admit
 from workers.admission.capacity import fits_here
 from workers.admission.queue import get_queue
-from workers.exceptions import NoEndpointAvailable
 from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
+from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
+from workers.exceptions import NoEndpointAvailable
 from workers.models import Role, RoutingPolicy
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
-from workers.schedule.rendered_chat import RenderedChat
-from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
 from workers.routing.reservations import Reservation, ledger
+from workers.schedule.rendered_chat import RenderedChat
 
 Policy = Callable[[PoolInfo, str, list[EndpointInfo], str | None], EndpointInfo]
 

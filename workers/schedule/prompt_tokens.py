@@ -30,10 +30,10 @@ from typing import Any
 import orjson
 from xxhash import xxh3_128_intdigest
 
-from workers.wire import client
-from workers.exceptions import WorkerError
 from workers.cluster.health import health
 from workers.cluster.registry import PoolInfo
+from workers.exceptions import WorkerError
+from workers.wire import client
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
-
 from urllib.parse import parse_qs
 
 import orjson

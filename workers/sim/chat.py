@@ -7,8 +7,10 @@ from collections.abc import Mapping
 
 import orjson
 
+from . import dialects
 from .asgi import Send, send_bytes, send_error
 from .config import SimConfig
+from .dialects import ContextIssue
 from .emit import EmitOptions, respond, stream
 from .error_answers import SimError, context_length_exceeded
 from .handoffs import HandoffStore
@@ -18,8 +20,6 @@ from .schema import ChatRequest, parse_chat_request
 from .stats import Outcome, RequestLog
 from .tokenizer import VOCAB_SIZE, tokenize_chat
 from .transfer import KvPuller
-from . import dialects
-from .dialects import ContextIssue
 
 
 class ChatCompletions:

@@ -10,7 +10,6 @@ from http import HTTPStatus
 
 import orjson
 
-
 # vLLM's `error.type` by status (vllm/entrypoints/serve/exception_handling/error_response.py):
 # the exception class it raised; any other status gets its HTTP phrase.
 _VLLM_ERROR_TYPES = {

@@ -25,8 +25,8 @@ if those change.
 from __future__ import annotations
 
 import functools
-from contextvars import ContextVar
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import aiohttp

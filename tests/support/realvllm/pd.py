@@ -14,8 +14,8 @@ import json
 import os
 import subprocess
 
-from tests.support.realvllm.paths import LOG_DIR, VENV_PYTHON
 from tests.support.ports import unused_port
+from tests.support.realvllm.paths import LOG_DIR, VENV_PYTHON
 from tests.support.realvllm.server import REQUIRE_ENV, RealVllm, require_engine, start_on_fresh_ports
 
 KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}

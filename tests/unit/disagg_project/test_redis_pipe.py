@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import hiredis
 import pytest
 
-from tests.support.fake_redis import FakeRedis, encode
 from disagg_project.redis_pipe import RedisPipe, ReplyError, parse_url
+from tests.support.fake_redis import FakeRedis, encode
 
 
 def echo(command: list[bytes]) -> bytes:

@@ -14,9 +14,9 @@ import pytest
 from django.test import override_settings
 from prometheus_client import REGISTRY
 
+from disagg_project.shared_state import Script, SharedState
 from tests.support.fake_redis import FakeRedis, encode
 from tests.support.redis import redis_url_or_skip
-from disagg_project.shared_state import Script, SharedState
 
 SCRIPT = Script("return ARGV[1]")
 

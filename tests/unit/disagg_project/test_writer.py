@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from django.db import connection, models
 
-from messages_api.models import MessageRequest
 from disagg_project import GATEWAY_INSTANCE
-from workers.models import Reservation
 from disagg_project.writer import PASSED_THROUGH, SLICE_ROWS, RowWriter, _column_field, prepare_row
+from messages_api.models import MessageRequest
+from workers.models import Reservation
 
 NOW = datetime(2026, 12, 4, 15, 0, 0, 123456, tzinfo=timezone.utc)
 

@@ -10,11 +10,12 @@ import pytest
 
 from messages_api.convert import to_chat_request
 from messages_api.errors import AnthropicError
-from tests.support.requests import BASH_SCHEMA, BILLING, PNG, READ_SCHEMA, claude_code_body
 from messages_api.validation import (
     validate_count_tokens_request,
     validate_messages_request,
 )
+from tests.support.requests import BASH_SCHEMA, BILLING, PNG, READ_SCHEMA, claude_code_body
+
 
 def convert(body: dict[str, Any]) -> dict[str, Any]:
     return to_chat_request(validate_messages_request(body))

@@ -7,21 +7,21 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from datetime import datetime, timezone
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 
 import pytest
 from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from disagg_project.shared_state import get_shared_state
 from messages_api.errors import AnthropicError
 from messages_api.limits import check_limits, local_limits, rate_limit_headers
 from messages_api.limits import shared as shared_limits
 from messages_api.limits.local import LocalLimits
 from messages_api.limits.policy import KeyLimits, Usage, window_end, window_id
 from tests.support.redis import redis_url_or_skip
-from disagg_project.shared_state import get_shared_state
 
 # The clock the checks are given: today's, since Redis expires keys by its own (a time in the past
 # would expire them at once).

@@ -19,8 +19,8 @@ from anthropic.lib.streaming._messages import accumulate_event
 
 from messages_api.accumulate import accumulate_message
 from messages_api.errors import AnthropicError
-from messages_api.reframe import CHARS_PER_TOKEN, LONG_PIECE_ALLOWANCE, OutputLimitReached, StreamReframer
 from messages_api.framing import PING_FRAME, encode_event
+from messages_api.reframe import CHARS_PER_TOKEN, LONG_PIECE_ALLOWANCE, OutputLimitReached, StreamReframer
 from tests.support.sdk import sdk_client, sdk_message
 from workers.protocols.base import completion_as_chunks
 

@@ -10,8 +10,8 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from messages_api.reframe import CHARS_PER_TOKEN, LONG_PIECE_ALLOWANCE, OutputLimitReached, StreamReframer
 from messages_api.framing import encode_event, encode_events, text_delta_frame
+from messages_api.reframe import CHARS_PER_TOKEN, LONG_PIECE_ALLOWANCE, OutputLimitReached, StreamReframer
 
 
 def reframer(max_tokens: int | None = None) -> StreamReframer:

@@ -16,13 +16,13 @@ from django.contrib.auth.models import Permission
 from django.test import Client, override_settings
 from prometheus_client import REGISTRY
 
+from disagg_project import get_writer
 from messages_api import usage
 from messages_api.audit import AuditRecord, close_abandoned_requests
 from messages_api.models import ApiKey, KeyUsage, MessageRequest, RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.usage import Tally, UsageRecorder, hour_of, hour_start
 from messages_api.usage_report import DAYS, HOURS, buckets
-from disagg_project import get_writer
 
 H = hour_of(datetime(2026, 12, 4, 15, 30, tzinfo=timezone.utc))
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from workers.protocols import PROTOCOLS, AGGREGATED, WorkerProtocol
+from workers.protocols import AGGREGATED, PROTOCOLS, WorkerProtocol
 
 # One context answer every engine's reader accepts: TensorRT-LLM's handoff in its first choice,
 # vLLM's `kv_transfer_params`, and a length-capped finish (SGLang drops the rest).

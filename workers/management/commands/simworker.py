@@ -9,7 +9,6 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workers.sim import ROLES, SimConfig, dialects, serve
 
-
 # Named after TensorRT-LLM's `internal_request_auth_key` (its workers read it from their config).
 AUTH_KEY_ENV = "INTERNAL_REQUEST_AUTH_KEY"
 

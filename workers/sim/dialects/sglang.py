@@ -25,12 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-
 from ..config import SimConfig
+from ..engine_metrics import MetricNames
 from ..error_answers import SimError
 from ..schema import DisaggParams
 from ..wire import prefill_completion, usage
-from ..engine_metrics import MetricNames
 from .base import ContextIssue, Dialect
 
 MAX_ROOM = 2**63 - 1

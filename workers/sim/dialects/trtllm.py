@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from ..config import SimConfig
+from ..engine_metrics import MetricNames
 from ..error_answers import SimError
 from ..schema import DisaggParams, encode_token_ids_b64, optional_int, optional_str
 from ..wire import prefill_completion
-from ..engine_metrics import MetricNames
 from .base import ContextIssue, Dialect
 
 AUTH_HEADER = "x-trtllm-disagg-auth"

@@ -29,10 +29,10 @@ from urllib.parse import urlsplit
 import orjson
 
 from ..config import SimConfig
+from ..engine_metrics import MetricNames
 from ..error_answers import SimError
 from ..schema import DisaggParams
 from ..wire import prefill_completion, usage
-from ..engine_metrics import MetricNames
 from .base import ContextIssue, Dialect
 
 # The CPU backend's KV block size (what the blocks a sim prefill reports are counted in).

@@ -64,7 +64,10 @@ def test_items_keep_their_params_and_order() -> None:
         ([{"custom_id": "a", "params": params()}, {"custom_id": "b", "params": {"model": MODEL}}], "requests.1.params.max_tokens: Field required"),
         ([{"custom_id": "a", "params": params(max_tokens=0)}], "requests.0.params.max_tokens: Input should be greater than or equal to 1"),
         ([{"custom_id": "a", "params": params(stream=True)}], "requests.0.params.stream: Streaming is not supported"),
-        ([{"custom_id": "a", "params": params(messages=[{"role": "user", "content": [{"type": "nope"}]}])}], "requests.0.params.messages.0.content.0.type"),
+        (
+            [{"custom_id": "a", "params": params(messages=[{"role": "user", "content": [{"type": "nope"}]}])}],
+            "requests.0.params.messages.0.content.0.type",
+        ),
     ],
 )
 def test_refused_whole_naming_the_item(requests: Any, message: str) -> None:
@@ -93,8 +96,15 @@ def test_too_many_requests(settings: Any) -> None:
 
 
 @given(st.text(max_size=70))
-def test_custom_id_pattern_is_anthropics(custom_id: str) -> None:
-    assert bool(CUSTOM_ID.match(custom_id)) == bool(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", custom_id))
+def test_a_custom_id_is_taken_exactly_when_anthropics_pattern_matches_it_whole(custom_id: str) -> None:
+    # A final newline once passed (`$` matches before it) and broke the results' JSON line.
+    allowed = re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", custom_id) is not None
+    assert (CUSTOM_ID.fullmatch(custom_id) is not None) == allowed
+    raw = body([{"custom_id": custom_id, "params": params()}])
+    if allowed:
+        assert [item.custom_id for item in parse_create_body(raw, lambda model: True)] == [custom_id]
+    else:
+        assert refused(raw).startswith("requests.0.custom_id")
 
 
 def test_batch_ids() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 from daphne.server import Server
 
-from messages_api.server.arrival import seconds_since_received
 from messages_api.audit import AuditRecord
+from messages_api.server.arrival import seconds_since_received
 
 
 class ParsedRequest:

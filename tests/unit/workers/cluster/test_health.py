@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from workers.cluster import health as health_module
-from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
 from workers.cluster.health import BreakerState, EndpointHealth, FailureScope, failure_scope
 from workers.cluster.registry import EndpointInfo
+from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
 
 ENDPOINT = EndpointInfo(id=7, pool_name="p", role="generation", url="http://w", enabled=True, draining=False, healthy=True)
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from messages_api.convert import to_chat_request
 from workers import protocols
 from workers.models import ScheduleStyle
-from workers.schedule.prompt_tokens import estimate_prompt_tokens
 from workers.protocols import Call, ContextPeer, WorkerProtocol
+from workers.schedule.prompt_tokens import estimate_prompt_tokens
 from workers.schedule.rendered_chat import RenderedChat
 
 FIXTURE = Path(__file__).resolve().parents[3] / "fixtures" / "claude_code_request.json"

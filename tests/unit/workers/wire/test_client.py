@@ -20,9 +20,6 @@ import orjson
 import pytest
 
 from tests.support.scripted import ScriptedServer, read_request
-from workers.wire import client
-from workers.protocols import error_wordings
-from workers.wire.chat_stream import ChunkStream
 from workers.exceptions import (
     AnswerTooLarge,
     ContextLengthExceeded,
@@ -33,6 +30,9 @@ from workers.exceptions import (
     WorkerError,
     WorkerTimeout,
 )
+from workers.protocols import error_wordings
+from workers.wire import client
+from workers.wire.chat_stream import ChunkStream
 
 Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from workers.wire.raw_ints import loads_keeping_ints
 

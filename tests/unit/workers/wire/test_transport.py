@@ -23,9 +23,9 @@ from tests.support.chunked import LAST_CHUNK, chunk
 from tests.support.scripted import Request, ScriptedServer, answering, read_request, response
 from tests.support.tls import self_signed_certificate
 from tests.support.worker_transport import Pushed, answer_every_request, fetch, ok, wait_for, worker_transport
+from workers.exceptions import WorkerError
 from workers.wire import client
 from workers.wire import transport as transport_module
-from workers.exceptions import WorkerError
 from workers.wire.push import body_reader, push_body
 from workers.wire.transport import BODY_SLICE_BYTES
 

@@ -9,7 +9,6 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-
 from django.test import override_settings
 
 from messages_api.management.commands.prune_audit import parse_age
