@@ -38,6 +38,7 @@ from messages_api.accumulate import accumulate_message
 from messages_api.server.arrival import seconds_since_received
 from messages_api.audit import AuditRecord, sample_anonymous, sample_refused
 from messages_api.auth import INVALID_KEY, MISSING_KEY, CredentialError, Principal, key_cache, key_from_headers
+from messages_api.server.backpressure import Backpressure
 from messages_api.server.body_writer import BodyWriter, body_writer
 from messages_api.server.send_queue import SendQueue
 from messages_api.errors import (
@@ -86,12 +87,15 @@ class ApiConsumer(AsyncHttpConsumer):
         self._serves_in_place = False
         self._work: Coroutine[Any, Any, None] | None = None
         self._refused = False
-        self._revoked = False  # the request's API key was revoked while it ran (`revoke`)
+        # Why the gateway cancelled the request while it ran (a revoked key, `revoke`; a stalled
+        # client, `cut`): answered through the error boundary, not taken for the client gone.
+        self._cut: AnthropicError | None = None
         self.response_started = False
         self.response_finished = False
         self.sent_status: int | None = None  # the status line sent, once it was
         self._body_writer: BodyWriter | None = None  # see send_body
         self._send_queue: SendQueue | None = None  # the body writer off daphne
+        self._backpressure: Backpressure | None = None  # a stream's client pacing its worker, under daphne
 
     # Channels' stubs type every consumer's scope as a websocket scope (`_ChannelScope`); this
     # HTTP consumer reads HTTP keys from it and passes it on unchanged.
@@ -200,10 +204,15 @@ class ApiConsumer(AsyncHttpConsumer):
     def revoke(self) -> None:
         """The request's API key was revoked (messages_api/revocation.py): its task is cancelled,
         and `_serve` answers that cancellation with `KeyRevoked` instead of taking the client for gone."""
+        self.cut(KeyRevoked())
+
+    def cut(self, error: AnthropicError) -> None:
+        """End the running request with `error` (idempotent; nothing once it has ended): its task is
+        cancelled and `_serve` answers that cancellation with `error`."""
         task = self._task
-        if self._revoked or task is None or task.done() or self.response_finished:
+        if self._cut is not None or task is None or task.done() or self.response_finished:
             return
-        self._revoked = True
+        self._cut = error
         task.cancel()
 
     def _writer(self) -> BodyWriter:
@@ -230,6 +239,8 @@ class ApiConsumer(AsyncHttpConsumer):
         # The last frame goes through `send`, which ends the response, after every middle one.
         if self._send_queue is not None:
             await self._send_queue.flush()
+        if self._backpressure is not None:
+            self._backpressure.close()  # before daphne finishes the request (it must be unregistered)
         self.response_finished = True
         await super().send_body(body, more_body=False)
 
@@ -279,8 +290,8 @@ class ApiConsumer(AsyncHttpConsumer):
                 raise DeadlineExceeded(deadline_s) from exc
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
-            if self._revoked and task is not None and task.uncancel() == 0:  # revoked, and the client is still here
-                await self._answer_error(KeyRevoked())
+            if self._cut is not None and task is not None and task.uncancel() == 0:  # cut, and the client is still here
+                await self._answer_error(self._cut)
                 return
             if self.record.begun:
                 self.record.end(RequestStatus.CANCELLED, http_status=self.sent_status or 499)
@@ -292,6 +303,8 @@ class ApiConsumer(AsyncHttpConsumer):
             if self._send_queue is not None:
                 # The response is over (ended, failed, or its client gone): nothing more is sent.
                 self._send_queue.close()
+            if self._backpressure is not None:
+                self._backpressure.close()  # and a stalled client's connection is aborted
 
     # --- the error boundary ----------------------------------------------------------------------
 
@@ -517,9 +530,14 @@ class MessagesConsumer(ApiConsumer):
             if not self.sse_started:
                 await self.start_sse(first_frame=False)
             writer = self._writer()
+            # A client slower than its worker holds the worker's stream back.
             if self._send_queue is not None:
-                # Off daphne: a client slower than its worker holds the worker's stream back.
                 self._send_queue.throttle(run.pause_relay, run.resume_relay)
+            else:
+                self._backpressure = Backpressure.register(
+                    self.base_send, run.pause_relay, run.resume_relay, self.cut,
+                    buffer_bytes=settings.MESSAGES_CLIENT_BUFFER_BYTES, stall_s=settings.MESSAGES_CLIENT_STALL_S,
+                )
             frames = self._frame_writer(reframer, writer)
             await run.relay(frames.write_chunk, frames)
             closing = encode_events(reframer.finish())
