@@ -194,9 +194,9 @@ class Backpressure:
         self._pause = self._resume = _nothing
         self._on_stall = _ignore_stall
         if request.producer is self:
-            if request.channel is not None:
+            if getattr(request, "channel", None) is not None:
                 request.unregisterProducer()
-            else:  # the connection is lost: its channel is gone with it
+            else:  # the connection is lost (or the request cleaned up): its channel is gone
                 request.producer = None
         transport = self._transport
         if "bufferSize" in vars(transport):

@@ -39,7 +39,7 @@ def body_writer(send: Any) -> BodyWriter | None:
     if request is None:
         return None
     server: Any = request.server
-    connections: dict[Any, dict[str, Any]] = getattr(server, "connections")
+    connections: dict[Any, dict[str, Any]] = server.connections
     # daphne keeps one entry per request from its connection to its end and marks it
     # "disconnected" in place: looked up once, not per token (a lookup hashes the request
     # in Python, `WebRequest.__hash__`).
