@@ -14,8 +14,11 @@ worker's stream, so the worker's TCP send blocks) and `resume`.
 What a stream holds while its client does not read, in the gateway's memory: the transport's queue
 up to `MESSAGES_CLIENT_BUFFER_BYTES` (applied as the connection's `bufferSize` while the stream
 runs), plus the frames of the one worker read being relayed when the pause came (a read is at most
-workers.wire.push's PUSH_READ_BYTES) and a ping per `MESSAGES_PING_INTERVAL_S`; the worker's
-further bytes wait in the kernel's socket buffers and then in the worker.
+workers.wire.push's PUSH_READ_BYTES) and a ping per `MESSAGES_PING_INTERVAL_S`. In the kernel: the
+connection's send buffer, capped at the same size when the stream starts (SO_SNDBUF; autotuned, it
+grows to tcp_wmem's maximum, 4 MB, for a client whose window stays shut, and it stays capped for
+the connection's later requests), and the worker connection's receive buffer; the worker's further
+bytes wait in the worker.
 
 While paused, a timer checks every `MESSAGES_CLIENT_STALL_S` whether the client took any byte:
 the bytes not yet acknowledged by it, in the transport's queue and the kernel's send queue
@@ -70,6 +73,16 @@ class ClientStalled(AnthropicError):
             "the stream was cut",
             "timeout_error",
         )
+
+
+def _cap_kernel_send_buffer(sock: socket.socket | None, size: int) -> None:
+    """The kernel's send buffer of `sock` at `size` bytes, not the up to 4 MB its autotuning grows
+    to for a client whose window stays shut (the kernel doubles what is set, for its bookkeeping)."""
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, max(size // 2, 2048))
+        except OSError:  # closed meanwhile
+            pass
 
 
 def unsent_in_kernel(sock: socket.socket | None) -> int:
@@ -131,7 +144,9 @@ class Backpressure:
             return None
         producer = cls(request, pause, resume, on_stall, stall_s)
         if buffer_bytes > 0:
-            producer._transport.bufferSize = buffer_bytes
+            transport = producer._transport
+            transport.bufferSize = buffer_bytes
+            _cap_kernel_send_buffer(getattr(transport, "socket", None), buffer_bytes)
         request.registerProducer(producer, True)
         if request.channel._waitingForTransport:
             # Already over its buffer: the channel pauses only producers present when it fills.

@@ -113,6 +113,8 @@ async def test_a_client_that_does_not_read_pauses_the_stream_and_its_reading_res
         assert IPushProducer.providedBy(producer)
         assert request.producer is producer and request.channel._requestProducer is producer
         assert transport.bufferSize == 16 * 1024
+        # The kernel's send buffer capped too (it reports twice what is set: its bookkeeping).
+        assert transport.socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 16 * 1024
         write = body_writer(send)
         assert write is not None
         # The socket takes what its buffer holds (written directly), then Twisted queues the rest;
