@@ -19,8 +19,8 @@ the peak during the hold less the baseline.
 The hold is long enough for a gateway that does not pace its streams to read every answer whole
 (the sim worker, on this 2-core machine, makes ~25,000 tokens a second across 100 streams), and
 longer than MESSAGES_CLIENT_STALL_S (60 s): a client reading 1 byte a second into a 4 KiB buffer
-never reopens its TCP window, takes nothing in that time, and is cut ("cut" in the table); the
-peak comes before. `--b-env MESSAGES_CLIENT_STALL_S=0` measures the bound alone.
+never reopens its TCP window, takes nothing in that time, and is cut ("cut": the audit rows
+`failed timeout_error`; every row's outcome is in the JSON); the peak comes before. `--b-env MESSAGES_CLIENT_STALL_S=0` measures the bound alone.
 
 Target (issue 42): 100 slow readers, gateway RSS growth <= 64 MiB.
 """
@@ -28,7 +28,9 @@ Target (issue 42): 100 slow readers, gateway RSS growth <= 64 MiB.
 from __future__ import annotations
 
 import argparse
+import datetime
 import socket
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -140,11 +142,22 @@ def settle(pid: int, timeout: float = 20.0) -> float:
     return h.rss_mib(pid)
 
 
-def measure(gateway: h.GatewayProc, worker_pid: int, key: str, args: argparse.Namespace) -> dict[str, Any]:
+def row_outcomes(stack: h.Stack, since: str) -> dict[str, int]:
+    """The audit rows of requests received since `since` (UTC), by status and error type: how the
+    slow readers' requests ended (a stalled client's: `failed timeout_error`)."""
+    with sqlite3.connect(stack.tmp / "gateway.sqlite3") as db:
+        rows = db.execute(
+            "SELECT status, error_type, count(*) FROM messages_api_messagerequest WHERE received_at >= ? GROUP BY 1, 2", (since,)
+        ).fetchall()
+    return {f"{status} {error}".strip(): count for status, error, count in rows}
+
+
+def measure(stack: h.Stack, gateway: h.GatewayProc, worker_pid: int, key: str, args: argparse.Namespace) -> dict[str, Any]:
     pid = gateway.process.pid
     warm_up(gateway.port, key)
     h.wait_for_quiet(args.quiet_wait)
     baseline = settle(pid)
+    since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
     worker_baseline = h.rss_mib(worker_pid)
     readers = SlowReaders(gateway.port, key, args.clients, args.tokens, args.rcvbuf)
     samples: list[dict[str, float]] = []
@@ -162,13 +175,15 @@ def measure(gateway: h.GatewayProc, worker_pid: int, key: str, args: argparse.Na
     finally:
         readers.close()
     after = settle(pid)
+    time.sleep(2.0)  # the background writer's last batch of rows
+    outcomes = row_outcomes(stack, since)
     peak = max(s["rss_mib"] for s in samples)
     return {
         "baseline_rss_mib": round(baseline, 1), "peak_rss_mib": peak, "growth_mib": round(peak - baseline, 1),
         "end_rss_mib": samples[-1]["rss_mib"], "end_growth_mib": round(samples[-1]["rss_mib"] - baseline, 1),
         "peak_send_queues_mib": max(s["send_queues_mib"] for s in samples),
         "worker_rss_growth_mib": round(max(s["worker_rss_mib"] for s in samples) - worker_baseline, 1),
-        "after_hang_up_rss_mib": round(after, 1), "clients_cut": cut, "bytes_read_by_clients": read, "samples": samples,
+        "after_hang_up_rss_mib": round(after, 1), "clients_seen_closed": cut, "rows": outcomes, "bytes_read_by_clients": read, "samples": samples,
     }  # fmt: skip
 
 
@@ -188,14 +203,14 @@ def main() -> None:
         rows = []
         for label, root, env in runs:
             gateway = stack.start_gateway(env, expect_pools=[POOL], root=root)
-            result = results[label] = measure(gateway, gen.process.pid, key, args)
+            result = results[label] = measure(stack, gateway, gen.process.pid, key, args)
             gateway.stop()
             rows.append([label, result["baseline_rss_mib"], result["peak_rss_mib"], result["growth_mib"], result["end_growth_mib"],
                          result["peak_send_queues_mib"], result["worker_rss_growth_mib"], result["after_hang_up_rss_mib"],
-                         result["clients_cut"]])  # fmt: skip
+                         result["rows"].get("failed timeout_error", 0)])  # fmt: skip
         h.print_table(
             f"{args.clients} clients reading 1 byte/s (SO_RCVBUF {args.rcvbuf}) on {args.tokens:,}-token answers, held {args.hold_s:g} s (MiB)",
-            ["gateway", "RSS before", "peak", "growth", "growth at end", "send queues", "worker RSS growth", "after hang-up", "cut"],
+            ["gateway", "RSS before", "peak", "growth", "growth at end", "send queues", "worker RSS growth", "after hang-up", "cut (rows)"],
             rows,
         )
         growth = results["this checkout"]["growth_mib"]
