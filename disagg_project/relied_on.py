@@ -101,9 +101,15 @@ RELIANCES: tuple[Reliance, ...] = (
         "daphne 4.2.3",
     ),
     Reliance(
-        "daphne.server.Server", ("create_application", "handle_reply", "connections"),
+        "daphne.server.Server", ("create_application", "handle_reply"),
+        "messages_api/server/daphne_request.py (daphne_request)",
+        "`send` is partial(server.handle_reply, request): daphne's request behind it, for the body writer and backpressure",
+        "daphne 4.2.3",
+    ),
+    Reliance(
+        "daphne.server.Server", ("connections",),
         "messages_api/server/body_writer.py (body_writer)",
-        "`send` is partial(server.handle_reply, request); the writer repeats its connections[request] check",
+        "the writer repeats handle_reply's connections[request] check",
         "daphne 4.2.3",
     ),
     Reliance(
@@ -226,6 +232,39 @@ RELIANCES: tuple[Reliance, ...] = (
         ),
         "messages_api/server/direct_write.py (DirectWriteServer.write)",
         "the send queue is empty and the connection open: a direct send keeps the bytes in order",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
+        "twisted.web.http.Request", ("registerProducer", "unregisterProducer", "producer", "finished", "channel"),
+        "messages_api/server/backpressure.py (Backpressure.register, close)",
+        "a streaming producer registered on the request gets the connection's pause/resume through its channel; "
+        "finish() does not unregister it (_cleanup logs an error first), so close() does, before the last frame; "
+        "once the connection is lost `channel` is None and only `producer` is cleared",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
+        "twisted.web.http.HTTPChannel",
+        ("registerProducer", "unregisterProducer", "pauseProducing", "resumeProducing", "stopProducing",
+         "_requestProducer", "_waitingForTransport", "transport"),
+        "messages_api/server/backpressure.py (Backpressure.register)",
+        "the channel, the transport's producer, forwards pause/resume/stop to the request's producer; one registered "
+        "while `_waitingForTransport` is already set is not paused by it, so register() pauses it",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
+        "twisted.internet.abstract.FileDescriptor",
+        ("bufferSize", "write", "_maybePauseProducer", "_isSendBufferFull", "doWrite", "producerPaused",
+         "dataBuffer", "offset", "_tempDataLen"),
+        "messages_api/server/backpressure.py (Backpressure.register, held_bytes), "
+        "messages_api/server/direct_write.py (DirectWriteServer.write: what the socket did not take goes to write)",
+        "write() pauses the streaming producer when more than `bufferSize` is queued (set per stream); doWrite "
+        "resumes it once the queue is empty; the queue's size is read for the stall check",
+        "Twisted 26.10.0",
+    ),
+    Reliance(
+        "twisted.internet.tcp.Connection", ("abortConnection", "socket"),
+        "messages_api/server/backpressure.py (Backpressure.close, held_bytes)",
+        "a stalled client's connection is dropped with its queue; the kernel's send queue is read from its socket",
         "Twisted 26.10.0",
     ),
     Reliance(

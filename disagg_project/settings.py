@@ -280,6 +280,12 @@ SYSTEMD_LISTEN_FDS = int(os.environ.get("LISTEN_FDS", "0") or 0) if os.environ.g
 MESSAGES_STREAM_START_WAIT_S = env_float("MESSAGES_STREAM_START_WAIT_S", 1.0)
 # A stream silent for this long gets an Anthropic `ping` event (Claude Code's stall timers are ~15 s).
 MESSAGES_PING_INTERVAL_S = env_float("MESSAGES_PING_INTERVAL_S", 10.0)
+# A stream's client-bound bytes the gateway queues before it stops reading the stream's worker
+# (the connection's write buffer; messages_api/server/backpressure.py).
+MESSAGES_CLIENT_BUFFER_BYTES = env_int("MESSAGES_CLIENT_BUFFER_BYTES", 256 * 1024)
+# A streaming client that takes no byte for this long while its buffer is full is cut: the worker
+# request is cancelled, the connection aborted, the row `failed` with timeout_error. 0: never.
+MESSAGES_CLIENT_STALL_S = env_float("MESSAGES_CLIENT_STALL_S", 60.0)
 # The whole request, from its arrival to the last byte of the answer: past it the request ends
 # with 504 timeout_error (or an error event once streaming) and its reservations are released.
 # 0 disables it.

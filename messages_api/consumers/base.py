@@ -43,6 +43,7 @@ from messages_api.request_context import current_request_id
 from messages_api.revocation import KeyRevoked
 from messages_api.server import loop_lag
 from messages_api.server.arrival import seconds_since_received
+from messages_api.server.backpressure import Backpressure
 from messages_api.server.body_writer import BodyWriter, body_writer
 from messages_api.server.send_queue import SendQueue
 from workers import WorkerError
@@ -75,9 +76,12 @@ class ApiConsumer(AsyncHttpConsumer):
         self.sent_status: int | None = None  # the status line sent, for the audit row
         self._body_size = 0
         self._running = RequestTask()
-        self._revoked = False  # the work's cancellation is the key's revocation (`revoke`)
+        # Why the gateway cancelled the work while it ran (a revoked key, `revoke`; a stalled
+        # client, `cut`): answered through the error boundary, not taken for the client gone.
+        self._cut: AnthropicError | None = None
         self._body_writer: BodyWriter | None = None  # see send_body
         self._send_queue: SendQueue | None = None  # the body writer off daphne
+        self._backpressure: Backpressure | None = None  # a stream's client pacing its worker, under daphne
 
     # Channels' stubs type every consumer's scope as a websocket scope (`_ChannelScope`); this
     # HTTP consumer reads HTTP keys from it and passes it on unchanged.
@@ -132,9 +136,15 @@ class ApiConsumer(AsyncHttpConsumer):
     def revoke(self) -> None:
         """The request's API key was revoked (messages_api/revocation.py): its work is cancelled,
         and `_serve` answers that cancellation with `KeyRevoked` instead of taking the client for gone."""
-        if self._revoked or self.state is ResponseState.FINISHED:
+        self.cut(KeyRevoked())
+
+    def cut(self, error: AnthropicError) -> None:
+        """End the running request with `error` (once; nothing once it has ended): its work is
+        cancelled and `_serve` answers that cancellation with `error`."""
+        if self._cut is not None or self.state is ResponseState.FINISHED:
             return
-        self._revoked = self._running.cancel()
+        if self._running.cancel():
+            self._cut = error
 
     def _start(self, work: Coroutine[Any, Any, None]) -> None:
         self.state = ResponseState.ANSWERING
@@ -172,6 +182,8 @@ class ApiConsumer(AsyncHttpConsumer):
         # The last frame goes through `send`, which ends the response, after every middle one.
         if self._send_queue is not None:
             await self._send_queue.flush()
+        if self._backpressure is not None:
+            self._backpressure.close()  # before daphne finishes the request (it must be unregistered)
         self.state = ResponseState.FINISHED
         await super().send_body(body, more_body=False)
 
@@ -204,8 +216,8 @@ class ApiConsumer(AsyncHttpConsumer):
                 raise DeadlineExceeded(deadline_s) from exc
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
-            if self._revoked and task is not None and task.uncancel() == 0:  # revoked, and the client is still here
-                await self._answer_error(KeyRevoked())
+            if self._cut is not None and task is not None and task.uncancel() == 0:  # cut, and the client is still here
+                await self._answer_error(self._cut)
                 return
             if self.record.begun:
                 self.record.end(RequestStatus.CANCELLED, http_status=self.sent_status or 499)
@@ -217,6 +229,8 @@ class ApiConsumer(AsyncHttpConsumer):
             if self._send_queue is not None:
                 # The response is over (ended, failed, or its client gone): nothing more is sent.
                 self._send_queue.close()
+            if self._backpressure is not None:
+                self._backpressure.close()  # and a stalled client's connection is aborted
             if span is not None:  # its status from the record: the error's type, or cancelled
                 request_span.end(span, self.record)
 

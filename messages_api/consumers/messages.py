@@ -19,6 +19,7 @@ from messages_api.heartbeat import Heartbeat
 from messages_api.reframe import StreamReframer
 from messages_api.revocation import open_requests
 from messages_api.selection import session_key
+from messages_api.server.backpressure import Backpressure
 from messages_api.server.body_writer import BodyWriter
 
 logger = logging.getLogger(__name__)
@@ -91,9 +92,14 @@ class MessagesConsumer(ApiConsumer):
             if self.state is ResponseState.ANSWERING:
                 await self.start_sse(first_frame=False)
             writer = self._writer()
+            # A client slower than its worker holds the worker's stream back.
             if self._send_queue is not None:
-                # Off daphne: a client slower than its worker holds the worker's stream back.
                 self._send_queue.throttle(run.pause_relay, run.resume_relay)
+            else:
+                self._backpressure = Backpressure.register(
+                    self.base_send, run.pause_relay, run.resume_relay, self.cut,
+                    buffer_bytes=settings.MESSAGES_CLIENT_BUFFER_BYTES, stall_s=settings.MESSAGES_CLIENT_STALL_S,
+                )
             frames = FrameWriter(reframer, writer, self.heartbeat)
             await run.relay(frames.write_chunk, frames)
             closing = encode_events(reframer.finish())

@@ -13,8 +13,7 @@ finished, the connection not gone, the response started) and then, once the head
 frame (`Request.write` itself: it writes the head), the last one (`more_body=False`: daphne
 finishes the request and logs it) and every other message still go through `send`.
 
-It reads what daphne's `Server.create_application` binds into the application's `send`
-(`functools.partial(server.handle_reply, request)`, as messages_api/server/arrival.py does) and
+It finds daphne's request behind `send` (messages_api/server/daphne_request.py) and reads
 daphne's and Twisted's request and server attributes listed in disagg_project/relied_on.py
 (tests/unit/disagg_project/test_relied_on.py checks that they exist); tests/unit/messages_api/server/test_body_writer.py checks the
 bytes against daphne's path. Any other server: None, and the consumer queues its middle frames
@@ -23,12 +22,12 @@ for `send` instead (messages_api/server/send_queue.py).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 from twisted.web import http
 
+from messages_api.server.daphne_request import daphne_request
 from messages_api.server.direct_write import DirectWriteServer
 
 BodyWriter = Callable[[bytes], None]
@@ -36,20 +35,11 @@ BodyWriter = Callable[[bytes], None]
 
 def body_writer(send: Any) -> BodyWriter | None:
     """The direct writer for the request `send` answers, or None when `send` is not daphne's."""
-    if not isinstance(send, functools.partial) or len(send.args) != 1 or send.keywords:
+    request = daphne_request(send)
+    if request is None:
         return None
-    handle_reply = send.func
-    server: Any = getattr(handle_reply, "__self__", None)
-    request: Any = send.args[0]
-    if (
-        getattr(handle_reply, "__name__", None) != "handle_reply"
-        or type(server).__module__ != "daphne.server"
-        or not isinstance(send.args[0], http.Request)
-        or getattr(request, "server", None) is not server
-    ):
-        return None
-    # getattr: mypy keeps `server` as `Any | None` from its getattr above.
-    connections: dict[Any, dict[str, Any]] = getattr(server, "connections")  # noqa: B009
+    server: Any = request.server
+    connections: dict[Any, dict[str, Any]] = server.connections
     # daphne keeps one entry per request from its connection to its end and marks it
     # "disconnected" in place: looked up once, not per token (a lookup hashes the request
     # in Python, `WebRequest.__hash__`).

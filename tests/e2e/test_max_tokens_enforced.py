@@ -8,8 +8,6 @@ more. The worker's connection is closed, and the gateway's memory does not grow 
 
 from __future__ import annotations
 
-import asyncio
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,82 +17,17 @@ import pytest
 
 from messages_api.reframe import CHARS_PER_TOKEN, LONG_PIECE_ALLOWANCE
 from tests.support.cluster import Cluster, audit_row, register_cluster, reservations_closed, wait_registered, wait_until
-from tests.support.fakeworker import HEALTH_ANSWER, chunk
+from tests.support.flooding import FloodingWorker, flood_prompt, flood_text
 from tests.support.gateway import Gateway
 from tests.support.rawclient import RawStream
-from tests.support.scripted import ScriptedServer, read_request
 from tests.support.simworkers import SimWorker
-from tests.support.waiting import poll
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MODEL = "flood-model"
 MAX_TOKENS = 64
-CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
 # Bytes of 4-character tokens a worker floods with (about 150,000 chunks).
 SMALL_FLOOD = 24_000_000
-# "[flood chars=N bytes=M]" in the prompt: content chunks of N characters each, M bytes of them.
-_ORDER = re.compile(rb"\[flood chars=(\d+) bytes=(\d+)\]")
-
-
-class FloodingWorker:
-    """A generation worker that ignores `max_tokens`: every chat request is answered with content
-    chunks (chunked transfer coding, as engines send streams) written as fast as the gateway reads
-    them, up to the prompt's byte count, then a finish chunk and `[DONE]`. It records, per
-    request, the bytes it wrote and whether the gateway hung up before the end."""
-
-    def __init__(self) -> None:
-        self.sent: list[int] = []  # bytes of chunks written, per chat request that ended
-        self.hung_up = 0  # chat requests the gateway closed before the flood's end
-        self._server = ScriptedServer(self._serve)
-
-    @property
-    def url(self) -> str:
-        return self._server.url
-
-    def reset(self) -> None:
-        self.sent.clear()
-        self.hung_up = 0
-
-    def __enter__(self) -> FloodingWorker:
-        self._server.start_thread()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.stop_thread()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        request = await read_request(reader)
-        if request is None:
-            return
-        if request.method == "GET":
-            writer.write(HEALTH_ANSWER)
-            return
-        order = _ORDER.search(request.body)
-        assert order is not None, request.body[:200]
-        chars, total = int(order.group(1)), int(order.group(2))
-        frame = chunk({"content": ("tok " * chars)[:chars]})
-        frames = frame * max(1, 65536 // len(frame))  # about 64 KiB per HTTP chunk
-        piece = b"%x\r\n%b\r\n" % (len(frames), frames)
-        writer.write(CHUNKED_HEAD)
-        sent = 0
-        try:
-            while sent < total:
-                if reader.at_eof():  # the gateway closed its side
-                    raise ConnectionResetError
-                writer.write(piece)
-                await writer.drain()
-                sent += len(frames)
-            end = chunk({}, "stop") + b"data: [DONE]\n\n"
-            writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(end), end))
-            await writer.drain()
-        except ConnectionError:
-            self.hung_up += 1
-        finally:
-            self.sent.append(sent)
-
-    def wait_for_hang_up(self, count: int = 1) -> None:
-        poll(lambda: self.hung_up, lambda closed: closed >= count, timeout=10, what="the flooding worker's connections the gateway closed")
 
 
 @pytest.fixture
@@ -112,13 +45,8 @@ def register(gateway: Gateway, context: SimWorker, generation: FloodingWorker) -
 
 
 def payload(chars: int, total: int, *, stream: bool, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    prompt = f"go [flood chars={chars} bytes={total}]"
+    prompt = flood_prompt(chars, total)
     return {"model": MODEL, "max_tokens": max_tokens, "stream": stream, "messages": [{"role": "user", "content": prompt}]}
-
-
-def flood_text(chars: int) -> str:
-    """The content of one of the flooding worker's chunks of `chars` characters."""
-    return ("tok " * chars)[:chars]
 
 
 def cut_text(chars: int, max_tokens: int) -> str:

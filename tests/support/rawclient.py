@@ -53,10 +53,19 @@ class RawStream:
     ended: bool = False
     _conn: h11.Connection = field(init=False)
     _buffer: bytes = b""
+    # The socket's receive buffer (SO_RCVBUF, set before it connects: the window it offers); the
+    # kernel's default if None.
+    rcvbuf: int | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
-        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+        if self.rcvbuf is None:
+            self.sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+        else:
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
+            self.sock.settimeout(30)
+            self.sock.connect((parts.hostname, parts.port))
         self._conn = h11.Connection(h11.CLIENT)
         headers = [("host", f"{parts.hostname}:{parts.port}")]
         if not any(k.lower() == "content-length" for k in self.headers):
@@ -70,8 +79,8 @@ class RawStream:
         self.sent_at = time.monotonic()
 
     @classmethod
-    def post_json(cls, url: str, payload: dict[str, Any], headers: dict[str, str]) -> RawStream:
-        return cls(url, json.dumps(payload).encode(), {k: v for k, v in headers.items() if k.lower() != "content-length"})
+    def post_json(cls, url: str, payload: dict[str, Any], headers: dict[str, str], *, rcvbuf: int | None = None) -> RawStream:
+        return cls(url, json.dumps(payload).encode(), {k: v for k, v in headers.items() if k.lower() != "content-length"}, rcvbuf=rcvbuf)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.sent_at

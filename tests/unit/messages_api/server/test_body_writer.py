@@ -10,44 +10,15 @@ import re
 from typing import Any
 
 import pytest
-from daphne.http_protocol import HTTPFactory, WebRequest
+from daphne.http_protocol import WebRequest
 from daphne.server import Server
-from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.web import http
 
 from messages_api.server.body_writer import body_writer
+from tests.support.daphne_request import START, daphne_request, stop
 
-REQUEST = b"POST /v1/messages HTTP/1.1\r\nhost: gateway\r\ncontent-length: 2\r\n\r\n{}"
-START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
 FRAMES = [b"event: ping\ndata: {}\n\n", b"event: a\ndata: {\"x\":1}\n\n", b"x" * 70_000]
-
-
-async def daphne_request() -> tuple[Any, WebRequest, StringTransport, Server]:
-    """A request parsed by daphne's own protocol; returns the `send` daphne gave the application."""
-    captured: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        captured.set_result(send)
-        await asyncio.sleep(3600)  # the test answers through `send`
-
-    server = Server(application=application, endpoints=["tcp:port=0:interface=127.0.0.1"], signal_handlers=False)  # never run
-    server.connections = {}  # what Server.run() would have set up
-    protocol = HTTPFactory(server).buildProtocol(("127.0.0.1", 1))
-    transport = StringTransport()
-    protocol.makeConnection(transport)
-    protocol.dataReceived(REQUEST)
-    send = await asyncio.wait_for(captured, 5)
-    request = send.args[0]
-    assert isinstance(request, WebRequest)
-    return send, request, transport, server
-
-
-def stop(server: Server) -> None:
-    for details in server.connections.values():
-        task = details.get("application_instance")
-        if task is not None:
-            task.cancel()
 
 
 def without_date(data: bytes) -> bytes:
