@@ -146,7 +146,14 @@ def test_a_kill_after_the_last_token_runs_the_item_again(cluster: Cluster, start
     before its result is written. Held here by a lock on the item's row (PostgreSQL's row lock,
     SQLite's write lock), so the kill lands in it every time. The item runs again: exactly one
     result, and two completions at the worker, as documented."""
-    from django.db import transaction
+    from django.db import connection, transaction
+
+    if connection.vendor == "postgresql":
+        # The lock cannot hold the process inside the window there: the result's UPDATE, already
+        # sent and waiting for the row, commits once the lock goes, although its process was
+        # killed meanwhile (the server sees its client gone only when it next writes to it). The
+        # item then ran once (seen in a full PostgreSQL run); the window itself is SQLite's here.
+        pytest.skip("on PostgreSQL a write already sent completes after its process is killed")
 
     from messages_api.models import BatchItem
 
