@@ -69,7 +69,7 @@ class _Running:
     item: Claimed
     #: When its claim began (monotonic): the attempt's audit row counts as received then, so
     #: that an item claimed before a cancellation never reads as started after it.
-    claimed_at: float = field(default_factory=time.monotonic)
+    claimed_at: float
     task: asyncio.Task[None] | None = None
     revoked: bool = False
 
@@ -134,8 +134,8 @@ class BatchRunner:
             except TimeoutError:
                 pass
 
-    def start(self, item: Claimed, claimed_at: float | None = None) -> None:
-        running = _Running(item) if claimed_at is None else _Running(item, claimed_at)
+    def start(self, item: Claimed, claimed_at: float) -> None:
+        running = _Running(item, claimed_at)
         self.running[item.pk] = running
         running.task = asyncio.get_running_loop().create_task(self._run_item(running), name=f"batch-item-{item.pk}")
 

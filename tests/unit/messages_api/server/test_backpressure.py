@@ -20,33 +20,9 @@ from messages_api.server.backpressure import Backpressure, ClientStalled, unsent
 from messages_api.server.body_writer import body_writer
 from messages_api.server.direct_write import DirectWriteServer
 from tests.support.daphne_request import START, daphne_request, stop
+from tests.support.reactor import RecordingReactor
 
 FRAME = b"event: content_block_delta\ndata: " + b"x" * 4000 + b"\n\n"
-
-
-class Reactor:
-    """Stands in for the reactor: records writer registrations and delayed calls."""
-
-    def __init__(self) -> None:
-        self.writers: list[Any] = []
-        self.later: list[tuple[Any, tuple[Any, ...]]] = []
-
-    def addWriter(self, selectable: Any) -> None:
-        if selectable not in self.writers:
-            self.writers.append(selectable)
-
-    def removeWriter(self, selectable: Any) -> None:
-        if selectable in self.writers:
-            self.writers.remove(selectable)
-
-    def addReader(self, selectable: Any) -> None:
-        pass
-
-    def removeReader(self, selectable: Any) -> None:
-        pass
-
-    def callLater(self, delay: float, f: Any, *args: Any) -> None:
-        self.later.append((f, args))
 
 
 class Calls:
@@ -66,7 +42,7 @@ class Calls:
 
 
 @pytest.fixture
-def connection() -> Iterator[tuple[DirectWriteServer, socket.socket, Reactor]]:
+def connection() -> Iterator[tuple[DirectWriteServer, socket.socket, RecordingReactor]]:
     """The gateway's transport for an accepted TCP connection, and its client (a 4 KiB window)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         theirs = socket.socket()
@@ -74,14 +50,14 @@ def connection() -> Iterator[tuple[DirectWriteServer, socket.socket, Reactor]]:
         theirs.connect(listener.getsockname())
         ours, peer = listener.accept()
     ours.setblocking(False)
-    reactor = Reactor()
+    reactor = RecordingReactor()
     transport = DirectWriteServer(ours, None, peer, None, 1, reactor)  # type: ignore[arg-type]
     yield transport, theirs, reactor
     ours.close()
     theirs.close()
 
 
-def drain(client: socket.socket, transport: DirectWriteServer, reactor: Reactor) -> int:
+def drain(client: socket.socket, transport: DirectWriteServer, reactor: RecordingReactor) -> int:
     """The client reads everything; Twisted writes its queue as the reactor would. Bytes read."""
     read = 0
     client.setblocking(False)

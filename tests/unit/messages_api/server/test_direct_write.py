@@ -12,27 +12,7 @@ from twisted.internet import abstract, tcp
 
 from messages_api.server import direct_write
 from messages_api.server.direct_write import DirectWriteServer
-
-
-class RecordingReactor:
-    """Stands in for the reactor: records writer registrations instead of polling."""
-
-    def __init__(self) -> None:
-        self.writers: list[Any] = []
-
-    def addWriter(self, selectable: Any) -> None:
-        if selectable not in self.writers:  # a set, as the real reactor's
-            self.writers.append(selectable)
-
-    def removeWriter(self, selectable: Any) -> None:
-        if selectable in self.writers:
-            self.writers.remove(selectable)
-
-    def addReader(self, selectable: Any) -> None:
-        pass
-
-    def removeReader(self, selectable: Any) -> None:
-        pass
+from tests.support.reactor import RecordingReactor
 
 
 @pytest.fixture
