@@ -85,21 +85,40 @@ def release_test_database(django_db_setup: Any, django_db_blocker: Any) -> Itera
                 )
 
 
+# The gateways the `gateways` fixture runs, by their settings. The default gateway (no settings of
+# its own) serves most modules and lives for the session; one with settings of its own is stopped
+# when the module that started it ends. Kept all session long they added up: each idle gateway
+# reloads the registry every REGISTRY_REFRESH_INTERVAL_S (0.1 s here), and by the last modules of a
+# CI run under coverage some sixty of them took both cores, so a new gateway's first query outlasted
+# its test's 5 s wait (CI, 2026-12-06: 76 tests of the last three e2e modules failed that way).
+_RUNNING_GATEWAYS: dict[tuple[tuple[str, str], ...], Gateway] = {}
+
+
 @pytest.fixture(scope="session")
 def gateways(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Callable[..., Gateway]]:
     """`gateways(**env)` → a running gateway with those settings (one per distinct env)."""
-    running: dict[tuple[tuple[str, str], ...], Gateway] = {}
 
     def get(**env: str) -> Gateway:
         key = tuple(sorted(env.items()))
-        if key not in running:
+        if key not in _RUNNING_GATEWAYS:
             with django_db_blocker.unblock():
-                running[key] = Gateway(env).start()
-        return running[key]
+                _RUNNING_GATEWAYS[key] = Gateway(env).start()
+        return _RUNNING_GATEWAYS[key]
 
     yield get
-    for gateway in running.values():
+    for gateway in _RUNNING_GATEWAYS.values():
         gateway.stop()
+    _RUNNING_GATEWAYS.clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_the_modules_own_gateways() -> Iterator[None]:
+    """After each module (autouse, so torn down after the module's other fixtures): stop the
+    gateways with settings of their own that it started (no later module uses them unless it
+    starts them again)."""
+    yield
+    for key in [key for key in _RUNNING_GATEWAYS if key]:
+        _RUNNING_GATEWAYS.pop(key).stop()
 
 
 @pytest.fixture
