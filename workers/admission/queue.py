@@ -36,7 +36,7 @@ import enum
 import itertools
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -95,6 +95,8 @@ class Ticket:
     tokens: int = 0
     #: Bytes the request holds while it waits (its body), for the queue's byte bound.
     size: int = 0
+    #: Awaited when the request is about to wait for its turn (a streamed answer starts then).
+    on_wait: Callable[[], Awaitable[None]] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -203,6 +205,9 @@ class AdmissionQueue:
             if waiter.rewoken:
                 waiter.rewoken = False
                 waiter.future.set_result(None)
+        on_wait = waiter.ticket.on_wait
+        if on_wait is not None and not waiter.future.done():
+            await on_wait()
         self._poll(waiter.resource)
         try:
             async with asyncio.timeout_at(deadline):
