@@ -50,20 +50,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="bursts per gateway (default 1)")
     parser.add_argument("--b-root", type=Path, help="another checkout: its gateway takes a burst after each of this one's")
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE", help="a gateway setting (repeatable)")
-    parser.add_argument("--probe", nargs=2, metavar=("PORT", "INTERVAL"), help=argparse.SUPPRESS)
+    parser.add_argument("--probe-path", default="/health", help="the path the side prober GETs (default /health)")
+    parser.add_argument("--probe", nargs=3, metavar=("PORT", "INTERVAL", "PATH"), help=argparse.SUPPRESS)
     return h.parse_args(parser, quick={"streams": 100}, full={"streams": 1000})
 
 
 # --- the /health prober (its own process: the client's loop must not delay its reads) -------------
 
 
-def probe_main(port: int, interval: float) -> None:
-    """Probe /health until stdin closes; print one JSON list of [start offset, latency] pairs."""
+def probe_main(port: int, interval: float, path: str) -> None:
+    """GET `path` until stdin closes; print one JSON list of [start offset, latency, status]."""
     import threading
 
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    wire = f"GET /health HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode()
+    wire = f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode()
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     samples: list[tuple[float, float, int]] = []
@@ -87,9 +88,9 @@ def probe_main(port: int, interval: float) -> None:
 
 
 class HealthProber:
-    def __init__(self, port: int, interval: float) -> None:
+    def __init__(self, port: int, interval: float, path: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--probe", str(port), str(interval)],
+            [sys.executable, __file__, "--probe", str(port), str(interval), path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
         self.started = time.perf_counter()
@@ -133,7 +134,7 @@ async def burst(gateway: h.GatewayProc, key: str, args: argparse.Namespace) -> d
     for start in range(0, args.streams, 250):
         connections += await asyncio.gather(*(h.connect(port) for _ in range(start, min(args.streams, start + 250))))
     await asyncio.sleep(0.5)
-    prober = HealthProber(port, args.probe_interval)
+    prober = HealthProber(port, args.probe_interval, args.probe_path)
     await asyncio.sleep(0.5)  # the prober's quiet figures first
     meter = h.CpuMeter({"gateway": gateway.pid}).start()
     t0 = time.perf_counter()
@@ -194,7 +195,7 @@ def report(label: str, result: dict[str, Any], args: argparse.Namespace) -> None
 def main() -> None:
     args = parse_args()
     if args.probe:
-        probe_main(int(args.probe[0]), float(args.probe[1]))
+        probe_main(int(args.probe[0]), float(args.probe[1]), args.probe[2])
         return
     h.raise_nofile()
     settings: dict[str, Any] = {"MESSAGES_STREAM_START_WAIT_S": args.start_wait}
