@@ -205,18 +205,19 @@ class AdmissionQueue:
             if waiter.rewoken:
                 waiter.rewoken = False
                 waiter.future.set_result(None)
-        on_wait = waiter.ticket.on_wait
-        if on_wait is not None and not waiter.future.done():
-            await on_wait()
         self._poll(waiter.resource)
+        on_wait = waiter.ticket.on_wait
         try:
             async with asyncio.timeout_at(deadline):
+                if on_wait is not None and not waiter.future.done():
+                    await on_wait()
                 await waiter.future
         except TimeoutError:
             self.leave(waiter, "expired")
             refusals.labels(waiter.ticket.priority.label, "timeout").inc()
             raise _refused(f"no worker slot freed within {settings.ADMISSION_QUEUE_TIMEOUT_S:g} s") from None
-        except asyncio.CancelledError:
+        except BaseException:
+            # Cancelled, or the request's `on_wait` failed (its client gone): its place goes.
             self.leave(waiter, "cancelled")
             raise
 
