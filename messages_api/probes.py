@@ -10,6 +10,8 @@ It is a middleware at the top of the stack rather than a route in the ASGI route
 router belongs to the API's consumers; here the probes stay Django views and need no second
 dispatch table. Being first, it also keeps SecurityMiddleware's HTTPS redirect off the probes,
 which arrive as plain HTTP from inside the network even when the public side is TLS-only.
+
+`/health` is not here: it is answered before Django (messages_api/liveness.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from messages_api import views
 ProbeView = Callable[[HttpRequest], HttpResponseBase | Awaitable[HttpResponseBase]]
 
 PROBE_VIEWS: dict[str, ProbeView] = {
-    "/health": views.health,
     "/ready": views.ready,
     "/metrics": views.metrics,
 }
@@ -52,4 +53,5 @@ class ProbeMiddleware:
         if inspect.isawaitable(response):
             return await response
         return response
+
 

@@ -19,6 +19,7 @@ from django.conf import settings
 from django.urls import path, re_path
 from django.urls.resolvers import RoutePattern
 
+from messages_api import liveness
 from messages_api.audit import new_request_id
 from messages_api.batches.consumers import BatchCancelConsumer, BatchConsumer, BatchesConsumer, BatchResultsConsumer
 from messages_api.consumers import CountTokensConsumer, MessagesConsumer, ModelsConsumer
@@ -46,6 +47,7 @@ def http_application(django_asgi_app: Any) -> Any:
     return URLRouter(
         [
             *(_asgi_path(route, consumer.as_asgi()) for route, consumer in API_ROUTES),
+            _asgi_path("health", liveness.health),  # answered before Django (messages_api/liveness.py)
             _asgi_re_path(r"^v1(?:/|$)", api_not_found),
             _asgi_re_path(r"", django_asgi_app),
         ]

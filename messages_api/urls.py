@@ -9,7 +9,6 @@ urlpatterns = [
     path("", views.root),
     # Claude Code 2.1.220-2.1.289 check that the gateway answers with HEAD /api/hello.
     path("api/hello", views.root),
-    path("health", views.health),
     path("ready", views.ready),
     path("metrics", views.metrics),
 ]

@@ -21,12 +21,6 @@ def root(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"service": "disaggregated messages gateway", "messages": "/v1/messages"})
 
 
-@require_safe
-def health(request: HttpRequest) -> JsonResponse:
-    """Liveness: the process answers."""
-    return JsonResponse({"status": "ok"})
-
-
 def _database_reachable() -> bool:
     try:
         with connection.cursor() as cursor:

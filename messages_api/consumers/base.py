@@ -206,7 +206,7 @@ class ApiConsumer(AsyncHttpConsumer):
                             f"Method {self.scope.get('method')} is not allowed here",
                             headers=((b"allow", ", ".join(self.allowed_methods).encode()),),
                         )
-                    if loop_lag.monitor.overloaded():
+                    if loop_lag.monitor.overloaded(self.record.received_monotonic):
                         loop_lag.shed.inc()
                         raise Overloaded("Overloaded", retry_after=1.0)
                     await self.handle_request(body)

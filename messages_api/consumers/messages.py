@@ -70,14 +70,21 @@ class MessagesConsumer(ApiConsumer):
             # Still in the context phase: the response starts now, kept alive by pings, while
             # the pipeline goes on in this task.
             nonlocal early_start
-            early_start = asyncio.create_task(self.start_sse(first_frame=True))
+            if self.state is ResponseState.ANSWERING and early_start is None:
+                early_start = asyncio.create_task(self.start_sse(first_frame=True))
+
+        async def start_queued() -> None:
+            # Waiting in the admission queue: the response starts now, in this request's step
+            # (under a burst, a task of its own would run only after every other request's start).
+            if self.state is ResponseState.ANSWERING and early_start is None:
+                await self.start_sse(first_frame=True)
 
         try:
             # The wait counts from the request's arrival, not from here: under a burst, time spent
             # queued behind other requests' start-up is part of what the client waits.
             remaining = settings.MESSAGES_STREAM_START_WAIT_S - (time.monotonic() - self.record.received_monotonic)
             try:
-                await run.stream_ready(slow_after=remaining, on_slow=start_early)
+                await run.stream_ready(slow_after=remaining, on_slow=start_early, on_wait=start_queued)
             except BaseException:
                 if early_start is not None:
                     # The error is answered after the status line, as a late error; the pipeline's

@@ -36,7 +36,7 @@ import enum
 import itertools
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -95,6 +95,8 @@ class Ticket:
     tokens: int = 0
     #: Bytes the request holds while it waits (its body), for the queue's byte bound.
     size: int = 0
+    #: Awaited when the request is about to wait for its turn (a streamed answer starts then).
+    on_wait: Callable[[], Awaitable[None]] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -204,14 +206,18 @@ class AdmissionQueue:
                 waiter.rewoken = False
                 waiter.future.set_result(None)
         self._poll(waiter.resource)
+        on_wait = waiter.ticket.on_wait
         try:
             async with asyncio.timeout_at(deadline):
+                if on_wait is not None and not waiter.future.done():
+                    await on_wait()
                 await waiter.future
         except TimeoutError:
             self.leave(waiter, "expired")
             refusals.labels(waiter.ticket.priority.label, "timeout").inc()
             raise _refused(f"no worker slot freed within {settings.ADMISSION_QUEUE_TIMEOUT_S:g} s") from None
-        except asyncio.CancelledError:
+        except BaseException:
+            # Cancelled, or the request's `on_wait` failed (its client gone): its place goes.
             self.leave(waiter, "cancelled")
             raise
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -154,10 +154,17 @@ class ChatRun:
             outcome = Outcome.FAILURE
         await self.close(outcome)
 
-    async def stream_ready(self, *, slow_after: float | None = None, on_slow: Callable[[], None] | None = None) -> None:
+    async def stream_ready(
+        self, *, slow_after: float | None = None, on_slow: Callable[[], None] | None = None,
+        on_wait: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """Run the pipeline up to a generation stream ready to read; raises its WorkerError.
         `on_slow` is called once, from the event loop, if the pipeline is still running
         `slow_after` seconds from now (a long context phase: a streamed answer starts meanwhile).
+        `on_wait` is awaited, in the pipeline, when the request is about to wait in the admission
+        queue (`on_slow` is not called after it; the caller makes the two one start): under a burst most requests wait, and each
+        one's answer starts as it joins the queue, in its own step, rather than all together when
+        their timers fall due, behind every other request's start (bench/burst.py).
 
         The pipeline runs in the caller's task, not a child's: every task between a request and
         its worker's answer costs the start one more loop turn, and under a burst each turn is a
@@ -167,14 +174,26 @@ class ChatRun:
         if self._pipeline_started or self._closing is not None:
             raise RuntimeError("a run's pipeline runs once, before the run is closed")
         self._pipeline_started = True
-        timer = None
+        timer: asyncio.TimerHandle | None = None
         if on_slow is not None and slow_after is not None:
             timer = asyncio.get_running_loop().call_later(max(0.0, slow_after), on_slow)
+        if on_wait is not None:
+            ticket = self.ticket
+
+            async def waits() -> None:
+                ticket.on_wait = None
+                if timer is not None:
+                    timer.cancel()
+                await on_wait()
+
+            ticket.on_wait = waits
         try:
             await self._open()
         finally:
             if timer is not None:
                 timer.cancel()
+            if on_wait is not None:
+                self.ticket.on_wait = None
 
     async def close(self, outcome: Outcome) -> None:
         """Cancel what is still running and release every reservation; idempotent.

@@ -218,3 +218,38 @@ async def _woken(queue: AdmissionQueue) -> Any:
     await settle()
     queue.notify(RESOURCE)
     return await task
+
+
+@override_settings(ADMISSION_POLL_INTERVAL_S=60)
+async def test_on_wait_is_awaited_once_when_the_request_waits_and_not_when_it_goes_through() -> None:
+    # A streamed request starts its answer as it joins the queue (ChatRun.stream_ready's on_wait).
+    slots = Slots(AdmissionQueue(), free=1)
+    started: list[str] = []
+
+    def ticket(name: str) -> Ticket:
+        t = Ticket(name)
+
+        async def on_wait() -> None:
+            started.append(name)
+            t.on_wait = None  # once, as ChatRun's does
+
+        t.on_wait = on_wait
+        return t
+
+    tasks = await enqueue(slots, [("through", ticket("through")), ("waits", ticket("waits"))])
+    assert started == ["waits"] and slots.admitted == ["through"]
+    assert await drain(slots, tasks) == ["through", "waits"]
+    assert started == ["waits"]
+
+
+@override_settings(ADMISSION_POLL_INTERVAL_S=60)
+async def test_an_on_wait_that_fails_leaves_no_place_in_the_queue() -> None:
+    queue = AdmissionQueue()
+    slots = Slots(queue)
+
+    async def client_gone() -> None:
+        raise ConnectionResetError("the client left")
+
+    with pytest.raises(ConnectionResetError):
+        await slots.request("gone", Ticket("gone", on_wait=client_gone))
+    assert queue.depth() == 0 and not queue.busy(RESOURCE)
