@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from disagg_project import tracing
 from messages_api import intake
 from messages_api.accumulate import accumulate_message
 from messages_api.audit import AuditRecord, sample_anonymous, sample_refused
@@ -73,7 +74,7 @@ async def serve(
     validated request."""
     # A key this process already knows is over its limits is refused before its body is parsed.
     refuse_early(principal.key_hash, principal.limits)
-    request, chat, rendered, cache_share = await intake.messages_request(body)
+    request, chat, rendered, cache_share = await _intake(body)
     record.model = request["model"]
     record.stream = bool(request.get("stream"))
     pool = await pool_for_model(request["model"], principal, chat)
@@ -116,6 +117,21 @@ async def serve(
         run.charge_output(used.output_tokens)
     record.end(RequestStatus.COMPLETED, http_status=200)
     return replied
+
+
+async def _intake(body: bytes) -> intake.Prepared:
+    """`intake.messages_request`; traced, as a span of its own (`gateway.intake`), which a
+    refusal ends in the error status with Anthropic's error type."""
+    if not tracing.on:
+        return await intake.messages_request(body)
+    span = tracing.child("gateway.intake", {"gateway.request.body_bytes": len(body)})
+    try:
+        converted = await intake.messages_request(body)
+    except BaseException as exc:
+        tracing.end(span, client_error(exc).error_type if isinstance(exc, Exception) else exc)
+        raise
+    tracing.end(span)
+    return converted
 
 
 async def answer_message(

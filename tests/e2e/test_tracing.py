@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -174,3 +175,90 @@ def test_a_client_leaving_ends_the_spans_cancelled(traced: tuple[Gateway, Cluste
     server, context = one(spans, "POST /v1/messages"), one(spans, "context")
     assert server.status_code == ERROR and server.attributes["error.type"] == "cancelled"
     assert context.status_code == ERROR and context.attributes["error.type"] == "cancelled"
+
+
+def test_the_stages_are_children_of_the_request_span(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
+    gateway, cluster = traced
+    response = post(gateway, cluster, "stages [sim tokens=3]", stream=True)
+    assert response.status_code == 200, response.text
+    trace_id = audit_row(response.headers["request-id"]).trace_id
+    names = {"POST /v1/messages", "gateway.intake", "gateway.relay", "context", "generation"}
+    receiver.wait_for(lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id})
+    spans = receiver.trace(trace_id)
+    server, intake, relay = one(spans, "POST /v1/messages"), one(spans, "gateway.intake"), one(spans, "gateway.relay")
+    assert intake.parent_span_id == server.span_id and relay.parent_span_id == server.span_id
+    assert intake.status_code != ERROR and relay.status_code != ERROR
+    # No wait for a slot: no admission span.
+    assert [s for s in spans if s.name == "gateway.admission"] == []
+
+
+def test_a_refused_body_ends_the_intake_span_with_anthropics_error_type(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
+    gateway, cluster = traced
+    trace_id = secrets.token_hex(16)
+    response = post(gateway, cluster, "refused", {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}, max_tokens=-1)
+    assert response.status_code == 400, response.text
+    receiver.wait_for(lambda spans: {"POST /v1/messages", "gateway.intake"} <= {s.name for s in spans if s.trace_id == trace_id})
+    spans = receiver.trace(trace_id)
+    server, intake = one(spans, "POST /v1/messages"), one(spans, "gateway.intake")
+    assert intake.parent_span_id == server.span_id
+    assert intake.status_code == ERROR and intake.attributes["error.type"] == "invalid_request_error"
+    assert server.status_code == ERROR and server.attributes["error.type"] == "invalid_request_error"
+
+
+def test_a_wait_for_a_slot_is_the_admission_span(
+    transactional_db: Any, gateways: Callable[..., Gateway], receiver: OtlpReceiver, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
+    gateway = gateways(**traced_env(receiver.url))
+    cluster = register_cluster(context_worker, generation_worker, generation_capacity=1)
+    wait_registered(gateway, cluster)
+    with ThreadPoolExecutor(1) as pool:
+        # The first holds the pool's one generation slot through its context phase.
+        holder = pool.submit(post, gateway, cluster, "holds [sim context_delay=1.5 tokens=2]")
+        cluster.context.wait_for(lambda s: s["active"] == 1, timeout=10)
+        response = post(gateway, cluster, "waits [sim tokens=2]")
+        assert holder.result().status_code == 200
+    assert response.status_code == 200, response.text
+    row = audit_row(response.headers["request-id"])
+    assert row.queued_ms is not None and row.queued_ms > 100
+    receiver.wait_for(lambda spans: {"POST /v1/messages", "gateway.admission"} <= {s.name for s in spans if s.trace_id == row.trace_id})
+    spans = receiver.trace(row.trace_id)
+    server, admission = one(spans, "POST /v1/messages"), one(spans, "gateway.admission")
+    assert admission.parent_span_id == server.span_id
+    assert admission.attributes["gateway.pool"] == cluster.pool.name and admission.attributes["gateway.priority"] == "standard"
+
+
+OPENMETRICS = "application/openmetrics-text; version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+
+
+def exemplar_trace_ids(text: str, name: str) -> set[str]:
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    return {
+        sample.exemplar.labels["trace_id"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and sample.exemplar is not None
+    }
+
+
+def test_the_latency_histograms_carry_the_trace_as_an_exemplar_in_openmetrics(traced: tuple[Gateway, Cluster]) -> None:
+    gateway, cluster = traced
+    response = post(gateway, cluster, "exemplar [sim tokens=2]")
+    assert response.status_code == 200, response.text
+    trace_id = audit_row(response.headers["request-id"]).trace_id
+    assert len(trace_id) == 32
+
+    def scrape() -> httpx.Response:
+        return httpx.get(gateway.url + "/metrics", headers={"accept": OPENMETRICS}, timeout=10)
+
+    deadline = time.monotonic() + 15
+    while trace_id not in exemplar_trace_ids(scrape().text, "gateway_request_duration_seconds_bucket"):
+        assert time.monotonic() < deadline, "no exemplar with the request's trace id"
+        time.sleep(0.1)
+    scraped = scrape()
+    assert scraped.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert trace_id in exemplar_trace_ids(scraped.text, "gateway_time_to_first_token_seconds_bucket")
+    # The plain text format, without exemplars, for a scraper that does not ask for OpenMetrics.
+    plain = httpx.get(gateway.url + "/metrics", timeout=10)
+    assert plain.headers["content-type"].startswith("text/plain") and trace_id not in plain.text
+    assert metric_total(plain.text, "gateway_request_duration_seconds_count") >= 1
