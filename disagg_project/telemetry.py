@@ -118,6 +118,33 @@ class Tracing:
         trace_id = format(span_context.trace_id, "032x") if span_context.trace_flags.sampled else ""
         return RequestSpan(span, token, trace_id)
 
+    def start_linked(self, name: str, link: str, attributes: Mapping[str, AttributeValue]) -> RequestSpan | None:
+        """Start a CONSUMER span at the root of a trace of its own (a unit of work taken from a
+        queue: a batch item), linked to the span whose W3C `traceparent` is `link` (the batch's
+        creation; none when "") and made current like `start_request`'s; None when tracing is off."""
+        if not self.on:
+            return None
+        links = []
+        if link:
+            linked = trace.get_current_span(self._propagator.extract({"traceparent": link})).get_span_context()
+            if linked.is_valid:
+                links.append(trace.Link(linked))
+        root = Context()  # not the caller's current span: a trace of its own
+        span = self._tracer.start_span(name, context=root, kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links)
+        token = otel_context.attach(trace.set_span_in_context(span, root))
+        span_context = span.get_span_context()
+        trace_id = format(span_context.trace_id, "032x") if span_context.trace_flags.sampled else ""
+        return RequestSpan(span, token, trace_id)
+
+    def current_traceparent(self) -> str:
+        """The current span's W3C `traceparent` ("" when tracing is off or no span is current): what
+        a unit of work started later, elsewhere, links to (`start_linked`)."""
+        if not self.on:
+            return ""
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier)
+        return carrier.get("traceparent", "")
+
     def end_request(self, request: RequestSpan, attributes: Mapping[str, AttributeValue], error_type: str = "") -> None:
         """End the request's span with `attributes`; a non-empty `error_type` (Anthropic's, or
         "cancelled") sets the error status. Detaches the span from the context."""

@@ -13,14 +13,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.cluster import Cluster, audit_row, register_cluster, wait_registered
+from tests.support.batches import BATCH_ENV, item
+from tests.support.cluster import Cluster, audit_row, register_cluster, wait_registered, wait_until
 from tests.support.gateway import Gateway
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support.ports import refused_url
 from tests.support.prometheus import metric_total
 from tests.support.simworkers import SimWorker
 
-SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
+SERVER, CLIENT, CONSUMER = 2, 3, 5  # opentelemetry.proto.trace.v1.Span.SpanKind
 ERROR = 2  # Status.StatusCode
 
 
@@ -262,3 +263,47 @@ def test_the_latency_histograms_carry_the_trace_as_an_exemplar_in_openmetrics(tr
     plain = httpx.get(gateway.url + "/metrics", timeout=10)
     assert plain.headers["content-type"].startswith("text/plain") and trace_id not in plain.text
     assert metric_total(plain.text, "gateway_request_duration_seconds_count") >= 1
+
+
+@pytest.fixture
+def batch_gateway(transactional_db: Any, receiver: OtlpReceiver) -> Iterator[Gateway]:
+    """A traced gateway with a batch runner, stopped after the test (its runner would claim the
+    next test's items)."""
+    gateway = Gateway({**BATCH_ENV, **traced_env(receiver.url)}).start()
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def test_batch_items_are_traces_of_their_own_linked_to_the_batch(
+    batch_gateway: Gateway, receiver: OtlpReceiver, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
+    from messages_api.models import MessageRequest
+
+    cluster = register_cluster(context_worker, generation_worker)
+    wait_registered(batch_gateway, cluster)
+    trace_id = secrets.token_hex(16)
+    body = {"requests": [item("first", "item one [sim tokens=2]", cluster.model), item("second", "item two [sim tokens=2]", cluster.model)]}
+    headers = cluster.headers(traceparent=f"00-{trace_id}-{secrets.token_hex(8)}-01")
+    created = httpx.post(batch_gateway.url + "/v1/messages/batches", json=body, headers=headers, timeout=30)
+    assert created.status_code == 200, created.text
+    batch_id = created.json()["id"]
+
+    def items(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        return [s for s in spans if s.name == "batch item" and s.attributes.get("gateway.batch_id") == batch_id]
+
+    spans = receiver.wait_for(lambda spans: len(items(spans)) == 2 and any(s.name == "POST /v1/messages/batches" for s in spans), timeout=30)
+    creation = one([s for s in spans if s.trace_id == trace_id], "POST /v1/messages/batches")
+    first, second = sorted(items(spans), key=lambda s: s.attributes["gateway.batch.custom_id"])
+    assert first.trace_id != second.trace_id and trace_id not in (first.trace_id, second.trace_id)
+    for span in (first, second):
+        assert span.parent_span_id == "" and span.kind == CONSUMER and span.status_code != ERROR
+        assert span.links == [(trace_id, creation.span_id)]
+        assert span.attributes["gateway.batch.attempt"] == 1
+    # Each item's own work (its worker calls) in its own trace, and its audit row naming it.
+    receiver.wait_for(lambda spans: {"generation"} <= {s.name for s in spans if s.trace_id == first.trace_id})
+    assert one(receiver.trace(first.trace_id), "generation").parent_span_id == first.span_id
+    wait_until(lambda: MessageRequest.objects.filter(batch_id=batch_id, status="completed").count() == 2, message="the items never completed")
+    rows = {row.custom_id: row.trace_id for row in MessageRequest.objects.filter(batch_id=batch_id)}
+    assert rows == {"first": first.trace_id, "second": second.trace_id}

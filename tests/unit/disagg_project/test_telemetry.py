@@ -23,6 +23,7 @@ def test_off_by_default() -> None:
 def test_off_the_request_span_is_none_and_nothing_is_touched() -> None:
     off = Tracing()
     assert off.start_request("POST /v1/messages", {b"traceparent": b"garbage"}, {}) is None
+    assert off.start_linked("batch item", "garbage", {}) is None and off.current_traceparent() == ""
     # Off, the facade never made a tracer: a seam that ignored `on` would fail loudly here.
     assert off._tracer is None and off._propagator is None
 
