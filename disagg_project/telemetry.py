@@ -158,6 +158,12 @@ class Tracing:
         finally:
             otel_context.detach(request._token)
 
+    def annotate(self, attributes: Mapping[str, AttributeValue]) -> None:
+        """Set `attributes` on the current span (the request's, in its task), if it records."""
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(attributes)
+
     def request_error(self, request: RequestSpan | None, error_type: str) -> None:
         """Mark the request's span failed with Anthropic's `error_type` (the error boundary)."""
         if request is not None and request.span.is_recording():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from disagg_project import tracing
-from messages_api import intake
+from messages_api import intake, trace_content
 from messages_api.accumulate import accumulate_message
 from messages_api.audit import AuditRecord, sample_anonymous, sample_refused
 from messages_api.auth import Principal
@@ -26,7 +26,8 @@ from messages_api.limits import Usage, check_limits, refuse_early
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.selection import new_message_id, pool_for_model
-from workers import ChatRun, Priority
+from messages_api.trace_content import ContentRecorder
+from workers import ChatRun, Gather, Priority
 
 __all__ = ["Answer", "answer_message", "end_failed", "serve"]
 
@@ -42,6 +43,13 @@ class Answer:
     reframer: StreamReframer  # the run's OpenAI chunks as Anthropic events
     headers: list[tuple[bytes, bytes]]  # the key's anthropic-ratelimit-* headers, for the reply
     record: AuditRecord
+    recorder: ContentRecorder | None = None  # the answer's content for the trace (opt-in)
+
+    async def relay(self, sink: Callable[[dict[str, Any]], None], gather: Gather | None = None) -> None:
+        """The run's relay (`ChatRun.relay`), its chunks recorded first when content is traced."""
+        if self.recorder is not None:
+            sink = self.recorder.wrap(sink)
+        await self.run.relay(sink, gather)
 
     async def message(self) -> dict[str, Any]:
         """The whole reply as one Anthropic Message."""
@@ -50,7 +58,7 @@ class Answer:
         self.record.progress()
         events: list[dict[str, Any]] = []
         # Bounded: past max_tokens the reframer ends the message and the relay stops (reframe.py).
-        await run.relay(lambda chunk: events.extend(reframer.feed(chunk)))
+        await self.relay(lambda chunk: events.extend(reframer.feed(chunk)))
         events.extend(reframer.finish())
         return accumulate_message(events)
 
@@ -98,11 +106,13 @@ async def serve(
         # Enforced here, whatever the worker does: the relay stops at it (reframe.py).
         max_tokens=request["max_tokens"],
     )
+    # Traced with TRACE_RECORD_CONTENT on: the prompt on the request's span now, the answer at the end.
+    recorder = trace_content.recorder_for(record, request) if record.trace_id else None
     try:
         record.begin()
         record.run = run  # the audit reads the run's progress (stage, endpoints, timings) when it writes
         async with run:
-            replied = await reply(Answer(request, run, reframer, lease.headers, record))
+            replied = await reply(Answer(request, run, reframer, lease.headers, record, recorder))
     finally:
         # Whichever way the run ended: what the reply used, for the row and the key's usage.
         if reframer.started:
@@ -111,6 +121,8 @@ async def serve(
             record.cache_read_input_tokens = reframer.cache_read_input_tokens
             record.cache_creation_input_tokens = reframer.cache_creation_input_tokens
             record.stop_reason = reframer.stop_reason  # gen_ai.response.finish_reasons
+        if recorder is not None:
+            recorder.finish(record.stop_reason)
         # Anthropic's input-token limits count what was written to the cache too.
         used = Usage((record.input_tokens or 0) + (record.cache_creation_input_tokens or 0), record.output_tokens or 0)
         lease.settle(used)

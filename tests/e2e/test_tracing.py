@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.support.batches import BATCH_ENV, item
@@ -94,9 +95,10 @@ def test_a_clients_trace_is_continued_into_the_workers(traced: tuple[Gateway, Cl
     assert attributes["gateway.endpoint.generation"] == cluster.generation.url
     assert attributes["gateway.api_key.name"].startswith("test-key-") and attributes["gateway.priority"] == "standard"
     assert attributes["gateway.schedule"] == "context_first" and attributes["gen_ai.provider.name"] == "trtllm"
-    # Nothing of the prompt, the answer, or the key itself.
+    # Nothing of the prompt, the answer, or the key itself (TRACE_RECORD_CONTENT is off).
     everything = repr([s.attributes for s in spans])
     assert "continued" not in everything and cluster.key not in everything
+    assert not {"gen_ai.input.messages", "gen_ai.output.messages"} & set(attributes)
 
     # Each worker saw the gateway's client span for its call as the parent, in the client's trace.
     assert worker_traceparent(cluster.context, "continued") == f"00-{trace_id}-{context.span_id}-01"
@@ -307,3 +309,32 @@ def test_batch_items_are_traces_of_their_own_linked_to_the_batch(
     wait_until(lambda: MessageRequest.objects.filter(batch_id=batch_id, status="completed").count() == 2, message="the items never completed")
     rows = {row.custom_id: row.trace_id for row in MessageRequest.objects.filter(batch_id=batch_id)}
     assert rows == {"first": first.trace_id, "second": second.trace_id}
+
+
+def test_content_recording_puts_the_prompt_and_answer_on_the_span_bounded(
+    transactional_db: Any, gateways: Callable[..., Gateway], receiver: OtlpReceiver, context_worker: SimWorker, generation_worker: SimWorker
+) -> None:
+    gateway = gateways(**traced_env(receiver.url, TRACE_RECORD_CONTENT="1", TRACE_RECORD_CONTENT_MAX_CHARS="200"))
+    cluster = register_cluster(context_worker, generation_worker)
+    wait_registered(gateway, cluster)
+    history = [{"role": "user", "content": "an old turn " + "o" * 300}, {"role": "assistant", "content": "an old answer"}]
+    response = post(
+        gateway, cluster, "recorded [sim tokens=6]", stream=True, system="be brief",
+        messages=[*history, {"role": "user", "content": "recorded [sim tokens=6]"}],
+    )
+    assert response.status_code == 200, response.text
+    answer = "".join(
+        orjson.loads(line[5:])["delta"].get("text", "")
+        for line in response.text.splitlines() if line.startswith("data:") and "text_delta" in line
+    )  # fmt: skip
+    trace_id = audit_row(response.headers["request-id"]).trace_id
+    receiver.wait_for(lambda spans: any(s.name == "POST /v1/messages" for s in spans if s.trace_id == trace_id))
+    attributes = one(receiver.trace(trace_id), "POST /v1/messages").attributes
+    prompt = orjson.loads(attributes["gen_ai.input.messages"])
+    # The latest turns first, within 200 characters: the old turn's text cut short.
+    assert prompt[-1] == {"role": "user", "parts": [{"type": "text", "content": "recorded [sim tokens=6]"}]}
+    assert prompt[-2] == {"role": "assistant", "parts": [{"type": "text", "content": "an old answer"}]}
+    assert len(prompt[0]["parts"][0]["content"]) == 200 - len("recorded [sim tokens=6]") - len("an old answer")
+    assert orjson.loads(attributes["gen_ai.system_instructions"]) == [{"type": "text", "content": "be brief"}]
+    [output] = orjson.loads(attributes["gen_ai.output.messages"])
+    assert output == {"role": "assistant", "parts": [{"type": "text", "content": answer}], "finish_reason": "end_turn"} and answer
