@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from types import SimpleNamespace
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
