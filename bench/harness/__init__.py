@@ -21,12 +21,14 @@ The scripts use the names below as `h.NAME` (`import harness as h`, with bench/ 
 
 from __future__ import annotations
 
+from .paths import PROJECT_ROOT, PYTHON, RESULTS_DIR  # first: puts the project on the import path
+
+# isort: split
 from .bodies import ANTHROPIC_VERSION, MODEL, build_request, gateway_request, messages_body, port_of, worker_request
 from .client import HttpConnection, KeepAlive, Response, connect
 from .instructions import CallgrindCounter, callgrind_available, callgrind_command
 from .limits import raise_nofile
 from .options import add_common_arguments, parse_args, resolve, result_name
-from .paths import PROJECT_ROOT, PYTHON, RESULTS_DIR  # first: puts the project on the import path
 from .proc import (
     CpuMeter,
     hwm_mib,
