@@ -191,8 +191,6 @@ def test_the_stages_are_children_of_the_request_span(traced: tuple[Gateway, Clus
     server, intake, relay = one(spans, "POST /v1/messages"), one(spans, "gateway.intake"), one(spans, "gateway.relay")
     assert intake.parent_span_id == server.span_id and relay.parent_span_id == server.span_id
     assert intake.status_code != ERROR and relay.status_code != ERROR
-    # No wait for a slot: no admission span.
-    assert [s for s in spans if s.name == "gateway.admission"] == []
 
 
 def test_a_refused_body_ends_the_intake_span_with_anthropics_error_type(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
@@ -338,3 +336,58 @@ def test_content_recording_puts_the_prompt_and_answer_on_the_span_bounded(
     assert orjson.loads(attributes["gen_ai.system_instructions"]) == [{"type": "text", "content": "be brief"}]
     [output] = orjson.loads(attributes["gen_ai.output.messages"])
     assert output == {"role": "assistant", "parts": [{"type": "text", "content": answer}], "finish_reason": "end_turn"} and answer
+
+
+def test_a_client_leaving_before_the_first_token_ends_the_generation_call_cancelled(
+    traced: tuple[Gateway, Cluster], receiver: OtlpReceiver
+) -> None:
+    gateway, cluster = traced
+    trace_id = secrets.token_hex(16)
+    headers = cluster.headers(traceparent=f"00-{trace_id}-{secrets.token_hex(8)}-01")
+    # The context phase is done and the generation request sent; its first token waits 30 s.
+    body = {"model": cluster.model, "max_tokens": 32, "stream": True, "messages": [{"role": "user", "content": "first token [sim gen_delay=30]"}]}
+    with httpx.Client(timeout=30) as client, client.stream("POST", gateway.url + "/v1/messages", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        cluster.generation.wait_for(lambda s: s["active"] == 1, timeout=10)
+    # The run's cleanup closes the generation request (after its worker took the handoff): its
+    # span ends there, cancelled, not left open and lost.
+    receiver.wait_for(lambda spans: {"POST /v1/messages", "generation"} <= {s.name for s in spans if s.trace_id == trace_id}, timeout=30)
+    spans = receiver.trace(trace_id)
+    for name in ("POST /v1/messages", "generation"):
+        span = one(spans, name)
+        assert span.status_code == ERROR and span.attributes["error.type"] == "cancelled", name
+
+
+def test_a_client_leaving_mid_stream_ends_the_relay_cancelled(
+    transactional_db: Any, gateways: Callable[..., Gateway], receiver: OtlpReceiver, sim_pair: Callable[..., tuple[SimWorker, SimWorker]]
+) -> None:
+    gateway = gateways(**traced_env(receiver.url))
+    context, generation = sim_pair("trtllm", tokens_per_second=20)  # 100 tokens: 5 s of stream
+    cluster = register_cluster(context, generation)
+    wait_registered(gateway, cluster)
+    trace_id = secrets.token_hex(16)
+    headers = cluster.headers(traceparent=f"00-{trace_id}-{secrets.token_hex(8)}-01")
+    body = {"model": cluster.model, "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "mid-stream [sim tokens=100]"}]}
+    with httpx.Client(timeout=30) as client, client.stream("POST", gateway.url + "/v1/messages", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line == "event: content_block_delta":
+                break  # a token relayed: leave
+    receiver.wait_for(lambda spans: {"POST /v1/messages", "gateway.relay", "generation"} <= {s.name for s in spans if s.trace_id == trace_id})
+    spans = receiver.trace(trace_id)
+    for name in ("POST /v1/messages", "gateway.relay", "generation"):
+        span = one(spans, name)
+        assert span.status_code == ERROR and span.attributes["error.type"] == "cancelled", name
+
+
+def test_a_worker_failing_mid_stream_ends_the_relay_and_the_request_in_error(traced: tuple[Gateway, Cluster], receiver: OtlpReceiver) -> None:
+    gateway, cluster = traced
+    response = post(gateway, cluster, "breaks [sim tokens=10 gen_fail_after=2]", stream=True)
+    assert response.status_code == 200 and "event: error" in response.text
+    trace_id = audit_row(response.headers["request-id"]).trace_id
+    receiver.wait_for(lambda spans: {"POST /v1/messages", "gateway.relay"} <= {s.name for s in spans if s.trace_id == trace_id})
+    spans = receiver.trace(trace_id)
+    server, relay, generation = one(spans, "POST /v1/messages"), one(spans, "gateway.relay"), one(spans, "generation")
+    assert server.status_code == ERROR and server.attributes["error.type"] == "api_error"
+    assert relay.status_code == ERROR and relay.attributes["error.type"] not in ("", "cancelled")
+    assert generation.status_code == ERROR and relay.parent_span_id == server.span_id
