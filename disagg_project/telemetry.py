@@ -5,6 +5,8 @@ both apps use.
     ...                                                          # children parent on it (contextvars)
     tracing.end_request(span, attributes, error_type="")
 
+    item = tracing.start_linked("batch item", batch_traceparent, attributes)  # a trace of its own, linked
+
 Configured the OpenTelemetry way, from the standard environment variables, read once by
 `install()` (a daphne hook, disagg_project/daphne.py):
 
@@ -28,7 +30,8 @@ The contract with the seams:
 - The current span travels in OpenTelemetry's context (a contextvar), so a child task started by
   the request (the generation request's own task) parents on it. Callbacks that run outside the
   request's task (a worker connection's receive callback) must be handed the span instead.
-- Nothing here runs per token, and no prompt or answer content is recorded.
+- Nothing here runs per token. No prompt or answer content is recorded unless the operator opts
+  in (TRACE_RECORD_CONTENT, messages_api/trace_content.py, through `annotate`).
 """
 
 from __future__ import annotations
