@@ -291,13 +291,23 @@ class _CountingExporter(SpanExporter):
     def export(self, spans: Sequence[Any]) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
+        # A failed export leaves reference cycles behind (its retries' exceptions, their tracebacks
+        # holding the export's frames, and through them the frames of this call and its caller),
+        # which only a full garbage collection frees, and the gateway's are rare: each held its
+        # batch of spans. So the batch is emptied when the export returns (the processor reads it
+        # no more: disagg_project/relied_on.py); with the collector down, memory grew ~13 MiB a
+        # minute without this (bench/trace_exporter_down.py).
+        count = len(spans)
         try:
             result = self._exporter.export(spans)
         except Exception:
-            spans_dropped.labels("export_failed").inc(len(spans))
+            spans_dropped.labels("export_failed").inc(count)
             raise
+        finally:
+            if isinstance(spans, list):
+                spans.clear()
         if result is not SpanExportResult.SUCCESS:
-            spans_dropped.labels("export_failed").inc(len(spans))
+            spans_dropped.labels("export_failed").inc(count)
         return result
 
     def shutdown(self) -> None:
