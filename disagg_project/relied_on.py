@@ -403,6 +403,13 @@ RELIANCES: tuple[Reliance, ...] = (
         "are counted in gateway_trace_spans_dropped_total",
         "opentelemetry-sdk 1.45.2",
     ),
+    Reliance(
+        "opentelemetry.sdk._shared_internal.BatchProcessor", ("_export",),
+        "disagg_project/telemetry.py (_CountingExporter.export)",
+        "hands the exporter a list it builds per batch and never reads after `export` returns, so "
+        "the exporter's wrapper empties it (a failed export's reference cycles would hold its spans)",
+        "opentelemetry-sdk 1.45.2",
+    ),
 )
 
 PINNED_SOURCES: tuple[PinnedSource, ...] = (

@@ -207,6 +207,12 @@ if ADMIN_URL == "/":
 # the id is shown without a link. Tracing itself is configured by the OTEL_* environment
 # (disagg_project/telemetry.py, docs/operating.md).
 TRACE_URL_TEMPLATE = os.environ.get("TRACE_URL_TEMPLATE", "")
+# Opt-in: a traced request's prompt and answer on its span, in OpenTelemetry's GenAI attributes
+# (`gen_ai.input.messages`, `gen_ai.system_instructions`, `gen_ai.output.messages`), each cut to
+# TRACE_RECORD_CONTENT_MAX_CHARS characters of content. Off by default: whoever reads the trace
+# store reads the conversations (docs/security.md). Only sampled requests are recorded.
+TRACE_RECORD_CONTENT = env_bool("TRACE_RECORD_CONTENT", False)
+TRACE_RECORD_CONTENT_MAX_CHARS = env_int("TRACE_RECORD_CONTENT_MAX_CHARS", 8192)
 
 # Login throttling (django-axes): after ADMIN_LOGIN_FAILURE_LIMIT failed logins from one client
 # address, that address's logins are refused (429) for ADMIN_LOGIN_COOLOFF_S without checking the

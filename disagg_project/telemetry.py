@@ -5,6 +5,8 @@ both apps use.
     ...                                                          # children parent on it (contextvars)
     tracing.end_request(span, attributes, error_type="")
 
+    item = tracing.start_linked("batch item", batch_traceparent, attributes)  # a trace of its own, linked
+
 Configured the OpenTelemetry way, from the standard environment variables, read once by
 `install()` (a daphne hook, disagg_project/daphne.py):
 
@@ -28,7 +30,8 @@ The contract with the seams:
 - The current span travels in OpenTelemetry's context (a contextvar), so a child task started by
   the request (the generation request's own task) parents on it. Callbacks that run outside the
   request's task (a worker connection's receive callback) must be handed the span instead.
-- Nothing here runs per token, and no prompt or answer content is recorded.
+- Nothing here runs per token. No prompt or answer content is recorded unless the operator opts
+  in (TRACE_RECORD_CONTENT, messages_api/trace_content.py, through `annotate`).
 """
 
 from __future__ import annotations
@@ -118,6 +121,33 @@ class Tracing:
         trace_id = format(span_context.trace_id, "032x") if span_context.trace_flags.sampled else ""
         return RequestSpan(span, token, trace_id)
 
+    def start_linked(self, name: str, link: str, attributes: Mapping[str, AttributeValue]) -> RequestSpan | None:
+        """Start a CONSUMER span at the root of a trace of its own (a unit of work taken from a
+        queue: a batch item), linked to the span whose W3C `traceparent` is `link` (the batch's
+        creation; none when "") and made current like `start_request`'s; None when tracing is off."""
+        if not self.on:
+            return None
+        links = []
+        if link:
+            linked = trace.get_current_span(self._propagator.extract({"traceparent": link})).get_span_context()
+            if linked.is_valid:
+                links.append(trace.Link(linked))
+        root = Context()  # not the caller's current span: a trace of its own
+        span = self._tracer.start_span(name, context=root, kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links)
+        token = otel_context.attach(trace.set_span_in_context(span, root))
+        span_context = span.get_span_context()
+        trace_id = format(span_context.trace_id, "032x") if span_context.trace_flags.sampled else ""
+        return RequestSpan(span, token, trace_id)
+
+    def current_traceparent(self) -> str:
+        """The current span's W3C `traceparent` ("" when tracing is off or no span is current): what
+        a unit of work started later, elsewhere, links to (`start_linked`)."""
+        if not self.on:
+            return ""
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier)
+        return carrier.get("traceparent", "")
+
     def end_request(self, request: RequestSpan, attributes: Mapping[str, AttributeValue], error_type: str = "") -> None:
         """End the request's span with `attributes`; a non-empty `error_type` (Anthropic's, or
         "cancelled") sets the error status. Detaches the span from the context."""
@@ -130,6 +160,12 @@ class Tracing:
             span.end()
         finally:
             otel_context.detach(request._token)
+
+    def annotate(self, attributes: Mapping[str, AttributeValue]) -> None:
+        """Set `attributes` on the current span (the request's, in its task), if it records."""
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(attributes)
 
     def request_error(self, request: RequestSpan | None, error_type: str) -> None:
         """Mark the request's span failed with Anthropic's `error_type` (the error boundary)."""
@@ -255,13 +291,23 @@ class _CountingExporter(SpanExporter):
     def export(self, spans: Sequence[Any]) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
+        # A failed export leaves reference cycles behind (its retries' exceptions, their tracebacks
+        # holding the export's frames, and through them the frames of this call and its caller),
+        # which only a full garbage collection frees, and the gateway's are rare: each held its
+        # batch of spans. So the batch is emptied when the export returns (the processor reads it
+        # no more: disagg_project/relied_on.py); with the collector down, memory grew ~13 MiB a
+        # minute without this (bench/trace_exporter_down.py).
+        count = len(spans)
         try:
             result = self._exporter.export(spans)
         except Exception:
-            spans_dropped.labels("export_failed").inc(len(spans))
+            spans_dropped.labels("export_failed").inc(count)
             raise
+        finally:
+            if isinstance(spans, list):
+                spans.clear()
         if result is not SpanExportResult.SUCCESS:
-            spans_dropped.labels("export_failed").inc(len(spans))
+            spans_dropped.labels("export_failed").inc(count)
         return result
 
     def shutdown(self) -> None:

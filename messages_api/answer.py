@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from messages_api import intake
+from disagg_project import tracing
+from messages_api import intake, trace_content
 from messages_api.accumulate import accumulate_message
 from messages_api.audit import AuditRecord, sample_anonymous, sample_refused
 from messages_api.auth import Principal
@@ -25,7 +26,8 @@ from messages_api.limits import Usage, check_limits, refuse_early
 from messages_api.models import RequestStatus
 from messages_api.reframe import StreamReframer
 from messages_api.selection import new_message_id, pool_for_model
-from workers import ChatRun, Priority
+from messages_api.trace_content import ContentRecorder
+from workers import ChatRun, Gather, Priority
 
 __all__ = ["Answer", "answer_message", "end_failed", "serve"]
 
@@ -41,6 +43,13 @@ class Answer:
     reframer: StreamReframer  # the run's OpenAI chunks as Anthropic events
     headers: list[tuple[bytes, bytes]]  # the key's anthropic-ratelimit-* headers, for the reply
     record: AuditRecord
+    recorder: ContentRecorder | None = None  # the answer's content for the trace (opt-in)
+
+    async def relay(self, sink: Callable[[dict[str, Any]], None], gather: Gather | None = None) -> None:
+        """The run's relay (`ChatRun.relay`), its chunks recorded first when content is traced."""
+        if self.recorder is not None:
+            sink = self.recorder.wrap(sink)
+        await self.run.relay(sink, gather)
 
     async def message(self) -> dict[str, Any]:
         """The whole reply as one Anthropic Message."""
@@ -49,7 +58,7 @@ class Answer:
         self.record.progress()
         events: list[dict[str, Any]] = []
         # Bounded: past max_tokens the reframer ends the message and the relay stops (reframe.py).
-        await run.relay(lambda chunk: events.extend(reframer.feed(chunk)))
+        await self.relay(lambda chunk: events.extend(reframer.feed(chunk)))
         events.extend(reframer.finish())
         return accumulate_message(events)
 
@@ -73,7 +82,7 @@ async def serve(
     validated request."""
     # A key this process already knows is over its limits is refused before its body is parsed.
     refuse_early(principal.key_hash, principal.limits)
-    request, chat, rendered, cache_share = await intake.messages_request(body)
+    request, chat, rendered, cache_share = await _intake(body)
     record.model = request["model"]
     record.stream = bool(request.get("stream"))
     pool = await pool_for_model(request["model"], principal, chat)
@@ -97,11 +106,13 @@ async def serve(
         # Enforced here, whatever the worker does: the relay stops at it (reframe.py).
         max_tokens=request["max_tokens"],
     )
+    # Traced with TRACE_RECORD_CONTENT on: the prompt on the request's span now, the answer at the end.
+    recorder = trace_content.recorder_for(record, request) if record.trace_id else None
     try:
         record.begin()
         record.run = run  # the audit reads the run's progress (stage, endpoints, timings) when it writes
         async with run:
-            replied = await reply(Answer(request, run, reframer, lease.headers, record))
+            replied = await reply(Answer(request, run, reframer, lease.headers, record, recorder))
     finally:
         # Whichever way the run ended: what the reply used, for the row and the key's usage.
         if reframer.started:
@@ -110,12 +121,29 @@ async def serve(
             record.cache_read_input_tokens = reframer.cache_read_input_tokens
             record.cache_creation_input_tokens = reframer.cache_creation_input_tokens
             record.stop_reason = reframer.stop_reason  # gen_ai.response.finish_reasons
+        if recorder is not None:
+            recorder.finish(record.stop_reason)
         # Anthropic's input-token limits count what was written to the cache too.
         used = Usage((record.input_tokens or 0) + (record.cache_creation_input_tokens or 0), record.output_tokens or 0)
         lease.settle(used)
         run.charge_output(used.output_tokens)
     record.end(RequestStatus.COMPLETED, http_status=200)
     return replied
+
+
+async def _intake(body: bytes) -> intake.Prepared:
+    """`intake.messages_request`; traced, as a span of its own (`gateway.intake`), which a
+    refusal ends in the error status with Anthropic's error type."""
+    if not tracing.on:
+        return await intake.messages_request(body)
+    span = tracing.child("gateway.intake", {"gateway.request.body_bytes": len(body)})
+    try:
+        converted = await intake.messages_request(body)
+    except BaseException as exc:
+        tracing.end(span, client_error(exc).error_type if isinstance(exc, Exception) else exc)
+        raise
+    tracing.end(span)
+    return converted
 
 
 async def answer_message(

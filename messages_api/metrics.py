@@ -1,4 +1,10 @@
-"""Prometheus metrics of the front door, observed once per request when its audit row ends."""
+"""Prometheus metrics of the front door, observed once per request when its audit row ends.
+
+A traced request (its trace sampled) gives the time-to-first-token and duration histograms its
+trace id as an exemplar (`{trace_id="…"}`), served with the OpenMetrics exposition
+(messages_api/views.py): a dashboard jumps from a slow bucket to the trace. An untraced request's
+observation carries none and costs nothing more.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +31,10 @@ time_to_status_line = Histogram(
 )
 time_to_first_token = Histogram(
     "gateway_time_to_first_token_seconds", "Receipt to the first generated chunk.", buckets=_LATENCY_BUCKETS
+)
+request_duration = Histogram(
+    "gateway_request_duration_seconds", "Accepted requests: receipt to the end (the last byte, the failure, or the client gone).",
+    buckets=_LATENCY_BUCKETS,
 )
 context_phase = Histogram("gateway_context_phase_seconds", "Receipt to the context phase's answer.", buckets=_LATENCY_BUCKETS)
 generation_phase = Histogram(
@@ -54,6 +64,7 @@ batch_items_running = Gauge("gateway_batch_items_running", "Batch items held by 
 
 
 def observe(record: AuditRecord) -> None:
+    exemplar = {"trace_id": record.trace_id} if record.trace_id else None
     _child(requests, record.status, record.stage or "received", "true" if record.stream else "false").inc()
     if record.error_type:
         error_type = record.error_type if record.error_type in _ERROR_TYPES else "other"
@@ -61,11 +72,13 @@ def observe(record: AuditRecord) -> None:
     if record.headers_sent_ms is not None and record.stream:
         time_to_status_line.observe(record.headers_sent_ms / 1000)
     if record.first_token_ms is not None:
-        time_to_first_token.observe(record.first_token_ms / 1000)
+        time_to_first_token.observe(record.first_token_ms / 1000, exemplar)
     if record.context_done_ms is not None:
         context_phase.observe(record.context_done_ms / 1000)
     if record.finished_ms is not None and record.first_token_ms is not None:
         generation_phase.observe((record.finished_ms - (record.context_done_ms or 0)) / 1000)
+    if record.begun and record.finished_ms is not None:
+        request_duration.observe(record.finished_ms / 1000, exemplar)
     if record.pings_sent:
         pings_sent.inc(record.pings_sent)
     if record.api_key_name and settings.METRICS_PER_KEY_LABELS:

@@ -186,6 +186,9 @@ class MessageBatch(models.Model):
     errored = models.PositiveIntegerField(default=0)
     canceled = models.PositiveIntegerField(default=0)
     expired = models.PositiveIntegerField(default=0)
+    # The W3C traceparent of the request that created the batch, when it was traced: each item's
+    # trace links to it (messages_api/request_span.py).
+    traceparent = models.CharField(max_length=55, blank=True, default="", db_default="")
 
     class Meta:
         verbose_name = "message batch"

@@ -1,5 +1,7 @@
 """An API request's OpenTelemetry span: started when its body is complete, ended when its task
-ends, its attributes read from the audit record (which already collects them).
+ends, its attributes read from the audit record (which already collects them). A batch item's
+attempt has one too (`start_batch_item`), at the root of a trace of its own, linked to the span
+of the request that created the batch.
 
     span = request_span.start(scope, headers, record) if tracing.on else None
     ...
@@ -22,7 +24,7 @@ from messages_api.audit import AuditRecord
 from messages_api.models import RequestStatus
 from messages_api.request_context import current_trace_id
 
-__all__ = ["end", "start"]
+__all__ = ["end", "start", "start_batch_item"]
 
 # A batch's id in a path, replaced in the span's name (a name is low-cardinality).
 _BATCH_ID = re.compile(r"/msgbatch_[A-Za-z0-9]+")
@@ -52,6 +54,23 @@ def start(scope: Mapping[str, Any], headers: Mapping[bytes, bytes], record: Audi
     if operation is not None:
         attributes["gen_ai.operation.name"] = operation
     span = tracing.start_request(f"{method} {route}", headers, attributes)
+    if span is not None and span.trace_id:
+        record.trace_id = span.trace_id
+        current_trace_id.set(span.trace_id)
+    return span
+
+
+def start_batch_item(record: AuditRecord, attempt: int, batch_traceparent: str) -> RequestSpan | None:
+    """Start a batch item's attempt as a trace of its own (a CONSUMER span, current in this task),
+    linked to the span of the request that created its batch; noted like `start`'s."""
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "chat",
+        "gateway.request_id": record.request_id,
+        "gateway.batch_id": record.batch_id,
+        "gateway.batch.custom_id": record.custom_id,
+        "gateway.batch.attempt": attempt,
+    }
+    span = tracing.start_linked("batch item", batch_traceparent, attributes)
     if span is not None and span.trace_id:
         record.trace_id = span.trace_id
         current_trace_id.set(span.trace_id)

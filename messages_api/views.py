@@ -8,6 +8,7 @@ from django.db import close_old_connections, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_safe
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from messages_api.audit import new_request_id
 from messages_api.errors import INTERNAL_ERROR_MESSAGE, error_body
@@ -80,6 +81,12 @@ def metrics(request: HttpRequest) -> HttpResponse:
     refusal = metrics_refusal(authorizations, request.META.get("REMOTE_ADDR"), forwarded)
     if refusal is not None:
         return error_response(refusal.status, refusal.error_type, refusal.message)
+    accept = request.headers.get("Accept", "")
+    if "application/openmetrics-text" in accept:
+        # OpenMetrics (what Prometheus asks for first): the only exposition with exemplars, the
+        # trace ids on the latency histograms (messages_api/metrics.py).
+        encoder, content_type = choose_encoder(accept)
+        return HttpResponse(encoder(REGISTRY), content_type=content_type)
     return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
 
 

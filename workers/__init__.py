@@ -38,6 +38,7 @@ _HOMES = {
     "close_transport": ("workers.wire.client", "close_transport"),
     "ContextLengthExceeded": ("workers.exceptions", "ContextLengthExceeded"),
     "count_prompt_tokens": ("workers.schedule.prompt_tokens", "count_prompt_tokens"),
+    "Gather": ("workers.wire.chat_stream", "Gather"),
     "get_registry": ("workers.cluster.registry", "get_registry"),
     "local_state": ("workers.cluster.local_state", "local_state"),
     "NoEndpointAvailable": ("workers.exceptions", "NoEndpointAvailable"),
@@ -62,6 +63,7 @@ __all__ = [
     "close_transport",
     "ContextLengthExceeded",
     "count_prompt_tokens",
+    "Gather",
     "get_registry",
     "local_state",
     "NoEndpointAvailable",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:
     from workers.schedule.progress import RunProgress, SupportsProgress
     from workers.schedule.prompt_tokens import count_prompt_tokens
     from workers.schedule.rendered_chat import RenderedChat
+    from workers.wire.chat_stream import Gather
     from workers.wire.client import close_transport
 else:
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 from .paths import PROJECT_ROOT, PYTHON, RESULTS_DIR  # first: puts the project on the import path
 
 # isort: split
-
 from .bodies import ANTHROPIC_VERSION, MODEL, build_request, gateway_request, messages_body, port_of, worker_request
 from .client import HttpConnection, KeepAlive, Response, connect
 from .instructions import CallgrindCounter, callgrind_available, callgrind_command

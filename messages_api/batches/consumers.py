@@ -21,6 +21,7 @@ from urllib.parse import parse_qs
 
 from django.conf import settings
 
+from disagg_project import tracing
 from messages_api import intake
 from messages_api.batches import runner, store
 from messages_api.batches.schema import batch_object, deleted_object, page_query, parse_create_body
@@ -78,7 +79,8 @@ class BatchesConsumer(ApiConsumer):
             items = await asyncio.get_running_loop().run_in_executor(_CHECKS, parse_create_body, body, principal.may_use)
         finally:
             intake.release(len(body))  # a large body's memory goes back to the system once it is dropped
-        batch = await store.API_THREAD.run(store.create_batch, principal.key_id, principal.name, items)
+        traceparent = tracing.current_traceparent()  # the request's span: each item's trace links to it
+        batch = await store.API_THREAD.run(store.create_batch, principal.key_id, principal.name, items, traceparent)
         runner.wake()
         await self.send_json(200, batch_object(batch))
 

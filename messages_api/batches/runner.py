@@ -37,8 +37,8 @@ from datetime import datetime, timedelta, timezone
 import orjson
 from django.conf import settings
 
-from disagg_project import GATEWAY_INSTANCE
-from messages_api import metrics
+from disagg_project import GATEWAY_INSTANCE, tracing
+from messages_api import metrics, request_span
 from messages_api.answer import answer_message, end_failed
 from messages_api.audit import AuditRecord
 from messages_api.auth import key_cache
@@ -145,6 +145,8 @@ class BatchRunner:
         item = running.item
         record = AuditRecord(route="POST /v1/messages", batch_id=item.batch_id, custom_id=item.custom_id)
         record.received_earlier(time.monotonic() - running.claimed_at)
+        # Traced, each attempt is a trace of its own, linked to the batch's creation.
+        span = request_span.start_batch_item(record, item.attempt, item.batch_traceparent) if tracing.on else None
         try:
             await self._answer(running, record)
         except asyncio.CancelledError:
@@ -161,6 +163,8 @@ class BatchRunner:
         except Exception:
             logger.exception("batch item %s/%s: the runner failed", item.batch_id, item.custom_id)
         finally:
+            if span is not None:
+                request_span.end(span, record)
             open_requests.discard(running)
             self.running.pop(item.pk, None)
             self._wakeup.set()

@@ -118,12 +118,13 @@ def _update_items(items: QuerySet[BatchItem], *, skip_locked: bool = False, **va
 # --- the API ---------------------------------------------------------------------------------------
 
 
-def create_batch(key_id: int, key_name: str, items: list[ItemSpec]) -> BatchView:
+def create_batch(key_id: int, key_name: str, items: list[ItemSpec], traceparent: str = "") -> BatchView:
+    """A new batch of `items`; `traceparent`, the creating request's span, which its items' traces link to."""
     now = _now()
     with transaction.atomic():
         batch = MessageBatch.objects.create(
             batch_id=new_batch_id(), api_key_id=key_id, api_key_name=key_name, created_at=now,
-            expires_at=now + timedelta(seconds=settings.BATCH_EXPIRY_S), total=len(items),
+            expires_at=now + timedelta(seconds=settings.BATCH_EXPIRY_S), total=len(items), traceparent=traceparent,
         )
         for start in range(0, len(items), INSERT_ROWS):
             BatchItem.objects.bulk_create(
@@ -238,6 +239,7 @@ class Claimed:
     params: bytes
     attempt: int
     key_hash: str
+    batch_traceparent: str = ""  # the batch's creation span, which the item's trace links to
 
 
 def claimable(now: datetime, database: BaseDatabaseWrapper = connection) -> Any:
@@ -287,10 +289,10 @@ def claim(instance: str, size: int, lease_s: float, paused_keys: Collection[str]
             attempts=F("attempts") + 1,
         )
         rows = BatchItem.objects.filter(pk__in=pks, claimed_by=instance, state=ItemState.RUNNING).order_by("pk").values_list(
-            "pk", "batch_id", "batch__batch_id", "custom_id", "params", "attempts", "batch__api_key__key_hash"
+            "pk", "batch_id", "batch__batch_id", "custom_id", "params", "attempts", "batch__api_key__key_hash", "batch__traceparent"
         )
-        return [Claimed(pk, batch_pk, batch_id, custom_id, params.encode(), attempts, key_hash)
-                for pk, batch_pk, batch_id, custom_id, params, attempts, key_hash in rows]  # fmt: skip
+        return [Claimed(pk, batch_pk, batch_id, custom_id, params.encode(), attempts, key_hash, traceparent)
+                for pk, batch_pk, batch_id, custom_id, params, attempts, key_hash, traceparent in rows]  # fmt: skip
 
 
 def _within_key_room(items: Any, size: int) -> list[int]:

@@ -108,7 +108,7 @@ class MessagesConsumer(ApiConsumer):
                     buffer_bytes=settings.MESSAGES_CLIENT_BUFFER_BYTES, stall_s=settings.MESSAGES_CLIENT_STALL_S,
                 )
             frames = FrameWriter(reframer, writer, self.heartbeat)
-            await run.relay(frames.write_chunk, frames)
+            await answer.relay(frames.write_chunk, frames)
             closing = encode_events(reframer.finish())
             await self.stop_heartbeat()
             await self.send_body(closing, more_body=False)

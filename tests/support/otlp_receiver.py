@@ -42,6 +42,8 @@ class ReceivedSpan:
     attributes: dict[str, Any] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
     resource: dict[str, Any] = field(default_factory=dict)
+    event_attributes: dict[str, dict[str, Any]] = field(default_factory=dict)  # by event name (the last of a name)
+    links: list[tuple[str, str]] = field(default_factory=list)  # (trace_id, span_id) of each linked span
 
 
 class OtlpReceiver:
@@ -88,6 +90,8 @@ class OtlpReceiver:
                             attributes={a.key: _value(a.value) for a in span.attributes},
                             events=[e.name for e in span.events],
                             resource=resource,
+                            event_attributes={e.name: {a.key: _value(a.value) for a in e.attributes} for e in span.events},
+                            links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
                         )
                     )
         with self._lock:

@@ -17,6 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
+from disagg_project import tracing
 from workers.wire.chat_stream import ChunkStream
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,11 @@ async def close_when_taken(generation_open: asyncio.Task[ChunkStream], timeout: 
             generation_open.cancel()
             await asyncio.wait({generation_open})
         if not generation_open.cancelled() and generation_open.exception() is None:
-            await generation_open.result().aclose()
+            stream = generation_open.result()
+            if stream.span is not None:  # traced: the call ends here, never relayed (its run ended)
+                tracing.end(stream.span, "cancelled")
+                stream.span = None
+            await stream.aclose()
     except Exception:  # a cleanup must never raise into the loop
         logger.exception("closing a generation request failed")
 

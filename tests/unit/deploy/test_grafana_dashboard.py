@@ -187,3 +187,11 @@ def test_errors_are_counted_by_type_and_stage() -> None:
     metrics.observe(AuditRecord(status="completed", stage="done"))
     assert (count("overloaded_error", "context"), count("other", "generation")) == (before[0] + 1, before[1] + 1)
     assert REGISTRY.get_sample_value("gateway_errors_total", {"type": "made_up_error", "stage": "generation"}) is None
+
+
+def test_the_latency_panels_show_the_exemplars_that_link_to_traces(dashboard: dict[str, Any]) -> None:
+    """The time-to-first-token and duration histograms carry trace-id exemplars (messages_api/metrics.py):
+    each panel asks for them on one query, so Grafana draws them and links them to the trace."""
+    for metric in ("gateway_time_to_first_token_seconds_bucket", "gateway_request_duration_seconds_bucket"):
+        targets = [t for p in dashboard["panels"] if p["type"] != "row" for t in p["targets"] if metric in t["expr"]]
+        assert [t["refId"] for t in targets if t.get("exemplar")], metric

@@ -23,6 +23,7 @@ def test_off_by_default() -> None:
 def test_off_the_request_span_is_none_and_nothing_is_touched() -> None:
     off = Tracing()
     assert off.start_request("POST /v1/messages", {b"traceparent": b"garbage"}, {}) is None
+    assert off.start_linked("batch item", "garbage", {}) is None and off.current_traceparent() == ""
     # Off, the facade never made a tracer: a seam that ignored `on` would fail loudly here.
     assert off._tracer is None and off._propagator is None
 
@@ -82,6 +83,33 @@ def test_a_client_trace_is_continued_and_the_worker_call_injects_its_span(on: tu
     assert by_name["context"].attributes["server.port"] == 8001
     assert by_name["POST /v1/messages"].attributes["error.type"] == "overloaded_error"
     assert by_name["POST /v1/messages"].parent.span_id == int(parent, 16)
+
+
+class Retaining(SpanExporter):
+    """Fails, and keeps what it was given (as a failed export's reference cycles keep its frames)."""
+
+    def __init__(self) -> None:
+        self.given: list[Any] = []
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        self.given.append(spans)
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_failed_export_holds_no_spans_after_it_returns() -> None:
+    retaining = Retaining()
+    tracing = Tracing()
+    tracing.configure([retaining])
+    try:
+        for _ in range(3):
+            tracing.end(tracing.child("x"))
+        tracing._provider.force_flush()
+    finally:
+        tracing.shutdown()
+    assert retaining.given and all(batch == [] for batch in retaining.given)
 
 
 def test_failed_exports_and_a_full_queue_are_counted() -> None:
