@@ -21,6 +21,7 @@ from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
 from workers.exceptions import NoEndpointAvailable
+from workers.kv_events.subscriber import kv_events
 from workers.models import Role, RoutingPolicy
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
 from workers.routing.reservations import Reservation, ledger
@@ -156,6 +157,8 @@ async def place_generation(
     held = index.held(endpoint.id, prompt, sent=matches[endpoint.id])
     index.record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
+    if kv_events.view:  # empty while no endpoint publishes events: nothing more per request
+        kv_events.on_routed(endpoint.id)
     reservation = Reservation.take(
         request_id, endpoint, Role.GENERATION, tokens=tokens if endpoint.capped else 0, reservation_id=lease, flow=ticket.flow if ticket else ""
     )
@@ -272,6 +275,8 @@ async def reserve(
         # Only generation endpoints' conversations are compared (the balance guard).
         get_index().record(endpoint.id, pool.name, prompt.key, conversation=False)
     health.on_routed(endpoint.id)
+    if kv_events.view:
+        kv_events.on_routed(endpoint.id)
     return Reservation.take(
         request_id, endpoint, role, tokens=tokens if endpoint.capped else 0, reservation_id=lease, flow=ticket.flow if ticket else ""
     )
