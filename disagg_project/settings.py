@@ -550,6 +550,9 @@ KV_EVENTS_MAX_BYTES = env_int("KV_EVENTS_MAX_BYTES", 16 * 1024 * 1024)
 KV_EVENTS_REPLAY_TIMEOUT_S = env_float("KV_EVENTS_REPLAY_TIMEOUT_S", 5.0)
 KV_EVENTS_SILENCE_S = env_float("KV_EVENTS_SILENCE_S", 30.0)
 KV_EVENTS_CHECK_S = env_float("KV_EVENTS_CHECK_S", 1.0)
+# Block keys of prompts learned from the workers' answers (the join of conversations to blocks;
+# 8 bytes each): the least recently learned prompts go past it.
+KV_EVENTS_LEARNED_BLOCKS = env_int("KV_EVENTS_LEARNED_BLOCKS", 4_000_000)
 
 # Each process writes a heartbeat; one silent for GATEWAY_DEAD_AFTER_S is dead and its open
 # reservations and in-progress audit rows are closed by the next live process that sweeps.

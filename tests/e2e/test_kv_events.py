@@ -177,3 +177,78 @@ def test_events_that_stop_while_requests_are_sent_fall_back(gateways: Callable[.
     sim.kv_events(mode="live")
     send(gateway, cluster, "heard again")
     wait_until(lambda: kv(gateway, sim, "gateway_kv_events_trusted", reason="") == 1.0, timeout=15, message="not trusted again")
+
+
+@pytest.fixture
+def two_engines() -> Iterator[list[tuple[SimWorker, str, str]]]:
+    engines = []
+    for _ in range(2):
+        pub, replay = f"tcp://127.0.0.1:{unused_port()}", f"tcp://127.0.0.1:{unused_port()}"
+        sim = start_simworker(
+            "generation", tokens_per_second=0, prefill_tokens_per_second=0, protocol="vllm", kv_block_tokens=BLOCK,
+            kv_cache_blocks=4096, kv_events=pub, kv_events_replay=replay,
+        )  # fmt: skip
+        engines.append((sim, pub, replay))
+    yield engines
+    for sim, _, _ in engines:
+        sim.stop()
+
+
+def register_pool(gateway: Gateway, engines: list[tuple[SimWorker, str, str]]) -> Cluster:
+    from messages_api.auth import create_api_key
+    from workers.models import WorkerEndpoint, WorkerPool
+
+    pool = WorkerPool.objects.create(
+        name=f"pool-{MODEL}", model=MODEL, schedule_style="aggregated", protocol="vllm", routing="cache_aware", cache_scope="shared"
+    )
+    for sim, pub, replay in engines:
+        WorkerEndpoint.objects.create(
+            pool=pool, role="generation", url=sim.url, kv_events_address=pub, kv_events_replay_address=replay, kv_block_size=BLOCK,
+            kv_hash_algorithm="sha256",
+        )
+    _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
+    cluster = Cluster(pool=pool, key=key, model=MODEL, context=engines[0][0], generation=engines[1][0])
+    wait_registered(gateway, cluster)
+    for sim, _, _ in engines:
+        wait_until(lambda sim=sim: kv(gateway, sim, "gateway_kv_events_trusted", reason="") == 1.0, timeout=15, message="not subscribed")
+    return cluster
+
+
+def turn(gateway: Gateway, cluster: Cluster, messages: list[dict[str, Any]]) -> str:
+    body = {"model": cluster.model, "max_tokens": 8, "system": "You are a coding agent. " * 30, "messages": messages}
+    response = httpx.post(gateway.url + "/v1/messages", json=body, headers=cluster.headers(), timeout=30)
+    assert response.status_code == 200, response.text
+    return str(response.json()["content"][0]["text"])
+
+
+def received(sim: SimWorker) -> int:
+    return int(sim.stats()["received"])
+
+
+def test_a_later_turn_goes_where_the_engines_events_say_its_prefix_is(
+    gateways: Callable[..., Gateway], two_engines: list[tuple[SimWorker, str, str]]
+) -> None:
+    gateway = gateways()
+    cluster = register_pool(gateway, two_engines)
+    sims = [sim for sim, _, _ in two_engines]
+    first = [{"role": "user", "content": "Refactor the parser. " + " ".join(f"w{i}" for i in range(200))}]
+    answer = turn(gateway, cluster, first)
+    holder, other = (sims[0], sims[1]) if received(sims[0]) == 1 else (sims[1], sims[0])
+    wait_until(lambda: (kv(gateway, holder, "gateway_kv_events_blocks") or 0) > 0, timeout=15, message="no blocks")
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Now add tests."}]
+    turn(gateway, cluster, second)
+    assert (received(holder), received(other)) == (2, 0)  # the holder, as its events say
+
+    # Outside the gateway: the holder's cache is reset, and the conversation's prompt lands on the
+    # other engine (another gateway's traffic). The gateway's own index still points at the first
+    # engine; the events say the other one holds the prefix now.
+    sent = holder.requests()[-1]
+    holder.kv_events(reset_prefix_cache=True)
+    outside = httpx.post(other.url + "/v1/chat/completions", json={**sent, "stream": False}, timeout=30)
+    assert outside.status_code == 200, outside.text
+    wait_until(lambda: kv(gateway, holder, "gateway_kv_events_blocks") == 0, timeout=15, message="the reset was not seen")
+    wait_until(lambda: (kv(gateway, other, "gateway_kv_events_blocks") or 0) > 0, timeout=15, message="the outside prompt was not seen")
+    third = [*second, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "And the docs."}]
+    before = received(other)
+    turn(gateway, cluster, third)
+    assert received(other) == before + 1 and received(holder) == 2

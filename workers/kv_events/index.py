@@ -43,7 +43,11 @@ from dataclasses import dataclass
 from workers.kv_events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from workers.kv_events.hashing import BlockHasher, published
 
-__all__ = ["EndpointBlocks", "Fallback", "Replay"]
+__all__ = ["EndpointBlocks", "Fallback", "Profile", "Replay"]
+
+#: An engine's hash settings: algorithm, seed ("" : vLLM's default), block size. Prompts learned
+#: under one profile are scored on every endpoint of that profile.
+Profile = tuple[str, str, int]
 
 
 class Fallback:
@@ -69,6 +73,9 @@ class EndpointBlocks:
     ) -> None:
         self.endpoint_id = endpoint_id
         self.hasher = hasher
+        #: Its hash settings, when the gateway can reproduce its hashes (None: it cannot, and no
+        #: prompt is scored on its blocks).
+        self.profile: Profile | None = None
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.digests_kept = digests_kept

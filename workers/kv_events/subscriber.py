@@ -4,6 +4,18 @@
     kv_events.view                    endpoint id -> EndpointBlocks (read by routing and the overview)
     kv_events.on_routed(endpoint_id)  a request went there (for the silence check; a dict lookup)
     kv_events.check()                 the periodic check: silence, fallbacks logged and counted
+    kv_events.learn(endpoint_id, mark, token_ids)    a prompt's token ids, from its worker's answer
+    kv_events.known_prefix(blocks, prompt)           -> (bytes, block keys) of its longest learned earlier prompt
+
+Joining prompts to blocks: the gateway routes before any worker tokenizes a prompt, so it learns
+a prompt's token ids from the answer of a worker whose events it follows (vLLM's
+`return_token_ids`; `workers.schedule.cache_feedback.CacheFeedback.on_prompt_tokens`) and hashes
+them here, off the loop, as the engine does (the endpoint's algorithm, seed and block size). They
+are kept under the prompt's end mark (`workers.routing.prefix_index.PromptKey`): the next turn of
+the conversation, which extends that prompt, finds it among the places where an earlier prompt
+may have ended (`Prompt.candidates`), and each endpoint is scored by how many of its leading
+blocks the engine holds (`EndpointBlocks.leading`, a bisection). Bounded: at most
+`KV_EVENTS_LEARNED_BLOCKS` block keys in all (8 bytes each), the least recently learned dropped.
 
 Each endpoint with a KV-event address (`WorkerEndpoint.kv_events_address`) gets one SUB socket
 (ZeroMQ reconnects by itself) and, with a replay address, a DEALER socket to the engine's replay
@@ -30,10 +42,12 @@ import asyncio
 import logging
 import threading
 import time
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -42,7 +56,10 @@ from prometheus_client import Counter
 
 from workers.kv_events.decode import BadEvents, decode_batch
 from workers.kv_events.hashing import BlockHasher
-from workers.kv_events.index import EndpointBlocks
+from workers.kv_events.index import EndpointBlocks, Profile
+
+if TYPE_CHECKING:
+    from workers.routing.prefix_index import Prompt
 
 __all__ = ["EventSource", "kv_events", "KvEvents"]
 
@@ -176,6 +193,57 @@ class KvEvents:
         self._routed_since: dict[int, float] = {}
         # Per endpoint: the fallback last logged and counted.
         self._reported: dict[int, str] = {}
+        # (hash profile, prompt end mark) -> the prompt's block keys, least recently learned first.
+        self._learned: OrderedDict[tuple[Profile, int], array[int]] = OrderedDict()
+        self._learned_blocks = 0
+        self._hashers: dict[Profile, BlockHasher] = {}
+        #: Prompts learned, and the CPU seconds their hashing took (on the subscriptions' thread).
+        self.prompts_learned = 0
+        self.learn_cpu_s = 0.0
+
+    # --- the join -----------------------------------------------------------------------------
+
+    def learn(self, endpoint_id: int, mark: int, token_ids: list[int]) -> None:
+        """The prompt ending at `mark` had these token ids on the endpoint (hashed on the thread)."""
+        blocks = self.view.get(endpoint_id)
+        loop = self._loop
+        if blocks is None or blocks.profile is None or loop is None:
+            return
+        loop.call_soon_threadsafe(self._learn, blocks.profile, mark, token_ids)
+
+    def _learn(self, profile: Profile, mark: int, token_ids: list[int]) -> None:
+        started = time.thread_time()
+        hasher = self._hashers.get(profile)
+        if hasher is None:
+            hasher = self._hashers[profile] = BlockHasher(profile[0], profile[1] or None)
+        try:
+            keys = array("Q", hasher.keys(token_ids, profile[2]))
+        except (TypeError, ValueError, OverflowError):
+            return  # not token ids (a worker is outside input)
+        learned = self._learned
+        previous = learned.pop((profile, mark), None)
+        if previous is not None:
+            self._learned_blocks -= len(previous)
+        learned[(profile, mark)] = keys
+        self._learned_blocks += len(keys)
+        while self._learned_blocks > settings.KV_EVENTS_LEARNED_BLOCKS and learned:
+            _, dropped = learned.popitem(last=False)
+            self._learned_blocks -= len(dropped)
+        self.prompts_learned += 1
+        self.learn_cpu_s += time.thread_time() - started
+
+    def known_prefix(self, blocks: EndpointBlocks, prompt: Prompt) -> tuple[int, array[int]] | None:
+        """The longest earlier prompt of this conversation whose blocks were learned under the
+        endpoint's hash profile: its length in the prompt's bytes, and its block keys."""
+        learned = self._learned
+        if not learned or blocks.profile is None:
+            return None
+        digests, ends = prompt.digests, prompt.ends
+        for part in reversed(prompt.candidates):
+            keys = learned.get((blocks.profile, digests[part]))
+            if keys:
+                return ends[part], keys
+        return None
 
     # --- the request path ---------------------------------------------------------------------
 
@@ -206,6 +274,8 @@ class KvEvents:
         blocks = EndpointBlocks(
             endpoint_id, hasher, source.block_size, max_blocks=settings.KV_EVENTS_MAX_BLOCKS, digests_kept=settings.KV_EVENTS_DIGESTS_KEPT
         )
+        if source.hash_algorithm:
+            blocks.profile = (source.hash_algorithm, source.hash_seed, source.block_size)
         self.view[endpoint_id] = blocks
         self._sources[endpoint_id] = source
 

@@ -230,6 +230,7 @@ class ChatCompletions:
             fail_after=directives.gen_fail_after,
             first_chunk_delay=directives.gen_delay,
             cached_tokens=cached_tokens if self.config.kv_cache_blocks else None,
+            prompt_token_ids=prompt_ids if request.return_token_ids else None,
         )
         if request.stream:
             await stream(send, generation, options)
