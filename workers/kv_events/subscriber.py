@@ -216,10 +216,11 @@ class KvEvents:
         hasher = self._hashers.get(profile)
         if hasher is None:
             hasher = self._hashers[profile] = BlockHasher(profile[0], profile[1] or None)
-        try:
-            keys = array("Q", hasher.keys(token_ids, profile[2]))
-        except (TypeError, ValueError, OverflowError):
+        if not all(type(t) is int and 0 <= t < 1 << 32 for t in token_ids):
             return  # not token ids (a worker is outside input)
+        keys = array("Q", hasher.keys(token_ids, profile[2]))
+        if not keys:
+            return  # shorter than a block: nothing the engine caches
         learned = self._learned
         previous = learned.pop((profile, mark), None)
         if previous is not None:
