@@ -91,6 +91,11 @@ class ClusterCollector(Collector):
         yield healthy
         yield from (waiting, running, kv_usage, fresh, age, polls, kv_blocks, kv_trusted, kv_counts)
         yield CounterMetricFamily(
+            "gateway_kv_events_prompts_learned",
+            "Prompts whose token ids a worker returned, hashed into block keys (the join of conversations to KV-cache events).",
+            value=kv_events.prompts_learned,
+        )
+        yield CounterMetricFamily(
             "gateway_duplicate_releases",
             "Releases of a reservation that was already released (each is released once; above 0 is a bug).",
             value=ledger.duplicate_releases,
