@@ -22,7 +22,7 @@ import pytest
 from tests.support.cluster import MODEL, Cluster, wait_registered, wait_until
 from tests.support.gateway import Gateway
 from tests.support.ports import unused_port
-from tests.support.prometheus import metric_value
+from tests.support.prometheus import metric_total, metric_value
 from tests.support.simworkers import SimWorker, start_simworker
 
 BLOCK = 16
@@ -221,6 +221,10 @@ def turn(gateway: Gateway, cluster: Cluster, messages: list[dict[str, Any]]) -> 
     return str(response.json()["content"][0]["text"])
 
 
+def learned(gateway: Gateway) -> float:
+    return metric_total(httpx.get(gateway.url + "/metrics", timeout=5).text, "gateway_kv_events_prompts_learned_total")
+
+
 def received(sim: SimWorker) -> int:
     return int(sim.stats()["received"])
 
@@ -235,6 +239,9 @@ def test_a_later_turn_goes_where_the_engines_events_say_its_prefix_is(
     answer = turn(gateway, cluster, first)
     holder, other = (sims[0], sims[1]) if received(sims[0]) == 1 else (sims[1], sims[0])
     wait_until(lambda: (kv(gateway, holder, "gateway_kv_events_blocks") or 0) > 0, timeout=15, message="no blocks")
+    # The worker returned the prompt's token ids (vLLM's return_token_ids), learned off the loop.
+    wait_until(lambda: learned(gateway) == 1, timeout=15, message="the first turn's token ids were not learned")
+    assert "return_token_ids" in holder.requests()[-1]
     second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Now add tests."}]
     turn(gateway, cluster, second)
     assert (received(holder), received(other)) == (2, 0)  # the holder, as its events say

@@ -62,11 +62,20 @@ async def _heartbeat_and_recover() -> None:
     await _RECOVERY.run(recovery.sweep, settings.GATEWAY_DEAD_AFTER_S)
 
 
+_synced_at: list[float] = [-1.0]  # the registry load the subscriptions were last matched to
+
+
 async def _follow_kv_events() -> None:
-    """Subscribe to the endpoints that publish KV-cache events (on their own thread), and check them."""
-    snapshot = await get_registry().snapshot()
-    kv_events.sync(e for pool in snapshot.pools for e in pool.endpoints)
-    kv_events.check()
+    """Subscribe to the endpoints that publish KV-cache events (on their own thread), and check
+    them. Nothing to do while the registry has not changed and no endpoint publishes."""
+    snapshot = get_registry().current()
+    if snapshot is None:
+        snapshot = await get_registry().snapshot()
+    if snapshot.loaded_at != _synced_at[0]:
+        _synced_at[0] = snapshot.loaded_at
+        kv_events.sync(e for pool in snapshot.pools for e in pool.endpoints)
+    if kv_events.view:
+        kv_events.check()
 
 
 async def _every(interval: float, work: Callable[[], Awaitable[object]], first_delay: float | None = None) -> None:
