@@ -193,8 +193,10 @@ class EndpointBlocks:
         """A batch could not be decoded: what it said is lost."""
         self._lost(detail)
 
-    def mark_silent(self, detail: str) -> None:
-        if not self.fallback:
+    def mark_silent(self, detail: str, *, since: float) -> None:
+        """No batch came since `since` (when a request was sent here). Judged again here, as the
+        subscriptions' thread may have applied one since the caller looked."""
+        if not self.fallback and self.last_event_at < since:
             self.fallback, self.detail = Fallback.SILENT, detail
 
     def _lost(self, detail: str) -> None:

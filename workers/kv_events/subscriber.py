@@ -327,7 +327,7 @@ class KvEvents:
             if since is not None and blocks.last_event_at >= since:
                 del self._routed_since[endpoint_id]
             elif since is not None and now - since > silence:
-                blocks.mark_silent(f"no KV-cache event for {now - since:.0f} s while requests were sent")
+                blocks.mark_silent(f"no KV-cache event for {now - since:.0f} s while requests were sent", since=since)
             reason = blocks.fallback
             if reason != self._reported.get(endpoint_id, ""):
                 self._reported[endpoint_id] = reason

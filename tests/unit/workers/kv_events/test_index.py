@@ -158,7 +158,9 @@ def test_the_index_is_bounded() -> None:
 def test_silence_falls_back_until_the_next_batch() -> None:
     blocks = fresh()
     blocks.on_live(0, batch(), 1.0)
-    blocks.mark_silent("quiet")
+    blocks.mark_silent("quiet", since=0.5)  # a batch came after the request: not silent
+    assert blocks.trusted
+    blocks.mark_silent("quiet", since=1.5)
     assert blocks.fallback == Fallback.SILENT
     blocks.on_live(1, batch(), 2.0)
     assert blocks.trusted
