@@ -33,6 +33,10 @@ and `oracle`: the benchmark asks every generation sim how much of the prompt it 
 (`POST /sim/prefix_cache/match`, the sims' real cache state) and sends the request to a pool of
 that one generation endpoint (the same 2 context sims; SGLang's load guard applied to the
 benchmark's own count of open requests), so routing has full knowledge of every worker's cache.
+`cache_aware+events`: the generation sims publish vLLM's KV-cache events and the gateway follows
+them (workers/kv_events/): a conversation's later turns are scored by the blocks each engine
+holds of its learned earlier prompt. The join learns token ids from vLLM's `return_token_ids`, so
+compare it with `--protocol vllm` (every policy then runs on vLLM's dialect).
 
 Reported per policy: prefill tokens computed (all 6 sims), cache hit rate (cached / (cached +
 computed) over every prefill), context phases skipped, time to first token (first
@@ -64,6 +68,7 @@ import harness as h  # noqa: E402
 import httpx  # noqa: E402
 
 from messages_api.convert import to_chat_request  # noqa: E402
+from tests.support.ports import unused_port  # noqa: E402
 
 BLOCK_TOKENS = 16
 POLICIES = (
@@ -73,6 +78,7 @@ POLICIES = (
     "session_affinity",
     "cache_aware+header",
     "cache_aware",
+    "cache_aware+events",
     "oracle",
 )
 # SGLang's load guard, as the gateway applies it (PREFIX_BALANCE_* defaults), for the oracle.
@@ -103,6 +109,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of: " + ", ".join(POLICIES))
     parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument(
+        "--protocol", default="trtllm", choices=["trtllm", "vllm"],
+        help="the sims' and pools' protocol; `cache_aware+events` needs vllm (the join learns token ids from vLLM's return_token_ids)",
+    )
     args = h.parse_args(
         parser,
         quick={"sessions": 4, "turns_min": 3, "turns_max": 5, "think_min": 0.2, "think_max": 0.6, "ramp": 2.0},
@@ -170,8 +180,11 @@ class Sims:
         return self.context + self.generation
 
 
-def start_sims(stack: h.Stack, args: argparse.Namespace) -> Sims:
-    options = {
+def start_sims(stack: h.Stack, args: argparse.Namespace, *, events: bool = False) -> Sims:
+    """The pool's sims; with `events`, each generation sim publishes vLLM's KV-cache events on
+    loopback ports of its own (`SimProc.kv_events`)."""
+    options: dict[str, Any] = {
+        "protocol": args.protocol,
         "tokens_per_second": args.decode_rate,
         "prefill_tokens_per_second": args.prefill_rate,
         "local_prefill_tokens_per_second": args.prefill_rate,
@@ -181,10 +194,15 @@ def start_sims(stack: h.Stack, args: argparse.Namespace) -> Sims:
         "max_context_tokens": 262144,
         "kv_timeout": 60,
     }
-    return Sims(
-        [start_sim(stack, "context", options) for _ in range(2)],
-        [start_sim(stack, "generation", options) for _ in range(4)],
-    )
+    generation = []
+    for _ in range(4):
+        extra: dict[str, Any] = {}
+        if events:
+            extra = {"kv_events": f"tcp://127.0.0.1:{unused_port()}", "kv_events_replay": f"tcp://127.0.0.1:{unused_port()}"}
+        sim = start_sim(stack, "generation", {**options, **extra})
+        sim.kv_events = (extra.get("kv_events", ""), extra.get("kv_events_replay", ""))  # type: ignore[attr-defined]
+        generation.append(sim)
+    return Sims([start_sim(stack, "context", options) for _ in range(2)], generation)
 
 
 def start_sim(stack: h.Stack, role: str, options: dict[str, Any], attempts: int = 3) -> h.SimProc:
@@ -210,9 +228,11 @@ def create_pools(stack: h.Stack, pools: list[dict[str, Any]]) -> None:
         # Shared caches: the oracle probes the sims' caches unsalted (`/sim/prefix_cache/match`),
         # and a per-key pool would salt every prompt of the run's key.
         "    pool = WorkerPool.objects.create(name=spec['name'], model=spec['name'], routing=spec['routing'],\n"
-        "        schedule_style='context_first', max_local_prefill_tokens=spec['limit'], cache_scope='shared')\n"
-        "    for role, url in spec['endpoints']:\n"
-        "        WorkerEndpoint.objects.create(pool=pool, role=role, url=url)\n"
+        "        schedule_style='context_first', max_local_prefill_tokens=spec['limit'], cache_scope='shared',\n"
+        "        protocol=spec['protocol'])\n"
+        "    for role, url, pub, replay in spec['endpoints']:\n"
+        "        WorkerEndpoint.objects.create(pool=pool, role=role, url=url, kv_events_address=pub, kv_events_replay_address=replay,\n"
+        f"            kv_block_size={BLOCK_TOKENS}, kv_hash_algorithm='sha256' if pub else '')\n"
     )
     stack.manage("shell", "-c", code)
 
@@ -383,24 +403,28 @@ class LazyGateway:
 def run_policy(
     stack: h.Stack, gateways: LazyGateway, key: str, args: argparse.Namespace, workload: Workload, policy: str, run: int
 ) -> dict[str, Any]:
-    sims = start_sims(stack, args)
+    routing, _, variant = policy.partition("+")
+    events = variant == "events"
+    sims = start_sims(stack, args, events=events)
     try:
-        routing, _, variant = policy.partition("+")
         header = variant == "header"
         name = f"s{run}-{routing}-{variant or 'plain'}"
-        contexts = [("context", s.url) for s in sims.context]
+        contexts = [("context", s.url, "", "") for s in sims.context]
+        generation = [("generation", g.url, *g.kv_events) for g in sims.generation]  # type: ignore[attr-defined]
         if routing == "oracle":
             pools = [
-                {"name": f"{name}-g{i}", "routing": "cache_aware", "limit": args.max_local_prefill, "endpoints": contexts + [("generation", g.url)]}
-                for i, g in enumerate(sims.generation)
-            ]
+                {"name": f"{name}-g{i}", "routing": "cache_aware", "limit": args.max_local_prefill, "protocol": args.protocol,
+                 "endpoints": [*contexts, g]}
+                for i, g in enumerate(generation)
+            ]  # fmt: skip
         else:
             pools = [
                 {
                     "name": name,
                     "routing": routing,
                     "limit": args.max_local_prefill,
-                    "endpoints": contexts + [("generation", g.url) for g in sims.generation],
+                    "protocol": args.protocol,
+                    "endpoints": contexts + generation,
                 }
             ]
         create_pools(stack, pools)

@@ -232,6 +232,8 @@ class EndpointRow:
     #: read here failed.
     engine: Any = None
     engine_error: str = ""
+    #: Its KV-cache events as this process follows them (`KvEvents.summary`; None: not subscribed).
+    kv_events: Any = None
 
     @property
     def breaker_label(self) -> str:
@@ -292,7 +294,7 @@ def cluster(now: datetime, seen: Access, window: Traffic | None) -> tuple[list[P
             probed_here=mine.probed_healthy, breaker=mine.breaker, open_all=open_all.get(e["id"], 0),
             capacity=e["capacity"], capacity_tokens=e["capacity_tokens"], open_here=mine.open_here, tokens_here=mine.tokens_here,
             requests=counts[0] if counts is not None else None, failed=counts[1] if counts is not None else None,
-            engine=mine.engine, engine_error=mine.engine_error,
+            engine=mine.engine, engine_error=mine.engine_error, kv_events=mine.kv_events,
         ))  # fmt: skip
     rows = []
     for p in pools:

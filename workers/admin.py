@@ -214,6 +214,14 @@ class WorkerEndpointAdmin(GuardedAdmin[WorkerEndpoint]):
         ("Routing", {"fields": (("enabled", "draining"), ("capacity", "capacity_tokens"))}),
         ("Protocol options", {"fields": ("options",)}),
         (
+            "KV-cache events",
+            {
+                "fields": (
+                    ("kv_events_address", "kv_events_replay_address"), "kv_events_topic", ("kv_block_size", "kv_hash_algorithm", "kv_hash_seed"),
+                )
+            },
+        ),
+        (
             "Health (as the probes last wrote it)",
             {"fields": (("healthy", "consecutive_failures"), "last_checked_at", "last_error", open_reservations, ("created_at", "updated_at"))},  # type: ignore[typeddict-item]
         ),

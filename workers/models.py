@@ -113,6 +113,14 @@ class WorkerPool(models.Model):
             raise ValidationError({field: problem})
 
 
+class KvHashAlgorithm(models.TextChoices):
+    """The `--prefix-caching-hash-algo` values whose hashes the gateway reproduces."""
+
+    NONE = "", "not checked"
+    SHA256 = "sha256", "sha256 (pickle; vLLM's default)"
+    SHA256_CBOR = "sha256_cbor", "sha256_cbor"
+
+
 class WorkerEndpoint(models.Model):
     """One worker server (e.g. a `trtllm-serve` instance) in a pool, in one role."""
 
@@ -145,6 +153,27 @@ class WorkerEndpoint(models.Model):
         help_text="Most tokens in flight at once (each request's prompt + max_tokens). Empty: unlimited. "
         "A request larger than this alone is admitted when the endpoint is idle.",
     )
+    kv_events_address = models.CharField(
+        max_length=300, blank=True, default="",
+        help_text="The engine's KV-cache event publisher (its --kv-events-config endpoint), e.g. tcp://10.0.0.5:5557. "
+        "Empty: the gateway routes this endpoint on its own approximate prefix index.",
+    )
+    kv_events_replay_address = models.CharField(
+        max_length=300, blank=True, default="",
+        help_text="The engine's replay socket (replay_endpoint), e.g. tcp://10.0.0.5:5558. Empty: missed events cannot be replayed.",
+    )
+    kv_events_topic = models.CharField(max_length=200, blank=True, default="", help_text="The publisher's topic (empty: every topic).")
+    kv_block_size = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The engine's KV block size in tokens (--block-size). Empty: 16."
+    )
+    kv_hash_algorithm = models.CharField(
+        max_length=20, blank=True, default="sha256", choices=KvHashAlgorithm.choices,
+        help_text="The engine's --prefix-caching-hash-algo, to check the block hashes it publishes. Empty: not checked.",
+    )
+    kv_hash_seed = models.CharField(
+        max_length=200, blank=True, default="",
+        help_text="The engine's PYTHONHASHSEED, if set (empty: vLLM's fixed default seed).",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -156,6 +185,21 @@ class WorkerEndpoint(models.Model):
 
     def __str__(self) -> str:
         return f"{self.pool.name}/{self.role} {self.url}"
+
+    def clean(self) -> None:
+        problems = {}
+        for name in ("kv_events_address", "kv_events_replay_address"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://")):
+                problems[name] = "A ZeroMQ address: tcp://host:port or ipc://path."
+            elif value.startswith("tcp://") and ("*" in value or value.rsplit(":", 1)[-1] in ("", "0") or not value.rsplit(":", 1)[-1].isdigit()):
+                problems[name] = "The engine's address and port to connect to (not its bind address with *)."
+        if self.kv_events_replay_address and not self.kv_events_address:
+            problems["kv_events_replay_address"] = "A replay address needs the KV-event address too."
+        if self.kv_block_size is not None and self.kv_block_size < 1:
+            problems["kv_block_size"] = "At least 1 token."
+        if problems:
+            raise ValidationError(problems)
 
 
 class ModelRoute(models.Model):

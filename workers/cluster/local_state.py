@@ -1,6 +1,7 @@
 """What this process alone knows of the cluster, for the admin's cluster overview: each endpoint's
 breaker, this process's own health probe, the reservations it holds, its engine's load as last
-reported (`workers.cluster.engine_load`), and the requests waiting in its admission queues.
+reported (`workers.cluster.engine_load`), what its KV-cache events say it holds
+(`workers.kv_events`), and the requests waiting in its admission queues.
 
 Every gateway process keeps these in memory, so the process that serves an admin page can speak
 only for itself; the database holds what every process shares (endpoint health as last written,
@@ -12,12 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from disagg_project import GATEWAY_INSTANCE
 from workers.admission.queue import Priority, waiting_here
 from workers.cluster.engine_load import EndpointLoad, engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
+from workers.kv_events.subscriber import kv_events
 from workers.routing.reservations import ledger
 
 
@@ -35,6 +38,9 @@ class EndpointHere:
     #: process's last read of them failed ("" when it did not).
     engine: EndpointLoad | None = None
     engine_error: str = ""
+    #: The engine's KV-cache events as this process follows them (`KvEvents.summary`; None: the
+    #: endpoint has no KV-event address).
+    kv_events: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,7 @@ def local_state(endpoint_ids: Iterable[int]) -> LocalState:
             tokens_here=ledger.tokens(endpoint_id),
             engine=engine_loads.view.get(endpoint_id),
             engine_error=engine_loads.error(endpoint_id),
+            kv_events=kv_events.summary(endpoint_id),
         )
     queued: dict[tuple[str, str, str], int] = {}
     for (resource, priority), n in waiting_here().items():

@@ -1,6 +1,7 @@
 """Prometheus metrics of the cluster side: retries, open reservations, duplicate releases,
 breaker state, and the engines' own load as this process knows it (`workers.cluster.engine_load`):
-their queues, KV use, whether the figures are fresh enough to route on, and the reads made here.
+their queues, KV use, whether the figures are fresh enough to route on, and the reads made here;
+and what their KV-cache events say they hold (`workers.kv_events`).
 
 Gauges that mirror in-memory state are read at scrape time by a collector, so the hot path never
 touches them.
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import BreakerState, health
 from workers.cluster.registry import get_registry
+from workers.kv_events.subscriber import kv_events
 from workers.routing.reservations import ledger
 
 worker_retries = Counter(
@@ -50,6 +52,17 @@ class ClusterCollector(Collector):
         polls = CounterMetricFamily(
             "gateway_engine_load_polls", "Reads of the engine's metrics made by this process, by outcome.", labels=[*labelled, "outcome"]
         )
+        kv_blocks = GaugeMetricFamily(
+            "gateway_kv_events_blocks", "Blocks the engine's KV-cache events say it holds, as this process follows them.", labels=labelled
+        )
+        kv_trusted = GaugeMetricFamily(
+            "gateway_kv_events_trusted",
+            "1 while routing trusts the engine's KV-cache events; 0: the approximate prefix index (see the reason).",
+            labels=[*labelled, "reason"],
+        )
+        kv_counts = CounterMetricFamily(
+            "gateway_kv_events_blocks_applied", "Blocks stored and removed by the engine's events, and hashes checked.", labels=[*labelled, "kind"]
+        )
         snapshot = get_registry().current()
         for pool in snapshot.pools if snapshot else ():
             for endpoint in pool.endpoints:
@@ -67,10 +80,21 @@ class ClusterCollector(Collector):
                     age.add_metric(labels, reported.age_s)
                 for outcome, n in engine_loads.polls.get(endpoint.id, {}).items():
                     polls.add_metric([*labels, outcome], n)
+                blocks = kv_events.view.get(endpoint.id)
+                if blocks is not None:
+                    kv_blocks.add_metric(labels, blocks.size)
+                    kv_trusted.add_metric([*labels, blocks.fallback], 0 if blocks.fallback else 1)
+                    for kind, n in (("stored", blocks.stored), ("removed", blocks.removed), ("checked", blocks.checked)):
+                        kv_counts.add_metric([*labels, kind], n)
         yield open_reservations
         yield breaker
         yield healthy
-        yield from (waiting, running, kv_usage, fresh, age, polls)
+        yield from (waiting, running, kv_usage, fresh, age, polls, kv_blocks, kv_trusted, kv_counts)
+        yield CounterMetricFamily(
+            "gateway_kv_events_prompts_learned",
+            "Prompts whose token ids a worker returned, hashed into block keys (the join of conversations to KV-cache events).",
+            value=kv_events.prompts_learned,
+        )
         yield CounterMetricFamily(
             "gateway_duplicate_releases",
             "Releases of a reservation that was already released (each is released once; above 0 is a bug).",

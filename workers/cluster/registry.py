@@ -39,6 +39,13 @@ class EndpointInfo:
     # Most requests / tokens in flight at once (None: unlimited); see workers.admission.
     capacity: int | None = None
     capacity_tokens: int | None = None
+    # Where the engine publishes its KV-cache events, and its hash settings (`workers.kv_events`).
+    kv_events_address: str = ""
+    kv_events_replay_address: str = ""
+    kv_events_topic: str = ""
+    kv_block_size: int | None = None
+    kv_hash_algorithm: str = ""
+    kv_hash_seed: str = field(default="", repr=False)
 
     @property
     def capped(self) -> bool:
@@ -156,6 +163,12 @@ def load_snapshot() -> ClusterSnapshot:
                 remote_open=remote_open.get(e.id, 0),
                 capacity=e.capacity,
                 capacity_tokens=e.capacity_tokens,
+                kv_events_address=e.kv_events_address,
+                kv_events_replay_address=e.kv_events_replay_address,
+                kv_events_topic=e.kv_events_topic,
+                kv_block_size=e.kv_block_size,
+                kv_hash_algorithm=e.kv_hash_algorithm,
+                kv_hash_seed=e.kv_hash_seed,
             )
         )
     places: dict[int, list[tuple[int, int]]] = {}

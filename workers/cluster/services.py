@@ -1,5 +1,6 @@
 """The background work of a gateway process: registry refresh, health probes, the engines' load
-(`workers.cluster.engine_load`), heartbeat and recovery of dead processes' rows, and (with Redis)
+(`workers.cluster.engine_load`), heartbeat and recovery of dead processes' rows, the KV-cache event subscriptions
+(`workers.kv_events`), and (with Redis)
 the renewal of the leases it holds there.
 
 They are started in one place per server: daphne has no ASGI lifespan, so `disagg_project.asgi`
@@ -23,6 +24,7 @@ from workers.cluster import recovery
 from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
+from workers.kv_events.subscriber import kv_events
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ def start_services() -> None:
         )
     if settings.REDIS_URL:
         _started[loop].append(loop.create_task(_every(settings.CAPACITY_LEASE_S / 3, leases.renew), name="lease-renewal"))
+    if settings.KV_EVENTS_CHECK_S > 0:
+        _started[loop].append(loop.create_task(_every(settings.KV_EVENTS_CHECK_S, _follow_kv_events, first_delay=0), name="kv-events"))
 
 
 # The heartbeat's and the sweep's own thread (see workers.cluster.db_thread).
@@ -56,6 +60,22 @@ _RECOVERY = DatabaseThread("recovery-db")
 async def _heartbeat_and_recover() -> None:
     await _RECOVERY.run(recovery.heartbeat)
     await _RECOVERY.run(recovery.sweep, settings.GATEWAY_DEAD_AFTER_S)
+
+
+_synced_at: list[float] = [-1.0]  # the registry load the subscriptions were last matched to
+
+
+async def _follow_kv_events() -> None:
+    """Subscribe to the endpoints that publish KV-cache events (on their own thread), and check
+    them. Nothing to do while the registry has not changed and no endpoint publishes."""
+    snapshot = get_registry().current()
+    if snapshot is None:
+        snapshot = await get_registry().snapshot()
+    if snapshot.loaded_at != _synced_at[0]:
+        _synced_at[0] = snapshot.loaded_at
+        kv_events.sync(e for pool in snapshot.pools for e in pool.endpoints)
+    if kv_events.view:
+        kv_events.check()
 
 
 async def _every(interval: float, work: Callable[[], Awaitable[object]], first_delay: float | None = None) -> None:

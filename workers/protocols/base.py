@@ -70,6 +70,10 @@ class Call:
     #: the key's identity, never its secret; kept out of logs all the same (with it, a request sent
     #: to a worker directly would read that tenant's cache).
     cache_salt: str | None = field(default=None, repr=False)
+    #: Ask the generation worker for the prompt's token ids (vLLM's `return_token_ids`): its
+    #: engine's KV-cache events are followed, and the ids join the conversation to its blocks
+    #: (`workers.kv_events.subscriber.KvEvents.learn`).
+    return_token_ids: bool = False
 
 
 class Handoff(Protocol):

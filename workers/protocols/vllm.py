@@ -168,7 +168,7 @@ class VllmProtocol(WorkerProtocol):
         return {REQUEST_ID_HEADER: call.request_id}
 
     def aggregated_request(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
-        return self.salted(streamed(chat), call)
+        return self.salted(_with_token_ids(streamed(chat), call), call)
 
     def context_request(
         self, chat: dict[str, Any], call: Call, *, pair_id: int, schedule_style: str, context: ContextPeer
@@ -181,7 +181,14 @@ class VllmProtocol(WorkerProtocol):
     def generation_request_after_context(self, chat: dict[str, Any], call: Call, handoff: Handoff) -> dict[str, Any]:
         if not isinstance(handoff, PrefillResult):
             raise TypeError(f"not a vLLM handoff: {type(handoff).__name__}")
-        return self.salted(decode_request(chat, handoff), call)
+        return self.salted(_with_token_ids(decode_request(chat, handoff), call), call)
+
+
+def _with_token_ids(body: dict[str, Any], call: Call) -> dict[str, Any]:
+    # vLLM ≥ 0.10.2: the first streamed chunk then carries the prompt's `prompt_token_ids`.
+    if call.return_token_ids:
+        body["return_token_ids"] = True
+    return body
 
 
 PROTOCOL = VllmProtocol()

@@ -3,7 +3,8 @@
 Routing reads only memory: the registry snapshot and this process's open reservations (plus, for
 `least_loaded`, the other processes' open reservations as of the last registry refresh, and the
 engines' own load while fresh: `_load`), and for `cache_aware` this process's prefix index
-(`workers.routing.prefix_index`).
+(`workers.routing.prefix_index`) and, for endpoints whose engines' KV-cache events are followed
+and trusted, what those say they hold of a conversation's known prefix (`_held_by_events`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
 from workers.exceptions import NoEndpointAvailable
+from workers.kv_events.subscriber import kv_events
 from workers.models import Role, RoutingPolicy
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
 from workers.routing.reservations import Reservation, ledger
@@ -141,10 +143,18 @@ async def place_generation(
     index.retain(pool.name, [e.id for e in pool.endpoints if _keeps_cache(e)])
     prompt = Prompt(rendered, settings.PREFIX_INDEX_CHUNK_BYTES, salt=cache_salt)
     matches: dict[int, int] = {}
+    # Endpoints scored by what their engines' KV-cache events say they hold (empty while no
+    # endpoint publishes events: nothing more per request).
+    event_fed: set[int] = set()
 
     def usable(fresh: bool) -> list[EndpointInfo]:
         endpoints = _usable(_current(pool) if fresh else pool, Role.GENERATION, ())
-        matches.update(index.matches([e.id for e in endpoints if e.id not in matches], prompt))
+        unscored = [e.id for e in endpoints if e.id not in matches]
+        matches.update(index.matches(unscored, prompt))
+        if kv_events.view:
+            held = _held_by_events(unscored, prompt)
+            matches.update(held)
+            event_fed.update(held)
         return endpoints
 
     def pick(roomy: list[EndpointInfo]) -> EndpointInfo:
@@ -153,13 +163,32 @@ async def place_generation(
     endpoint, lease = await admit(
         (pool.name, Role.GENERATION), ticket or Ticket(), usable, pick, tokens=tokens, held_here=_held_here
     )
-    held = index.held(endpoint.id, prompt, sent=matches[endpoint.id])
+    held = matches[endpoint.id] if endpoint.id in event_fed else index.held(endpoint.id, prompt, sent=matches[endpoint.id])
     index.record(endpoint.id, pool.name, prompt.key)
     health.on_routed(endpoint.id)
+    if kv_events.view:  # empty while no endpoint publishes events: nothing more per request
+        kv_events.on_routed(endpoint.id)
     reservation = Reservation.take(
         request_id, endpoint, Role.GENERATION, tokens=tokens if endpoint.capped else 0, reservation_id=lease, flow=ticket.flow if ticket else ""
     )
     return Placement(reservation, held, prompt.size, prompt)
+
+
+def _held_by_events(endpoint_ids: list[int], prompt: Prompt) -> dict[int, int]:
+    """Bytes of the prompt each endpoint's engine holds, by its KV-cache events: for endpoints
+    whose events are trusted, once an earlier prompt of this conversation was learned
+    (`KvEvents.known_prefix`): that prompt's bytes, scaled by the share of its leading blocks
+    the engine holds. The others keep the approximate index's match."""
+    held: dict[int, int] = {}
+    for endpoint_id in endpoint_ids:
+        blocks = kv_events.trusted(endpoint_id)
+        if blocks is None:
+            continue
+        known = kv_events.known_prefix(blocks, prompt)
+        if known is not None:
+            size, keys = known
+            held[endpoint_id] = size * blocks.leading(keys) // len(keys)
+    return held
 
 
 def _cache_aware(
@@ -272,6 +301,8 @@ async def reserve(
         # Only generation endpoints' conversations are compared (the balance guard).
         get_index().record(endpoint.id, pool.name, prompt.key, conversation=False)
     health.on_routed(endpoint.id)
+    if kv_events.view:
+        kv_events.on_routed(endpoint.id)
     return Reservation.take(
         request_id, endpoint, role, tokens=tokens if endpoint.capped else 0, reservation_id=lease, flow=ticket.flow if ticket else ""
     )

@@ -3,6 +3,7 @@
     feedback = CacheFeedback(pool.name)
     feedback.on_routed(placement)              # the generation endpoint, and the prompt's index key
     feedback.on_first_chunk(endpoint_id)       # it answered: it holds the prompt's prefix now
+    feedback.on_prompt_tokens(ids)             # its first chunk's prompt_token_ids (KV events followed)
     if feedback.wants_usage and "usage" in chunk:
         feedback.on_usage(chunk["usage"])      # its first usage: did it still hold what was expected?
     feedback.on_failure(endpoint_id, error)    # the worker itself failed: its cache may be gone
@@ -24,6 +25,7 @@ from typing import Any
 
 from workers.cluster.health import FailureScope, failure_scope
 from workers.exceptions import WorkerError
+from workers.kv_events.subscriber import kv_events
 from workers.routing.prefix_index import get_index
 from workers.routing.router import Placement
 
@@ -53,6 +55,14 @@ class CacheFeedback:
         placement = self._placement
         if placement is not None and placement.key is not None:
             get_index().confirm(endpoint_id, placement.key)
+
+    def on_prompt_tokens(self, token_ids: list[int]) -> None:
+        """The generation worker's first chunk carried the prompt's token ids (asked for when its
+        engine's KV-cache events are followed): the conversation's next turn is scored by the
+        blocks of this prompt (`KvEvents.learn`, hashed off the loop)."""
+        placement = self._placement
+        if placement is not None and placement.key is not None:
+            kv_events.learn(self._endpoint_id, placement.key.marks[-1], token_ids)
 
     def on_usage(self, usage: Any) -> None:
         """The generation worker's first usage report (called once). A worker that read no cached

@@ -33,6 +33,7 @@ from workers.admission.queue import get_queue
 from workers.cluster.health import health
 from workers.cluster.registry import PoolInfo
 from workers.exceptions import StopRelay, WorkerError
+from workers.kv_events.subscriber import kv_events
 from workers.models import CacheScope, Outcome, Role, Stage
 from workers.protocols import Call, WorkerProtocol
 from workers.protocols.base import completion_as_chunks
@@ -116,6 +117,7 @@ class ChatRun:
         self._stream: ChunkStream | None = None
         self._complete_response: dict[str, Any] | None = None
         self._first_chunk = True  # no generation chunk has arrived yet
+        self._learn_tokens = False  # the first chunk's prompt_token_ids are for the KV-event join
         self._closing: asyncio.Task[None] | None = None
 
     @property
@@ -241,6 +243,12 @@ class ChatRun:
             self._queued(started)
             self.feedback.on_routed(placement)
             generation = placement.reservation
+            if kv_events.view and generation.endpoint.id in kv_events.view and self.call.cache_salt is None:
+                # Its engine's KV-cache events are followed: learn the prompt's token ids from its
+                # answer (not for a salted prompt: its blocks' hashes carry the salt as the engine
+                # words it, which is not reproduced here; the approximate index routes it).
+                self.call = replace(self.call, return_token_ids=True)
+                self._learn_tokens = True
             self._reservations.append(generation)
             self._generation_url = generation.endpoint.url
             self.note(generation_endpoint=generation.endpoint.url)
@@ -300,6 +308,10 @@ class ChatRun:
                 self._first_chunk = False
                 self.note(first_chunk_at=time.monotonic())
                 feedback.on_first_chunk(self._generation_endpoint_id)
+                if self._learn_tokens:
+                    ids = chunk.pop("prompt_token_ids", None)
+                    if isinstance(ids, list):
+                        feedback.on_prompt_tokens(ids)
                 if span is not None:
                     tracing.event(span, "gen_ai.first_token")
             if feedback.wants_usage and "usage" in chunk:

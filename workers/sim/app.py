@@ -14,6 +14,8 @@ Routes:
     GET  /sim/prefix_cache     the prefix cache's size and counters (prefix_cache.py)
     POST /sim/prefix_cache/match   {"messages", "tools", "cache_salt"?} -> {"cached_tokens"}, without touching it
     GET  /sim/kv_events?after=N    stored/removed block hashes since event N (KV-event publisher)
+    POST /sim/kv_events        {"mode": "live"|"drop"|"mute", "reset_prefix_cache"?, "restart"?}: the
+                               ZeroMQ publisher's faults (--kv-events; kv_publisher.py)
     GET  /metrics              the engine's load in its Prometheus names (TensorRT-LLM's dialect:
                                /prometheus/metrics; none for the plain OpenAI one): engine_metrics.py
     POST /sim/outside_load     {"waiting", "running", "kv_usage"?, "metrics_status"?}: load the
@@ -27,6 +29,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
+
+from workers.kv_events.hashing import BlockHasher
 
 from .asgi import (
     ClientDisconnected,
@@ -44,6 +48,8 @@ from .config import SimConfig
 from .engine_metrics import OutsideLoad, render
 from .error_answers import SimError, SimulatedDrop
 from .handoffs import HandoffStore
+from .kv_publisher import MODES, KvPublisher
+from .prefix_cache import PrefixCache
 from .stats import Outcome, RequestLog, Stats
 from .tokenizer import tokenize, tokenize_chat
 from .transfer import TAKE_PATH, TAKE_STATUS_CODES, KvPuller
@@ -80,7 +86,15 @@ class SimApp:
         self.log = RequestLog()
         self.handoffs = HandoffStore(config.kv_timeout)
         self.puller = KvPuller()
-        self.chat = ChatCompletions(config, self.url, self.log, self.handoffs, self.puller)
+        self.kv_publisher: KvPublisher | None = None
+        cache = None
+        if config.kv_events_address:
+            self.kv_publisher = KvPublisher(config.kv_events_address, config.kv_replay_address, buffer_steps=config.kv_buffer_steps)
+            cache = PrefixCache(
+                config.kv_block_tokens, config.kv_cache_blocks, BlockHasher(config.kv_hash_algorithm, config.kv_hash_seed),
+                self.kv_publisher.publish,
+            )
+        self.chat = ChatCompletions(config, self.url, self.log, self.handoffs, self.puller, cache)
         self._models = orjson.dumps(
             {
                 "object": "list",
@@ -107,6 +121,7 @@ class SimApp:
             ("GET", "/sim/prefix_cache"): self._prefix_cache,
             ("POST", "/sim/prefix_cache/match"): self._prefix_match,
             ("GET", "/sim/kv_events"): self._kv_events,
+            ("POST", "/sim/kv_events"): self._kv_events_control,
         }
         self.outside = OutsideLoad(config.outside_waiting, config.outside_running)
         self.metrics_reads = 0
@@ -136,9 +151,13 @@ class SimApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                if self.kv_publisher is not None:
+                    self.kv_publisher.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.puller.aclose()
+                if self.kv_publisher is not None:
+                    await self.kv_publisher.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -265,6 +284,24 @@ class SimApp:
         except ValueError:
             raise SimError(400, "after must be an integer") from None
         await send_json(send, 200, self.chat.cache.events_after(after))
+
+    async def _kv_events_control(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(receive)
+        publisher = self.kv_publisher
+        if publisher is None:
+            raise SimError(404, "this worker publishes no KV-cache events (--kv-events)")
+        if not isinstance(body, dict):
+            raise SimError(400, "kv_events needs a JSON object")
+        mode = body.get("mode", publisher.mode)
+        if mode not in MODES:
+            raise SimError(400, f"mode must be one of {', '.join(MODES)}")
+        publisher.mode = mode
+        if body.get("reset_prefix_cache"):
+            self.chat.cache.clear()
+        if body.get("restart"):
+            self.chat.cache.clear(restart=True)
+            publisher.restart()
+        await send_json(send, 200, {"mode": publisher.mode, "published": publisher.published})
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics_reads += 1

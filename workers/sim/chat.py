@@ -102,7 +102,7 @@ class ChatCompletions:
         cache = self.cache
         blocks = cache.hashes(prompt_ids, request.cache_salt)
         if self._prefill_slots is None:
-            cached = await self._compute(prompt_ids, blocks, local)
+            cached = await self._compute(prompt_ids, blocks, local, request.cache_salt)
         else:
             # Cache hits are looked up when the prompt is scheduled, not when it arrived (as an
             # engine's scheduler does): a prompt queued behind one with the same head reuses it.
@@ -112,21 +112,21 @@ class ChatCompletions:
             finally:
                 self.queued -= 1
             try:
-                cached = await self._compute(prompt_ids, blocks, local)
+                cached = await self._compute(prompt_ids, blocks, local, request.cache_salt)
             finally:
                 self._prefill_slots.release()
         if request.directives.context_delay > 0:
             await asyncio.sleep(request.directives.context_delay)
         return cached
 
-    async def _compute(self, prompt_ids: list[int], blocks: list[int], local: bool) -> int:
+    async def _compute(self, prompt_ids: list[int], blocks: list[int], local: bool, salt: str | None) -> int:
         cache = self.cache
         cached = cache.match_blocks(blocks)
         compute = self.config.prefill_seconds(len(prompt_ids) - cached, local=local)
         if compute > 0:
             await asyncio.sleep(compute)
         cache.account(len(prompt_ids), cached)
-        cache.store_blocks(blocks)
+        cache.store_blocks(blocks, prompt_ids, salt)
         return cached
 
     async def _context_only(self, request: ChatRequest, send: Send) -> None:
@@ -193,7 +193,7 @@ class ChatCompletions:
         # cached (it need not have been pulled).
         blocks = self.cache.hashes(prompt_ids, request.cache_salt)
         held = self.cache.match_blocks(blocks)
-        self.cache.store_blocks(blocks)
+        self.cache.store_blocks(blocks, prompt_ids, request.cache_salt)
         await self._generate(request, prompt_ids, kv_tokens, send, cached_tokens=held)
 
     async def _aggregated(self, request: ChatRequest, send: Send) -> None:
@@ -230,6 +230,7 @@ class ChatCompletions:
             fail_after=directives.gen_fail_after,
             first_chunk_delay=directives.gen_delay,
             cached_tokens=cached_tokens if self.config.kv_cache_blocks else None,
+            prompt_token_ids=prompt_ids if request.return_token_ids else None,
         )
         if request.stream:
             await stream(send, generation, options)

@@ -44,6 +44,13 @@ class SimConfig:
     # traffic that never passed through the gateway. `POST /sim/outside_load` changes them.
     outside_waiting: int = 0
     outside_running: int = 0
+    # KV-cache events on vLLM's wire (`workers.sim.kv_publisher`): the PUB and replay addresses to
+    # bind ("" : none), the hash algorithm and seed of the block hashes (vLLM's), the ring's size.
+    kv_events_address: str = ""
+    kv_replay_address: str = ""
+    kv_hash_algorithm: str = "sha256"
+    kv_hash_seed: str | None = None
+    kv_buffer_steps: int = 10000
 
     @property
     def token_interval(self) -> float:

@@ -23,6 +23,8 @@ class EmitOptions:
     # Prompt tokens the worker reused from its prefix cache; None when it has none (then usage
     # has no prompt_tokens_details, as a vLLM server's by default).
     cached_tokens: int | None = None
+    # The prompt's token ids, for the first chunk (vLLM's `return_token_ids`); None: null there.
+    prompt_token_ids: list[int] | None = None
 
 
 # Unpaced streams write this many frames per socket write: one write per frame would make
@@ -41,7 +43,7 @@ async def stream(send: Send, generation: Generation, options: EmitOptions) -> No
     """
     framer = ChunkFramer(
         options.model, options.prompt_tokens, continuous_usage=options.continuous_usage,
-        cached_tokens=options.cached_tokens,
+        cached_tokens=options.cached_tokens, prompt_token_ids=options.prompt_token_ids,
     )
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     if options.first_chunk_delay > 0:

@@ -12,6 +12,10 @@ the root of its block chain): the same prompt under two salts shares no block.
 
 The cache also counts what it saved, and keeps a bounded log of stored/removed block hashes in
 the shape of the engines' KV-event publishers, so a router can follow it (`GET /sim/kv_events`).
+Given vLLM's hash settings (`hasher`), its block hashes are vLLM's (`workers.kv_events.hashing`,
+the salt as the first block's extra key, as vLLM's `cache_salt`), and every change is also handed
+to `publish` as vLLM's events (`BlockStored` with the blocks' tokens and parent, `BlockRemoved`,
+`AllBlocksCleared`): what `workers.sim.kv_publisher` sends on vLLM's wire.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from workers.kv_events.decode import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from workers.kv_events.hashing import BlockHasher, published
 
 # The KV-event log keeps this many events; a reader that fell further behind is told so.
 EVENT_LOG_LIMIT = 10000
@@ -57,13 +64,17 @@ class KvEvent:
 class PrefixCache:
     """KV blocks of one worker. `capacity_blocks` 0 disables caching (every lookup misses)."""
 
-    def __init__(self, block_tokens: int, capacity_blocks: int) -> None:
+    def __init__(
+        self, block_tokens: int, capacity_blocks: int, hasher: BlockHasher | None = None, publish: Callable[[list[Event]], None] | None = None
+    ) -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
         if capacity_blocks < 0:
             raise ValueError("capacity_blocks must not be negative")
         self.block_tokens = block_tokens
         self.capacity_blocks = capacity_blocks
+        self.hasher = hasher
+        self.publish = publish
         self._blocks: OrderedDict[int, None] = OrderedDict()
         self._events: deque[KvEvent] = deque(maxlen=EVENT_LOG_LIMIT)
         self._seq = 0
@@ -79,7 +90,13 @@ class PrefixCache:
         return len(self._blocks)
 
     def hashes(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
-        return block_hashes(token_ids, self.block_tokens, salt) if self.enabled else []
+        if not self.enabled:
+            return []
+        if self.hasher is not None:
+            count = len(token_ids) // self.block_tokens
+            extra = [(salt,) if salt and i == 0 else None for i in range(count)]
+            return [published(d) for d in self.hasher.chain(None, token_ids, self.block_tokens, extra)]
+        return block_hashes(token_ids, self.block_tokens, salt)
 
     def match(self, token_ids: Sequence[int], *, touch: bool = True, salt: str | None = None) -> int:
         """How many leading tokens of the prompt are cached (a multiple of the block size)."""
@@ -98,29 +115,58 @@ class PrefixCache:
 
     def store(self, token_ids: Sequence[int], salt: str | None = None) -> None:
         """The prompt's KV is now held here: add its full blocks, evicting the least recent."""
-        self.store_blocks(self.hashes(token_ids, salt))
+        self.store_blocks(self.hashes(token_ids, salt), token_ids, salt)
 
-    def store_blocks(self, hashes: list[int]) -> None:
-        """`store` for a prompt's block hashes."""
-        new = [h for h in hashes if h not in self._blocks]
+    def store_blocks(self, hashes: list[int], token_ids: Sequence[int] = (), salt: str | None = None) -> None:
+        """`store` for a prompt's block hashes (and its tokens, for the events)."""
+        held = self._blocks
+        fresh = [i for i, h in enumerate(hashes) if h not in held]
         self._touch(hashes)
-        if new:
-            self._log("stored", new)
+        if fresh:
+            self._log("stored", [hashes[i] for i in fresh])
         evicted: list[int] = []
-        while len(self._blocks) > self.capacity_blocks:
-            evicted.append(self._blocks.popitem(last=False)[0])
+        while len(held) > self.capacity_blocks:
+            evicted.append(held.popitem(last=False)[0])
         if evicted:
             self._log("removed", evicted)
+        if self.publish is not None and (fresh or evicted):
+            events: list[Event] = self._stored_events(hashes, fresh, token_ids, salt) if fresh else []
+            if evicted:
+                events.append(BlockRemoved(tuple(evicted), "GPU"))
+            self.publish(events)
+
+    def _stored_events(self, hashes: list[int], fresh: list[int], token_ids: Sequence[int], salt: str | None) -> list[Event]:
+        """One `BlockStored` per run of consecutive new blocks, as vLLM publishes them."""
+        size = self.block_tokens
+        events: list[Event] = []
+        runs: list[list[int]] = []
+        for i in fresh:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            extra = tuple((salt,) if salt and i == 0 else None for i in run)
+            events.append(BlockStored(
+                tuple(hashes[first : last + 1]), hashes[first - 1] if first else None, tuple(token_ids[first * size : (last + 1) * size]),
+                size, extra, "GPU",
+            ))  # fmt: skip
+        return events
 
     def account(self, prompt_tokens: int, cached: int) -> None:
         """Count one prefill of `prompt_tokens` of which `cached` came from the cache."""
         self.cached_tokens += cached
         self.computed_tokens += prompt_tokens - cached
 
-    def clear(self) -> None:
+    def clear(self, *, restart: bool = False) -> None:
+        """Drop every block: a prefix-cache reset (`AllBlocksCleared`), or with `restart` the
+        engine's restart (nothing is published: the publisher starts over instead)."""
         if self._blocks:
             self._log("removed", list(self._blocks))
             self._blocks.clear()
+        if self.publish is not None and not restart:
+            self.publish([AllBlocksCleared()])
 
     def _touch(self, hashes: list[int]) -> None:
         # Last block first: the prompt's head ends up most recent and is evicted last.

@@ -71,6 +71,13 @@ class SimWorker:
         """Zeroes the counters and the request log (held KV handoffs stay)."""
         httpx.post(self.url + "/sim/reset", timeout=5.0, trust_env=False).raise_for_status()
 
+    def kv_events(self, **body: Any) -> dict[str, Any]:
+        """Change its KV-event publisher (`POST /sim/kv_events`: `mode=`, `reset_prefix_cache=`, `restart=`)."""
+        response = httpx.post(self.url + "/sim/kv_events", json=body, timeout=5.0, trust_env=False)
+        response.raise_for_status()
+        answer: dict[str, Any] = response.json()
+        return answer
+
     def outside_load(self, waiting: int = 0, running: int = 0, **more: Any) -> None:
         """Make its metrics report this much load beyond its own (`POST /sim/outside_load`;
         `kv_usage=`, `metrics_status=` too)."""

@@ -57,6 +57,9 @@ class ChatRequest:
     #: The engine's prefix-cache salt (`Dialect.cache_salt_field`): its KV blocks are apart from
     #: other salts'.
     cache_salt: str | None = None
+    #: vLLM's `return_token_ids`: the answer carries the prompt's token ids (the first chunk's
+    #: `prompt_token_ids`).
+    return_token_ids: bool = False
 
     @property
     def request_type(self) -> RequestType:
@@ -129,6 +132,7 @@ def parse_chat_request(
         prompt_token_ids=prompt_token_ids,
         directives=parse_messages(messages),
         cache_salt=_cache_salt(body, salt_field) if salt_field else None,
+        return_token_ids=body.get("return_token_ids") is True,
     )
 
 

@@ -63,10 +63,11 @@ class ChunkFramer:
     chunk sent (the usage chunk when there is one).
     """
 
-    __slots__ = ("_head", "_prompt_tokens", "_continuous", "_cached_tokens")
+    __slots__ = ("_head", "_prompt_tokens", "_continuous", "_cached_tokens", "_prompt_fields")
 
     def __init__(
-        self, model: str, prompt_tokens: int, *, continuous_usage: bool, cached_tokens: int | None = None
+        self, model: str, prompt_tokens: int, *, continuous_usage: bool, cached_tokens: int | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         self._head = (
             b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,"choices":'
@@ -75,6 +76,9 @@ class ChunkFramer:
         self._prompt_tokens = prompt_tokens
         self._continuous = continuous_usage
         self._cached_tokens = cached_tokens
+        self._prompt_fields = (
+            _PROMPT_FIELDS if prompt_token_ids is None else b',"prompt_token_ids":' + orjson.dumps(prompt_token_ids) + b',"prompt_text":null'
+        )
 
     def _usage(self, completion_tokens: int) -> bytes:
         # vLLM's continuous_usage_stats: every chunk carries the running usage.
@@ -89,7 +93,7 @@ class ChunkFramer:
         )
 
     def role(self) -> bytes:
-        return b"".join((self._head, _ROLE_CHOICE, self._usage(0), _PROMPT_FIELDS, b"}\n\n"))
+        return b"".join((self._head, _ROLE_CHOICE, self._usage(0), self._prompt_fields, b"}\n\n"))
 
     def finish(
         self,

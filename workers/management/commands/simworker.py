@@ -60,6 +60,11 @@ class Command(BaseCommand):
             help="requests its metrics report queued beyond its own (traffic from elsewhere)",
         )
         parser.add_argument("--outside-running", type=int, default=0, help="likewise, running")
+        parser.add_argument("--kv-events", default="", help="publish KV-cache events on vLLM's wire, bound here (tcp://127.0.0.1:5557)")
+        parser.add_argument("--kv-events-replay", default="", help="the replay socket's bind address")
+        parser.add_argument("--kv-hash-algo", default="sha256", choices=["sha256", "sha256_cbor"], help="block hashes as vLLM's")
+        parser.add_argument("--kv-hash-seed", default=None, help="the engine's PYTHONHASHSEED (default: vLLM's fixed seed)")
+        parser.add_argument("--kv-buffer-steps", type=int, default=10000, help="batches kept for replay")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not 0 <= options["port"] <= 65535:
@@ -74,6 +79,10 @@ class Command(BaseCommand):
         for name in ("kv_cache_blocks", "prefill_concurrency", "outside_waiting", "outside_running"):
             if options[name] < 0:
                 raise CommandError(f"--{name.replace('_', '-')} must not be negative")
+        if options["kv_buffer_steps"] < 1:
+            raise CommandError("--kv-buffer-steps must be at least 1")
+        if options["kv_events_replay"] and not options["kv_events"]:
+            raise CommandError("--kv-events-replay needs --kv-events")
         if options["max_context_tokens"] < 1:
             raise CommandError("--max-context-tokens must be at least 1")
         config = SimConfig(
@@ -93,6 +102,11 @@ class Command(BaseCommand):
             prefill_concurrency=options["prefill_concurrency"],
             outside_waiting=options["outside_waiting"],
             outside_running=options["outside_running"],
+            kv_events_address=options["kv_events"],
+            kv_replay_address=options["kv_events_replay"],
+            kv_hash_algorithm=options["kv_hash_algo"],
+            kv_hash_seed=options["kv_hash_seed"],
+            kv_buffer_steps=options["kv_buffer_steps"],
         )
 
         def announce(line: str) -> None:

@@ -1,0 +1,132 @@
+"""The subscriptions: the frames of live and replayed messages, a real ZeroMQ publisher followed
+on the subscriptions' thread (the sim's, as a worker publishes), and the join of a conversation's
+learned prompt to the blocks its next turn scores on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+from tests.support.ports import unused_port
+from workers.kv_events.decode import BadEvents
+from workers.kv_events.hashing import BlockHasher
+from workers.kv_events.subscriber import KvEvents, _frames
+from workers.routing.prefix_index import Prompt
+from workers.schedule.rendered_chat import RenderedChat
+from workers.sim.kv_publisher import KvPublisher
+from workers.sim.prefix_cache import PrefixCache
+
+
+def test_frames_of_live_replayed_and_end_messages() -> None:
+    seq = (7).to_bytes(8, "big")
+    assert _frames([b"topic", seq, b"payload"]) == (7, b"payload")
+    assert _frames([seq, b"payload"]) == (7, b"payload")  # replayed, before vLLM PR #45177
+    assert _frames([b"", b"\xff" * 8, b""]) is None
+    with pytest.raises(BadEvents):
+        _frames([b"x", b"short", b"p"])
+    with pytest.raises(BadEvents):
+        _frames([b"one"])
+
+
+class Endpoint:
+    def __init__(self, endpoint_id: int, address: str, replay: str) -> None:
+        self.id, self.enabled = endpoint_id, True
+        self.kv_events_address, self.kv_events_replay_address, self.kv_events_topic = address, replay, ""
+        self.kv_block_size, self.kv_hash_algorithm, self.kv_hash_seed = 4, "sha256", ""
+
+
+@pytest.fixture
+def publisher() -> Iterator[tuple[KvPublisher, PrefixCache, asyncio.AbstractEventLoop, Endpoint]]:
+    """A sim worker's publisher and cache on an event loop of the test's (its replays served there)."""
+    address, replay = f"tcp://127.0.0.1:{unused_port()}", f"tcp://127.0.0.1:{unused_port()}"
+    loop = asyncio.new_event_loop()
+    publisher = KvPublisher(address, replay, buffer_steps=100)
+    cache = PrefixCache(4, 1000, BlockHasher("sha256"), publisher.publish)
+    loop.run_until_complete(_start(publisher))
+    yield publisher, cache, loop, Endpoint(1, address, replay)
+    loop.run_until_complete(publisher.close())
+    loop.close()
+
+
+async def _start(publisher: KvPublisher) -> None:
+    publisher.start()
+
+
+def serve_until(loop: asyncio.AbstractEventLoop, condition: Any, timeout: float = 20.0) -> None:
+    """Run the publisher's loop (it answers replays) until `condition()` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        loop.run_until_complete(asyncio.sleep(0.02))
+
+
+@override_settings(KV_EVENTS_REPLAY_TIMEOUT_S=10.0)
+def test_a_subscription_replays_what_was_published_before_it_and_follows_the_rest(publisher: Any) -> None:
+    pub, cache, loop, endpoint = publisher
+    cache.store(list(range(12)))  # before the gateway subscribes: only the replay brings it
+    events = KvEvents()
+    try:
+        events.sync([endpoint])
+        blocks = events.view[1]
+        serve_until(loop, lambda: blocks.size == 3)
+        more = iter(range(100, 10_000, 4))
+
+        def live() -> bool:
+            # Until the SUB socket is connected, what is published live is not heard: publish more.
+            start = next(more)
+            cache.store(list(range(start, start + 4)))
+            return blocks.live_seq is not None
+
+        serve_until(loop, live)
+        # What was published before the SUB socket joined is replayed (a gap in its seq).
+        serve_until(loop, lambda: blocks.size == cache.blocks_held)
+        assert blocks.trusted and blocks.checked == cache.blocks_held
+        cache.clear()
+        serve_until(loop, lambda: blocks.size == 0)
+        events.sync([])  # the endpoint's address is gone: the subscription stops
+        assert events.view == {}
+    finally:
+        events.stop_all()
+
+
+def test_a_learned_prompt_scores_its_next_turn_by_the_blocks_held() -> None:
+    events = KvEvents()
+    from workers.kv_events.index import EndpointBlocks
+
+    blocks = EndpointBlocks(1, BlockHasher("sha256"), 4)
+    blocks.profile = ("sha256", "", 4)
+    first = {"messages": [{"role": "user", "content": "hello there"}]}
+    tokens = list(range(20))
+    prompt = Prompt(RenderedChat(first), 2048)
+    events._learn(blocks.profile, prompt.key.marks[-1], tokens)
+    keys = BlockHasher("sha256").keys(tokens, 4)
+    for key in keys[:3]:
+        blocks._blocks[key] = -1
+    second = {"messages": [*first["messages"], {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]}
+    later = Prompt(RenderedChat(second), 2048)
+    known = events.known_prefix(blocks, later)
+    assert known is not None
+    size, learned = known
+    assert list(learned) == keys and size == prompt.size
+    assert blocks.leading(learned) == 3
+    # Another profile (block size) learned nothing for it.
+    other = EndpointBlocks(2, BlockHasher("sha256"), 8)
+    other.profile = ("sha256", "", 8)
+    assert events.known_prefix(other, later) is None
+
+
+@override_settings(KV_EVENTS_LEARNED_BLOCKS=10)
+def test_learned_prompts_are_bounded_in_blocks() -> None:
+    events = KvEvents()
+    profile = ("sha256", "", 4)
+    for mark in range(5):
+        events._learn(profile, mark, list(range(mark * 100, mark * 100 + 16)))  # 4 blocks each
+    assert events._learned_blocks <= 10 and list(events._learned) == [(profile, 3), (profile, 4)]
+    events._learn(profile, 9, ["not", "ids", "at", "all"])  # type: ignore[list-item]
+    events._learn(profile, 10, [1, 2])  # shorter than a block
+    assert (profile, 9) not in events._learned and (profile, 10) not in events._learned
