@@ -303,9 +303,10 @@ class KvEvents:
             await _forever(_Subscription(blocks, source, self._context), endpoint_id)
 
         self._tasks[endpoint_id] = asyncio.run_coroutine_threadsafe(start(), loop)
-        if self._following is None and SharedPrompts.configured():
-            if self._shared is None:
-                self._shared = SharedPrompts(self._keep)
+        if self._shared is None and SharedPrompts.configured():
+            # Followed from the first subscription on, until `stop_all` (an idle follower costs
+            # one blocking read a second).
+            self._shared = SharedPrompts(self._keep)
             self._following = asyncio.run_coroutine_threadsafe(_follow(self._shared), loop)
 
     def _stop(self, endpoint_id: int) -> None:
@@ -316,14 +317,13 @@ class KvEvents:
         self.view.pop(endpoint_id, None)
         self._routed_since.pop(endpoint_id, None)
         self._reported.pop(endpoint_id, None)
-        if not self._sources and self._following is not None:
-            # No endpoint is followed: no prompt is scored or learned until one is again.
-            self._following.cancel()
-            self._following = None
 
     def stop_all(self) -> None:
         for endpoint_id in list(self._sources):
             self._stop(endpoint_id)
+        if self._following is not None:
+            self._following.cancel()
+        self._following = self._shared = None
 
     def _thread_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
