@@ -267,7 +267,14 @@ class KvEvents:
     # --- the request path ---------------------------------------------------------------------
 
     def on_routed(self, endpoint_id: int) -> None:
-        if endpoint_id in self.view and endpoint_id not in self._routed_since:
+        """A request was sent to the endpoint: from now on an event is expected. The first such
+        time since its last batch is kept; a request routed after a batch that came after it
+        starts the wait again (else the check, if it ran only after both, would forget it)."""
+        blocks = self.view.get(endpoint_id)
+        if blocks is None:
+            return
+        since = self._routed_since.get(endpoint_id)
+        if since is None or blocks.last_event_at >= since:
             self._routed_since[endpoint_id] = time.monotonic()
 
     def trusted(self, endpoint_id: int) -> EndpointBlocks | None:

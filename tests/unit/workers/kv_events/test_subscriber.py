@@ -172,3 +172,21 @@ def test_without_redis_nothing_is_shared() -> None:
             assert events._shared is None and events.prompts_received == 0
         finally:
             events.stop_all()
+
+
+@override_settings(KV_EVENTS_SILENCE_S=0.0)
+def test_a_request_routed_after_a_batch_waits_for_the_next_one_however_late_the_check() -> None:
+    """The silence check runs every KV_EVENTS_CHECK_S: a batch, then another request, both between
+    two checks, must leave that request waiting for an event (it was forgotten, and a publisher
+    that went quiet right after that batch was never caught)."""
+    from workers.kv_events.index import EndpointBlocks, Fallback
+
+    events = KvEvents()
+    blocks = events.view[1] = EndpointBlocks(1, None, 4)
+    events.on_routed(1)
+    blocks.last_event_at = time.monotonic()  # its batch came
+    events.on_routed(1)  # the next request, before the check ran
+    time.sleep(0.001)
+    events.check()
+    assert blocks.fallback == Fallback.SILENT
+    events.view.clear()
