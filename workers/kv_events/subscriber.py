@@ -2,7 +2,7 @@
 
     kv_events.sync(snapshot)          start / stop / restart subscriptions to match the endpoints' settings
     kv_events.view                    endpoint id -> EndpointBlocks (read by routing and the overview)
-    kv_events.on_routed(endpoint_id)  a request went there (for the silence check; a dict lookup)
+    kv_events.on_routed(endpoint_id)  a request went there (for the silence check; two dict lookups)
     kv_events.check()                 the periodic check: silence, fallbacks logged and counted
     kv_events.learn(endpoint_id, mark, token_ids)    a prompt's token ids, from its worker's answer
     kv_events.known_prefix(blocks, prompt)           -> (bytes, block keys) of its longest learned earlier prompt
