@@ -8,15 +8,25 @@ an endpoint's index, per stored block (with the hash check, and without: an endp
 algorithm is not set) and per removed block; hashing a learned prompt (the join), per block and
 for a 20k-token prompt. On the request path: scoring one endpoint for a conversation with a known
 prefix (`KvEvents.known_prefix` + `EndpointBlocks.leading`). Memory: an index of one million
-blocks (tracemalloc). In-process timings, best of 5; writes bench/results/kv_events_cost.json.
+blocks (tracemalloc). In-process timings, best of 5.
+
+With a Redis at TEST_REDIS_URL (default redis://127.0.0.1:6379/0), the learned prompts shared
+between gateway processes (workers/kv_events/shared.py), a 20k-token prompt (1,250 blocks) per
+entry: the CPU of publishing one (its thread's), of following the stream per entry received
+(another thread, as another process's), and the time from publishing to kept elsewhere
+(entries 5 ms apart; p50 / p99 / max). Writes bench/results/kv_events_cost.json.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
+import socket
+import statistics
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -35,6 +45,7 @@ django.setup()
 from workers.kv_events.decode import BlockRemoved, BlockStored, decode_batch, encode_batch  # noqa: E402
 from workers.kv_events.hashing import BlockHasher  # noqa: E402
 from workers.kv_events.index import EndpointBlocks  # noqa: E402
+from workers.kv_events.shared import SharedPrompts  # noqa: E402
 from workers.kv_events.subscriber import KvEvents  # noqa: E402
 from workers.routing.prefix_index import Prompt  # noqa: E402
 from workers.schedule.rendered_chat import RenderedChat  # noqa: E402
@@ -125,11 +136,102 @@ def main() -> None:
     current, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     results["index_mb_per_million_blocks"] = current / 1e6
+    results |= shared_costs(array_of(BlockHasher("sha256").keys(tokens, BLOCK)))
     for key, value in results.items():
         print(f"{key:45} {value:.2f}" if isinstance(value, float) else f"{key:45} {value}")
     out = ROOT / "bench" / "results" / "kv_events_cost.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def array_of(keys: list[int]) -> Any:
+    from array import array
+
+    return array("Q", keys)
+
+
+def redis_answers(url: str) -> bool:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def shared_costs(keys: Any, paced: int = 300, burst: int = 2000) -> dict[str, Any]:
+    """Publishing learned prompts to the shared stream and following it, on two threads (as two
+    processes would: each with its own loop and connections)."""
+    from django.conf import settings
+
+    url = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if not redis_answers(url):
+        print(f"no Redis at {url}: the shared stream is not measured")
+        return {}
+    settings.REDIS_URL, settings.REDIS_KEY_PREFIX = url, f"bench-kvshared-{os.getpid()}-{time.monotonic_ns()}:"
+    settings.KV_EVENTS_SHARED_TTL_S, settings.KV_EVENTS_SHARED_ENTRIES = 120.0, 10 * burst
+    profile = ("sha256", "", BLOCK)
+    kept_at: dict[int, float] = {}
+    kept_cpu: dict[int, float] = {}
+    all_kept = threading.Event()
+
+    def keep(_profile: Any, mark: int, _keys: Any) -> None:
+        kept_at[mark] = time.perf_counter()
+        kept_cpu[mark] = time.thread_time()
+        if len(kept_at) == paced + burst:
+            all_kept.set()
+
+    def follow() -> None:
+        async def main() -> None:
+            follower = SharedPrompts(keep, instance="reader")
+            task = asyncio.get_running_loop().create_task(follower.follow())
+            while not all_kept.is_set():
+                await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await follower.aclose()
+
+        asyncio.run(main())
+
+    follower_thread = threading.Thread(target=follow)
+    follower_thread.start()
+
+    async def publish() -> dict[str, float]:
+        publisher = SharedPrompts(keep, instance="writer")
+        await asyncio.sleep(0.5)  # the follower is waiting on the stream
+        sent_at = {}
+        for mark in range(paced):
+            sent_at[mark] = time.perf_counter()
+            publisher.publish(profile, mark, keys)
+            await asyncio.sleep(0.005)
+        while len(kept_at) < paced:
+            await asyncio.sleep(0.01)
+        started = time.thread_time()
+        for mark in range(paced, paced + burst):
+            publisher.publish(profile, mark, keys)
+            if mark % 64 == 0:
+                await asyncio.sleep(0)  # as learned prompts come, a few per turn of the loop at most
+        await publisher._state.drain()
+        cpu = time.thread_time() - started
+        await publisher.aclose()
+        latencies = sorted(kept_at[m] - sent_at[m] for m in range(paced))
+        return {
+            "shared_publish_us_per_prompt": cpu / burst * 1e6,
+            "shared_latency_ms_p50": statistics.median(latencies) * 1e3,
+            "shared_latency_ms_p99": latencies[int(0.99 * len(latencies))] * 1e3,
+            "shared_latency_ms_max": latencies[-1] * 1e3,
+        }
+
+    measured = asyncio.run(publish())
+    all_kept.wait(60)
+    follower_thread.join()
+    first, last = paced, paced + burst - 1
+    measured["shared_follow_us_per_prompt"] = (kept_cpu[last] - kept_cpu[first]) / (burst - 1) * 1e6
+    measured["shared_blocks_per_prompt"] = len(keys)
+    return measured
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ _HOMES = {
     "ReadOnlyAdmin": ("disagg_project.admin_base", "ReadOnlyAdmin"),
     "Script": ("disagg_project.shared_state", "Script"),
     "shared_leases": ("disagg_project.shared_state", "leases"),
+    "SharedState": ("disagg_project.shared_state", "SharedState"),
     "tracing": ("disagg_project.telemetry", "tracing"),
     "RequestSpan": ("disagg_project.telemetry", "RequestSpan"),
 }
@@ -71,6 +72,7 @@ __all__ = [
     "RequestSpan",
     "Script",
     "shared_leases",
+    "SharedState",
     "tracing",
 ]
 
@@ -81,7 +83,7 @@ if TYPE_CHECKING:
     from disagg_project.db_thread import DatabaseThread
     from disagg_project.ids import GATEWAY_INSTANCE, new_id
     from disagg_project.log_text import loggable
-    from disagg_project.shared_state import Script, get_shared_state, lease_expiry
+    from disagg_project.shared_state import Script, SharedState, get_shared_state, lease_expiry
     from disagg_project.shared_state import leases as shared_leases
     from disagg_project.telemetry import RequestSpan, tracing
     from disagg_project.tracebacks import drop_tracebacks

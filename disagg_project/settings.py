@@ -559,6 +559,15 @@ KV_EVENTS_CHECK_S = env_float("KV_EVENTS_CHECK_S", 1.0)
 # Block keys of prompts learned from the workers' answers (the join of conversations to blocks;
 # 8 bytes each): the least recently learned prompts go past it.
 KV_EVENTS_LEARNED_BLOCKS = env_int("KV_EVENTS_LEARNED_BLOCKS", 4_000_000)
+# With REDIS_URL, each learned prompt is shared with every gateway process through one Redis
+# stream (workers/kv_events/shared.py): a conversation's next turn scores on it whichever process
+# it reaches. Entries older than KV_EVENTS_SHARED_TTL_S go (0: nothing is shared), the stream keeps
+# about KV_EVENTS_SHARED_ENTRIES of them, and a prompt of more than KV_EVENTS_SHARED_MAX_BLOCKS
+# blocks stays in the process that learned it: Redis holds at most about entries x max blocks x 8
+# bytes (256 MiB with these defaults; 43 MB of 21k-token prompts, 1,300 blocks of 16 each).
+KV_EVENTS_SHARED_TTL_S = env_float("KV_EVENTS_SHARED_TTL_S", 1800.0)
+KV_EVENTS_SHARED_ENTRIES = env_int("KV_EVENTS_SHARED_ENTRIES", 4096)
+KV_EVENTS_SHARED_MAX_BLOCKS = env_int("KV_EVENTS_SHARED_MAX_BLOCKS", 8192)
 
 # Each process writes a heartbeat; one silent for GATEWAY_DEAD_AFTER_S is dead and its open
 # reservations and in-progress audit rows are closed by the next live process that sweeps.

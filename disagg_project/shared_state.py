@@ -11,10 +11,18 @@ outage therefore loosens limits to per-process ones; it never fails a request.
     shared = get_shared_state()
     result = await shared.run(SCRIPT, keys, args)   # None: use the per-process state
     shared.spawn(SCRIPT, keys, args)                 # fire and forget (releases)
+    entries = await shared.read_stream(key, after, count=256, block_s=1.0)   # a stream as it grows
 
 Each event loop has one pipelined connection (`redis_pipe.RedisPipe`): every script of the loop's
 requests shares it, and those given in the same turn of the loop leave in one write. redis-py's
 pooled client cost ~96 µs of CPU per script awaited here, this ~30 (bench/shared_state_cpu.py).
+A blocking stream read (`read_stream`) holds its connection until an entry comes: it has one of
+its own per loop.
+
+`SharedState(url, serves=...)` names what falls back in the log line of a failure: the process's
+one instance (`get_shared_state`) serves limits and capacity; a background user on a thread of
+its own (`workers.kv_events.shared`) keeps an instance of its own there, so that the two threads
+share no connection, task or set.
 """
 
 from __future__ import annotations
@@ -54,9 +62,12 @@ class Script:
 class SharedState:
     """The Redis connection of this process (one per event loop), or none."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, serves: str = "limits and capacity") -> None:
         self.url = url
+        self.serves = serves
         self._pipes: dict[asyncio.AbstractEventLoop, RedisPipe] = {}
+        # Per loop: the connection of blocking stream reads (`read_stream`).
+        self._readers: dict[asyncio.AbstractEventLoop, RedisPipe] = {}
         self._connecting: dict[asyncio.AbstractEventLoop, asyncio.Task[RedisPipe]] = {}
         self._down_until = 0.0
         self._up = False
@@ -97,6 +108,38 @@ class SharedState:
         if not self._up:
             self._answered()
         return result
+
+    async def read_stream(self, key: str, after: bytes, *, count: int, block_s: float) -> list[tuple[bytes, list[Any]]] | None:
+        """Up to `count` entries of the stream `key` after the entry id `after` (b"0-0": from its
+        start), each as (id, [field, value, ...]), waiting up to `block_s` for the first: [] when
+        none came. None when the caller must do without (as `run`: not configured, or failing).
+        On a connection of the loop's own for blocking reads (one reader per loop at a time)."""
+        if not self.url:
+            return None
+        if time.monotonic() < self._down_until:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            reader = self._readers.get(loop)
+            if reader is None or reader.failure is not None:
+                reader = self._readers[loop] = await RedisPipe.connect(
+                    self.url, timeout=block_s + settings.REDIS_TIMEOUT_S, max_in_flight=1
+                )
+            reply = await reader.call(b"XREAD", b"COUNT", count, b"BLOCK", max(1, int(block_s * 1000)), b"STREAMS", key, after)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # as `run`: a Redis outage is a fallback, never an error
+            self._fail(exc)
+            return None
+        if not self._up:
+            self._answered()
+        if not reply:
+            return []  # BLOCK timed out
+        try:
+            return [(entry[0], entry[1]) for entry in reply[0][1]]
+        except (IndexError, TypeError):
+            self._fail(ConnectionError(f"an XREAD reply of an unexpected shape: {reply!r:.200}"))
+            return None
 
     def spawn(self, script: Script, keys: list[str], args: list[Any]) -> None:
         """Run the script in the background (a release must not wait for Redis); written with
@@ -155,7 +198,7 @@ class SharedState:
         redis_up.set(1)
         if self._down_until:
             self._down_until = 0.0
-            logger.warning("Redis at %s answers again: limits and capacity are shared again", _safe(self.url))
+            logger.warning("Redis at %s answers again: %s are shared again", _safe(self.url), self.serves)
 
     def _fail(self, exc: Exception) -> None:
         fallbacks.labels(type(exc).__name__).inc()
@@ -163,8 +206,8 @@ class SharedState:
         redis_up.set(0)
         if not self._down_until:
             logger.warning(
-                "Redis at %s failed (%s: %s): limits and capacity fall back to this process's own state; retrying in %.0f s",
-                _safe(self.url), type(exc).__name__, exc, settings.REDIS_RETRY_S,
+                "Redis at %s failed (%s: %s): %s fall back to this process's own state; retrying in %.0f s",
+                _safe(self.url), type(exc).__name__, exc, self.serves, settings.REDIS_RETRY_S,
             )
         self._down_until = time.monotonic() + settings.REDIS_RETRY_S
 
@@ -186,9 +229,11 @@ class SharedState:
     async def aclose(self) -> None:
         """Close this loop's connection once what it sent in the background is answered."""
         await self.drain()
-        pipe = self._pipes.pop(asyncio.get_running_loop(), None)
-        if pipe is not None:
-            pipe.close()
+        loop = asyncio.get_running_loop()
+        for pipes in (self._pipes, self._readers):
+            pipe = pipes.pop(loop, None)
+            if pipe is not None:
+                pipe.close()
 
 
 def _safe(url: str) -> str:

@@ -21,8 +21,8 @@ import pytest
 
 from tests.support.cluster import MODEL, Cluster, wait_registered, wait_until
 from tests.support.gateway import Gateway
+from tests.support.kv_events import Engine, counter, kv, received, register_pool, start_engine, turn
 from tests.support.ports import unused_port
-from tests.support.prometheus import metric_total, metric_value
 from tests.support.simworkers import SimWorker, start_simworker
 
 BLOCK = 16
@@ -69,13 +69,6 @@ def register(gateway: Gateway, sim: SimWorker, pub: str, replay: str, **settings
     cluster = Cluster(pool=pool, key=key, model=MODEL, context=sim, generation=sim)
     wait_registered(gateway, cluster)
     return cluster
-
-
-def kv(gateway: Gateway, sim: SimWorker, name: str, **labels: str) -> float | None:
-    try:
-        return metric_value(httpx.get(gateway.url + "/metrics", timeout=5).text, name, endpoint=sim.url, **labels)
-    except AssertionError:
-        return None
 
 
 def send(gateway: Gateway, cluster: Cluster, tag: str, words: int = 300) -> None:
@@ -180,67 +173,26 @@ def test_events_that_stop_while_requests_are_sent_fall_back(gateways: Callable[.
 
 
 @pytest.fixture
-def two_engines() -> Iterator[list[tuple[SimWorker, str, str]]]:
-    engines = []
-    for _ in range(2):
-        pub, replay = f"tcp://127.0.0.1:{unused_port()}", f"tcp://127.0.0.1:{unused_port()}"
-        sim = start_simworker(
-            "generation", tokens_per_second=0, prefill_tokens_per_second=0, protocol="vllm", kv_block_tokens=BLOCK,
-            kv_cache_blocks=4096, kv_events=pub, kv_events_replay=replay,
-        )  # fmt: skip
-        engines.append((sim, pub, replay))
+def two_engines() -> Iterator[list[Engine]]:
+    engines = [start_engine(), start_engine()]
     yield engines
     for sim, _, _ in engines:
         sim.stop()
 
 
-def register_pool(gateway: Gateway, engines: list[tuple[SimWorker, str, str]]) -> Cluster:
-    from messages_api.auth import create_api_key
-    from workers.models import WorkerEndpoint, WorkerPool
-
-    pool = WorkerPool.objects.create(
-        name=f"pool-{MODEL}", model=MODEL, schedule_style="aggregated", protocol="vllm", routing="cache_aware", cache_scope="shared"
-    )
-    for sim, pub, replay in engines:
-        WorkerEndpoint.objects.create(
-            pool=pool, role="generation", url=sim.url, kv_events_address=pub, kv_events_replay_address=replay, kv_block_size=BLOCK,
-            kv_hash_algorithm="sha256",
-        )
-    _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
-    cluster = Cluster(pool=pool, key=key, model=MODEL, context=engines[0][0], generation=engines[1][0])
-    wait_registered(gateway, cluster)
-    for sim, _, _ in engines:
-        wait_until(lambda sim=sim: kv(gateway, sim, "gateway_kv_events_trusted", reason="") == 1.0, timeout=15, message="not subscribed")
-    return cluster
-
-
-def turn(gateway: Gateway, cluster: Cluster, messages: list[dict[str, Any]]) -> str:
-    body = {"model": cluster.model, "max_tokens": 8, "system": "You are a coding agent. " * 30, "messages": messages}
-    response = httpx.post(gateway.url + "/v1/messages", json=body, headers=cluster.headers(), timeout=30)
-    assert response.status_code == 200, response.text
-    return str(response.json()["content"][0]["text"])
-
-
-def learned(gateway: Gateway) -> float:
-    return metric_total(httpx.get(gateway.url + "/metrics", timeout=5).text, "gateway_kv_events_prompts_learned_total")
-
-
-def received(sim: SimWorker) -> int:
-    return int(sim.stats()["received"])
-
-
 def test_a_later_turn_goes_where_the_engines_events_say_its_prefix_is(
-    gateways: Callable[..., Gateway], two_engines: list[tuple[SimWorker, str, str]]
+    gateways: Callable[..., Gateway], two_engines: list[Engine]
 ) -> None:
     gateway = gateways()
-    cluster = register_pool(gateway, two_engines)
+    cluster = register_pool([gateway], two_engines)
     sims = [sim for sim, _, _ in two_engines]
     first = [{"role": "user", "content": "Refactor the parser. " + " ".join(f"w{i}" for i in range(200))}]
     answer = turn(gateway, cluster, first)
     holder, other = (sims[0], sims[1]) if received(sims[0]) == 1 else (sims[1], sims[0])
     wait_until(lambda: (kv(gateway, holder, "gateway_kv_events_blocks") or 0) > 0, timeout=15, message="no blocks")
     # The worker returned the prompt's token ids (vLLM's return_token_ids), learned off the loop.
-    wait_until(lambda: learned(gateway) == 1, timeout=15, message="the first turn's token ids were not learned")
+    learned = "gateway_kv_events_prompts_learned_total"
+    wait_until(lambda: counter(gateway, learned) == 1, timeout=15, message="the first turn's token ids were not learned")
     assert "return_token_ids" in holder.requests()[-1]
     second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Now add tests."}]
     turn(gateway, cluster, second)

@@ -96,6 +96,11 @@ class ClusterCollector(Collector):
             value=kv_events.prompts_learned,
         )
         yield CounterMetricFamily(
+            "gateway_kv_events_prompts_received",
+            "Prompts learned by other gateway processes and kept here from the shared Redis stream (REDIS_URL).",
+            value=kv_events.prompts_received,
+        )
+        yield CounterMetricFamily(
             "gateway_duplicate_releases",
             "Releases of a reservation that was already released (each is released once; above 0 is a bug).",
             value=ledger.duplicate_releases,

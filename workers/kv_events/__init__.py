@@ -4,6 +4,7 @@
     hashing.py     block hashes as vLLM computes them (sha256 of pickle, sha256_cbor)
     index.py       one endpoint's blocks and the seq / replay / reset state machine (pure)
     subscriber.py  the ZeroMQ subscriptions, on a thread of their own; `kv_events`
+    shared.py      the prompts learned by each gateway process, shared through a Redis stream
 
 Routing reads `kv_events.trusted(endpoint_id)`: the endpoint's `EndpointBlocks` while its events
 are trusted, else None (it is then routed on the approximate prefix index,

@@ -2,7 +2,7 @@
 
     kv_events.sync(snapshot)          start / stop / restart subscriptions to match the endpoints' settings
     kv_events.view                    endpoint id -> EndpointBlocks (read by routing and the overview)
-    kv_events.on_routed(endpoint_id)  a request went there (for the silence check; a dict lookup)
+    kv_events.on_routed(endpoint_id)  a request went there (for the silence check; two dict lookups)
     kv_events.check()                 the periodic check: silence, fallbacks logged and counted
     kv_events.learn(endpoint_id, mark, token_ids)    a prompt's token ids, from its worker's answer
     kv_events.known_prefix(blocks, prompt)           -> (bytes, block keys) of its longest learned earlier prompt
@@ -16,6 +16,9 @@ the conversation, which extends that prompt, finds it among the places where an 
 may have ended (`Prompt.candidates`), and each endpoint is scored by how many of its leading
 blocks the engine holds (`EndpointBlocks.leading`, a bisection). Bounded: at most
 `KV_EVENTS_LEARNED_BLOCKS` block keys in all (8 bytes each), the least recently learned dropped.
+With Redis, what one process learns is kept by every process (`workers.kv_events.shared`, a
+stream followed on this thread): a conversation's next turn is scored the same whichever process
+it reaches.
 
 Each endpoint with a KV-event address (`WorkerEndpoint.kv_events_address`) gets one SUB socket
 (ZeroMQ reconnects by itself) and, with a replay address, a DEALER socket to the engine's replay
@@ -57,6 +60,7 @@ from prometheus_client import Counter
 from workers.kv_events.decode import BadEvents, decode_batch
 from workers.kv_events.hashing import BlockHasher
 from workers.kv_events.index import EndpointBlocks, Profile
+from workers.kv_events.shared import SharedPrompts
 
 if TYPE_CHECKING:
     from workers.routing.prefix_index import Prompt
@@ -197,6 +201,9 @@ class KvEvents:
         self._learned: OrderedDict[tuple[Profile, int], array[int]] = OrderedDict()
         self._learned_blocks = 0
         self._hashers: dict[Profile, BlockHasher] = {}
+        # With Redis: the prompts learned here go to the other processes, theirs come here.
+        self._shared: SharedPrompts | None = None
+        self._following: Future[None] | None = None
         #: Prompts learned, and the CPU seconds their hashing took (on the subscriptions' thread).
         self.prompts_learned = 0
         self.learn_cpu_s = 0.0
@@ -221,6 +228,14 @@ class KvEvents:
         keys = array("Q", hasher.keys(token_ids, profile[2]))
         if not keys:
             return  # shorter than a block: nothing the engine caches
+        self._keep(profile, mark, keys)
+        if self._shared is not None:
+            self._shared.publish(profile, mark, keys)
+        self.prompts_learned += 1
+        self.learn_cpu_s += time.thread_time() - started
+
+    def _keep(self, profile: Profile, mark: int, keys: array[int]) -> None:
+        """Keep a prompt's block keys, learned here or by another process (`SharedPrompts`)."""
         learned = self._learned
         previous = learned.pop((profile, mark), None)
         if previous is not None:
@@ -230,8 +245,11 @@ class KvEvents:
         while self._learned_blocks > settings.KV_EVENTS_LEARNED_BLOCKS and learned:
             _, dropped = learned.popitem(last=False)
             self._learned_blocks -= len(dropped)
-        self.prompts_learned += 1
-        self.learn_cpu_s += time.thread_time() - started
+
+    @property
+    def prompts_received(self) -> int:
+        """Prompts learned by other gateway processes, kept here from the shared stream."""
+        return self._shared.received if self._shared is not None else 0
 
     def known_prefix(self, blocks: EndpointBlocks, prompt: Prompt) -> tuple[int, array[int]] | None:
         """The longest earlier prompt of this conversation whose blocks were learned under the
@@ -249,7 +267,14 @@ class KvEvents:
     # --- the request path ---------------------------------------------------------------------
 
     def on_routed(self, endpoint_id: int) -> None:
-        if endpoint_id in self.view and endpoint_id not in self._routed_since:
+        """A request was sent to the endpoint: from now on an event is expected. The first such
+        time since its last batch is kept; a request routed after a batch that came after it
+        starts the wait again (else the check, if it ran only after both, would forget it)."""
+        blocks = self.view.get(endpoint_id)
+        if blocks is None:
+            return
+        since = self._routed_since.get(endpoint_id)
+        if since is None or blocks.last_event_at >= since:
             self._routed_since[endpoint_id] = time.monotonic()
 
     def trusted(self, endpoint_id: int) -> EndpointBlocks | None:
@@ -285,6 +310,11 @@ class KvEvents:
             await _forever(_Subscription(blocks, source, self._context), endpoint_id)
 
         self._tasks[endpoint_id] = asyncio.run_coroutine_threadsafe(start(), loop)
+        if self._shared is None and SharedPrompts.configured():
+            # Followed from the first subscription on, until `stop_all` (an idle follower costs
+            # one blocking read a second).
+            self._shared = SharedPrompts(self._keep)
+            self._following = asyncio.run_coroutine_threadsafe(_follow(self._shared), loop)
 
     def _stop(self, endpoint_id: int) -> None:
         task = self._tasks.pop(endpoint_id, None)
@@ -298,6 +328,9 @@ class KvEvents:
     def stop_all(self) -> None:
         for endpoint_id in list(self._sources):
             self._stop(endpoint_id)
+        if self._following is not None:
+            self._following.cancel()
+        self._following = self._shared = None
 
     def _thread_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -363,6 +396,20 @@ async def _forever(subscription: _Subscription, endpoint_id: int) -> None:
             logger.exception("the KV-event subscription of endpoint #%s failed; reconnecting", endpoint_id)
             subscription.blocks.broken("the subscription failed")
         await asyncio.sleep(1.0)
+
+
+async def _follow(shared: SharedPrompts) -> None:
+    try:
+        while True:
+            try:
+                await shared.follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("following the prompts other gateway processes learned failed; following again")
+            await asyncio.sleep(1.0)
+    finally:
+        await shared.aclose()
 
 
 kv_events = KvEvents()

@@ -74,7 +74,10 @@ sent a conversation somewhere, it follows its index. So one conversation can be 
 on two endpoints, when its turns reach two processes that saw different loads, or when the load
 guard moves it: the cost is one extra prefill, never a wrong answer. Sharing the index (Redis,
 the database, or the workers' KV events) would remove that; the per-request cost of a remote
-lookup was not worth it here.
+lookup was not worth it here. For endpoints whose KV-cache events are followed, the prompts
+learned from the workers' answers are shared instead, in the background
+(`workers.kv_events.shared`): there every process scores a conversation's next turn on the
+same blocks, with no lookup per request.
 """
 
 from __future__ import annotations

@@ -203,3 +203,27 @@ async def test_the_real_redis_runs_scripts_in_the_foreground_and_background() ->
     shared.spawn(expire, [key], [60000])
     assert await shared.run(incr, [key], [0]) == 102  # in order: after every background one
     await shared.aclose()
+
+
+async def test_a_stream_is_read_as_it_grows_on_a_connection_of_its_own() -> None:
+    url = redis_url_or_skip()
+    shared = SharedState(url)
+    key = f"test-shared-state-stream-{uuid.uuid4().hex}"
+    add = Script("redis.call('PEXPIRE', KEYS[1], 60000) return redis.call('XADD', KEYS[1], '*', 'f', ARGV[1])")
+    assert await shared.read_stream(key, b"0-0", count=10, block_s=0.05) == []  # nothing came
+    waiting = asyncio.ensure_future(shared.read_stream(key, b"$", count=10, block_s=5.0))
+    await asyncio.sleep(0.05)
+    first = await shared.run(add, [key], ["one"])  # the pipelined connection is free while a read blocks
+    assert await waiting == [(first, [b"f", b"one"])]
+    second = await shared.run(add, [key], ["two"])
+    assert await shared.read_stream(key, first, count=10, block_s=0.05) == [(second, [b"f", b"two"])]
+    assert await shared.read_stream(key, b"0-0", count=1, block_s=0.05) == [(first, [b"f", b"one"])]
+    await shared.aclose()
+    assert not shared._readers
+
+
+async def test_a_stream_read_without_redis_is_a_fallback_not_an_error() -> None:
+    shared = SharedState("redis://127.0.0.1:9/0", serves="learned prompts")
+    assert await shared.read_stream("k", b"0-0", count=1, block_s=0.05) is None
+    assert await shared.read_stream("k", b"0-0", count=1, block_s=0.05) is None  # paused: not tried again
+    await shared.aclose()

@@ -130,3 +130,63 @@ def test_learned_prompts_are_bounded_in_blocks() -> None:
     events._learn(profile, 9, ["not", "ids", "at", "all"])  # type: ignore[list-item]
     events._learn(profile, 10, [1, 2])  # shorter than a block
     assert (profile, 9) not in events._learned and (profile, 10) not in events._learned
+
+
+def test_with_redis_a_prompt_learned_by_one_process_scores_the_next_turn_in_another() -> None:
+    """Two `KvEvents` (two gateway processes) following the same engine: what one learns from its
+    worker's answer, the other finds for the conversation's next turn."""
+    import secrets
+
+    from tests.support.redis import redis_url_or_skip
+
+    url = redis_url_or_skip()
+    endpoint = Endpoint(1, f"tcp://127.0.0.1:{unused_port()}", "")  # no engine needed: nothing is published
+    first = {"messages": [{"role": "user", "content": "hello there"}]}
+    second = {"messages": [*first["messages"], {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]}
+    mark, later = Prompt(RenderedChat(first), 2048).key.marks[-1], Prompt(RenderedChat(second), 2048)
+    with override_settings(REDIS_URL=url, REDIS_KEY_PREFIX=f"test-kvsub-{secrets.token_hex(4)}:", KV_EVENTS_SHARED_TTL_S=60):
+        a, b = KvEvents(), KvEvents()
+        try:
+            a.sync([endpoint])
+            b.sync([endpoint])
+            assert a._shared is not None and b._shared is not None
+            b._shared.instance = "another process"  # one test process plays two
+            a.learn(1, mark, list(range(20)))
+            deadline = time.monotonic() + 15
+            while (known := b.known_prefix(b.view[1], later)) is None:
+                assert time.monotonic() < deadline, "the other process never kept the learned prompt"
+                time.sleep(0.01)
+            assert list(known[1]) == BlockHasher("sha256").keys(list(range(20)), 4)
+            assert b.prompts_received == 1 and b.prompts_learned == 0 and a.prompts_received == 0
+        finally:
+            a.stop_all()
+            b.stop_all()
+
+
+def test_without_redis_nothing_is_shared() -> None:
+    endpoint = Endpoint(1, f"tcp://127.0.0.1:{unused_port()}", "")
+    with override_settings(REDIS_URL=""):
+        events = KvEvents()
+        try:
+            events.sync([endpoint])
+            assert events._shared is None and events.prompts_received == 0
+        finally:
+            events.stop_all()
+
+
+@override_settings(KV_EVENTS_SILENCE_S=0.0)
+def test_a_request_routed_after_a_batch_waits_for_the_next_one_however_late_the_check() -> None:
+    """The silence check runs every KV_EVENTS_CHECK_S: a batch, then another request, both between
+    two checks, must leave that request waiting for an event (it was forgotten, and a publisher
+    that went quiet right after that batch was never caught)."""
+    from workers.kv_events.index import EndpointBlocks, Fallback
+
+    events = KvEvents()
+    blocks = events.view[1] = EndpointBlocks(1, None, 4)
+    events.on_routed(1)
+    blocks.last_event_at = time.monotonic()  # its batch came
+    events.on_routed(1)  # the next request, before the check ran
+    time.sleep(0.001)
+    events.check()
+    assert blocks.fallback == Fallback.SILENT
+    events.view.clear()
