@@ -17,7 +17,6 @@ from typing import Any
 
 from django.conf import settings
 
-from disagg_project import tracing
 from workers.wire.chat_stream import ChunkStream
 
 logger = logging.getLogger(__name__)
@@ -52,9 +51,7 @@ async def close_when_taken(generation_open: asyncio.Task[ChunkStream], timeout: 
             await asyncio.wait({generation_open})
         if not generation_open.cancelled() and generation_open.exception() is None:
             stream = generation_open.result()
-            if stream.span is not None:  # traced: the call ends here, never relayed (its run ended)
-                tracing.end(stream.span, "cancelled")
-                stream.span = None
+            stream.end_span("cancelled")  # traced: the call ends here, never relayed (its run ended)
             await stream.aclose()
     except Exception:  # a cleanup must never raise into the loop
         logger.exception("closing a generation request failed")

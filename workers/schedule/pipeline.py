@@ -219,9 +219,7 @@ class ChatRun:
                 await close_when_taken(generation_open, timeout=0)
         if self._stream is not None:
             stream, self._stream = self._stream, None
-            if stream.span is not None:  # traced, and not relayed to its end
-                tracing.end(stream.span, "" if outcome == Outcome.SUCCESS else str(outcome))
-                stream.span = None
+            stream.end_span("" if outcome == Outcome.SUCCESS else str(outcome))  # not relayed to its end
             await stream.aclose()
         for reservation in self._reservations:
             # The phases release what they are done with; a second release would be counted as
@@ -324,17 +322,13 @@ class ChatRun:
             await stream.pump(on_chunk, gather)
         except WorkerError as exc:
             self.report(self._generation_endpoint_id, exc)
-            if span is not None:
-                tracing.end(span, exc)
-                stream.span = None
+            stream.end_span(exc)
             raise
         except StopRelay:
             # Not drained (the pump drains only after [DONE]): closing it closes the connection.
             await stream.aclose()
             self._stream = None
-        if span is not None:  # the relay's end: the generation call's span ends with it
-            tracing.end(span)
-            stream.span = None
+        stream.end_span()  # the relay's end: the generation call's span ends with it
         self.report(self._generation_endpoint_id, None)
         self.note(stage=Stage.DONE)
 

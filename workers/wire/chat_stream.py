@@ -21,6 +21,7 @@ import httpx
 import orjson
 from django.conf import settings
 
+from disagg_project import tracing
 from workers.exceptions import StreamBroken, WorkerError
 from workers.wire.boundary import boundary
 from workers.wire.error_reading import Wordings, worker_error
@@ -234,6 +235,14 @@ class ChunkStream:
         #: The stream's CLIENT span when traced (disagg_project.tracing), else None: opened by
         #: `open_stream`, ended by whoever relays the stream (workers.schedule.pipeline.ChatRun).
         self.span: Any = None
+
+    def end_span(self, error: BaseException | str | None = None) -> None:
+        """End the stream's span, if traced and not ended yet (`error`: as `tracing.end`'s). Whoever
+        ends the call ends it: the relay at its end or failure, the run's close, the cleanup of a
+        stream never relayed."""
+        span, self.span = self.span, None
+        if span is not None:
+            tracing.end(span, error)
 
     async def pump(self, sink: Callable[[dict[str, Any]], None], gather: Gather | None = None) -> None:
         """Each validated chunk to `sink` as it arrives, until `[DONE]`. `sink` runs in the worker
