@@ -106,11 +106,26 @@ def assert_retaken(batch_id: str) -> None:
     assert BatchItem.objects.filter(batch__batch_id=batch_id, attempts__gte=2).exists()
 
 
-def assert_each_item_once(results: list[Any], cluster: Cluster) -> None:
+def assert_each_item_once(results: list[Any], cluster: Cluster, in_the_window: int = 0) -> None:
+    """One succeeded result per item, and one completion at the worker per item, plus those the
+    kill caught in the crash window (`in_the_window`)."""
     assert sorted(r.custom_id for r in results) == sorted(f"i{n}" for n in range(ITEMS))
     assert all(r.result.type == "succeeded" for r in results), [r.result for r in results if r.result.type != "succeeded"]
     stats = cluster.generation.stats()
-    assert stats["completed"] == ITEMS, stats
+    assert stats["completed"] == ITEMS + in_the_window, stats
+
+
+def caught_in_the_window(cluster: Cluster, batch_id: str) -> int:
+    """After a kill, once the worker has seen the dead process's calls end: the items it completed
+    whose results the dead process never wrote. The kill is timed to leave this window out
+    (`kill_mid_item`), but a loaded machine can still land it there (one in a few runs beside
+    another suite); such an item runs again by design (docs/batches.md), and counts here so that
+    every other item must still have run exactly once."""
+    from messages_api.models import BatchItem
+
+    wait_until(lambda: cluster.generation.stats()["active"] == 0 and cluster.context.stats()["active"] == 0, 30, 0.05)
+    done = BatchItem.objects.filter(batch__batch_id=batch_id, state="done").count()
+    return cluster.generation.stats()["completed"] - done
 
 
 @pytest.mark.parametrize("phase", ["context", "generation"])
@@ -121,9 +136,11 @@ def test_sigkill_mid_batch_then_restart(cluster: Cluster, started: list[Gateway]
     kill_mid_item(first, cluster, batch.id, done_before=3, phase=phase)
     if phase == "generation":
         assert cluster.generation.stats()["completed"] < ITEMS
+    in_the_window = caught_in_the_window(cluster, batch.id)
+    assert 0 <= in_the_window <= 2, in_the_window  # at most the items running at the kill
     second = start(started, cluster)
     results = results_when_ended(second, cluster, batch.id)
-    assert_each_item_once(results, cluster)
+    assert_each_item_once(results, cluster, in_the_window)
     assert_retaken(batch.id)
     from messages_api.models import MessageRequest
 
