@@ -13,12 +13,23 @@ from disagg_project import limit_argument, log_change
 from workers import protocols
 from workers.models import (
     CacheScope,
+    KvHashAlgorithm,
     Role,
     RoutingPolicy,
     ScheduleStyle,
     WorkerEndpoint,
     WorkerPool,
 )
+
+# The KV-event flags (argparse's dest) and the endpoint fields they set.
+_KV_FIELDS = {
+    "kv_events": "kv_events_address",
+    "kv_events_replay": "kv_events_replay_address",
+    "kv_events_topic": "kv_events_topic",
+    "kv_block_size": "kv_block_size",
+    "kv_hash_algorithm": "kv_hash_algorithm",
+    "kv_hash_seed": "kv_hash_seed",
+}
 
 
 class Command(BaseCommand):
@@ -77,6 +88,18 @@ class Command(BaseCommand):
             help="Set one of the endpoint's protocol options (repeatable; VALUE is JSON, else a string), "
             "e.g. --option bootstrap_port=8998 for an SGLang prefill server. KEY= removes it.",
         )
+        # The engine's KV-cache events (docs/engines.md): each flag sets one field of the endpoint;
+        # an empty value clears it (the hash algorithm: "none" stops checking and scoring).
+        kv = parser.add_argument_group("KV-cache events (the engine's --kv-events-config)")
+        kv.add_argument("--kv-events", metavar="ADDRESS", help="The engine's publisher, e.g. tcp://10.0.0.5:5557 ('': stop following it).")
+        kv.add_argument("--kv-events-replay", metavar="ADDRESS", help="Its replay socket, e.g. tcp://10.0.0.5:5558 ('': none).")
+        kv.add_argument("--kv-events-topic", metavar="TOPIC", help="The publisher's topic ('': every topic).")
+        kv.add_argument("--kv-block-size", type=limit_argument, metavar="N", help="The engine's KV block size in tokens (0 or none: 16).")
+        kv.add_argument(
+            "--kv-hash-algorithm", choices=[a or "none" for a in KvHashAlgorithm.values],
+            help="The engine's --prefix-caching-hash-algo ('none': hashes neither checked nor scored).",
+        )
+        kv.add_argument("--kv-hash-seed", metavar="SEED", help="The engine's PYTHONHASHSEED, if it sets one ('': vLLM's default seed).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         url = options["url"].rstrip("/")
@@ -122,6 +145,7 @@ class Command(BaseCommand):
         if endpoint_created:
             log_change("register_worker", "pool %r: %s endpoint %s added", pool.name, endpoint.role, endpoint.url)
         before = {"capacity": endpoint.capacity, "capacity_tokens": endpoint.capacity_tokens, "options": dict(endpoint.options)}
+        before.update({field: getattr(endpoint, field) for field in _KV_FIELDS.values()})
         for field in ("capacity", "capacity_tokens"):
             if options.get(field) is not None:
                 value = options[field] or None  # 0: unlimited
@@ -136,7 +160,10 @@ class Command(BaseCommand):
                 endpoint.options = merged
                 endpoint.save(update_fields=["options", "updated_at"])
                 endpoint_created = True  # reported as a change
+        if self._set_kv_events(endpoint, options):
+            endpoint_created = True  # reported as a change
         after = {"capacity": endpoint.capacity, "capacity_tokens": endpoint.capacity_tokens, "options": endpoint.options}
+        after.update({field: getattr(endpoint, field) for field in _KV_FIELDS.values()})
         if after != before:
             log_change(
                 "register_worker", "pool %r: %s endpoint %s: %s", pool.name, endpoint.role, endpoint.url,
@@ -147,6 +174,35 @@ class Command(BaseCommand):
             f", {label} {value}" for label, value in (("capacity", endpoint.capacity), ("capacity tokens", endpoint.capacity_tokens)) if value
         )
         self.stdout.write(f"{verb}: pool {pool.name} ({pool.model}) {endpoint.role} {endpoint.url}{capacity}")
+
+    @staticmethod
+    def _set_kv_events(endpoint: WorkerEndpoint, options: dict[str, Any]) -> bool:
+        """Set the KV-event fields the flags name, checked as the admin checks them (the model's
+        `clean()`: no bind address, a port, a replay address only with the publisher's); whether
+        anything changed."""
+        values: dict[str, Any] = {}
+        for option, field in _KV_FIELDS.items():
+            value = options.get(option)
+            if value is None:
+                continue
+            if option == "kv_hash_algorithm" and value == "none":
+                value = ""
+            elif option == "kv_block_size":
+                value = value or None  # 0: the default
+            values[field] = value
+        if all(getattr(endpoint, field) == value for field, value in values.items()):
+            return False
+        for field, value in values.items():
+            setattr(endpoint, field, value)
+        try:
+            endpoint.clean()
+        except ValidationError as exc:
+            flags = {field: option for option, field in _KV_FIELDS.items()}
+            raise CommandError(
+                "; ".join(f"--{flags.get(f, f).replace('_', '-')}: {' '.join(m)}" for f, m in exc.message_dict.items())
+            ) from None
+        endpoint.save(update_fields=[*values, "updated_at"])
+        return True
 
     @staticmethod
     def _endpoint_options(pairs: list[str]) -> dict[str, Any]:

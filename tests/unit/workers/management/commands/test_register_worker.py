@@ -61,3 +61,58 @@ def test_a_pool_whose_decode_servers_refuse_whole_requests_cannot_skip_the_conte
     # An engine whose generation servers take whole requests may skip it.
     assert protocols.misconfiguration("vllm", "context_first", 512) is None
     assert protocols.misconfiguration("sglang", "aggregated", 512) is None
+
+
+def register_kv(*flags: str) -> str:
+    out = io.StringIO()
+    call_command(
+        "register_worker", "--pool", "kv", "--model", "m", "--role", "generation", "--url", "http://10.0.0.7:8000",
+        "--protocol", "vllm", *flags, stdout=out,
+    )
+    return out.getvalue()
+
+
+def kv_endpoint() -> WorkerEndpoint:
+    return WorkerEndpoint.objects.get(url="http://10.0.0.7:8000")
+
+
+def test_kv_event_settings_are_set_changed_and_cleared() -> None:
+    register_kv()
+    assert kv_endpoint().kv_events_address == ""  # not given: the approximate index
+    out = register_kv(
+        "--kv-events", "tcp://10.0.0.7:5557", "--kv-events-replay", "tcp://10.0.0.7:5558", "--kv-events-topic", "kv@a",
+        "--kv-block-size", "32", "--kv-hash-algorithm", "sha256_cbor", "--kv-hash-seed", "0",
+    )
+    assert out.startswith("registered")
+    endpoint = kv_endpoint()
+    assert (endpoint.kv_events_address, endpoint.kv_events_replay_address, endpoint.kv_events_topic) == (
+        "tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558", "kv@a",
+    )
+    assert (endpoint.kv_block_size, endpoint.kv_hash_algorithm, endpoint.kv_hash_seed) == (32, "sha256_cbor", "0")
+    assert register_kv("--kv-events", "tcp://10.0.0.7:5557", "--kv-block-size", "32").startswith("already registered")
+    # Flags not given leave their fields; "none" and 0 clear.
+    register_kv("--kv-hash-algorithm", "none", "--kv-block-size", "0")
+    endpoint = kv_endpoint()
+    assert (endpoint.kv_hash_algorithm, endpoint.kv_block_size, endpoint.kv_events_topic) == ("", None, "kv@a")
+    register_kv("--kv-events-replay", "", "--kv-events", "")
+    assert (kv_endpoint().kv_events_address, kv_endpoint().kv_events_replay_address) == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (("--kv-events", "tcp://*:5557"), "--kv-events: The engine's address and port to connect to"),
+        (("--kv-events", "http://10.0.0.7:5557"), "--kv-events: A ZeroMQ address"),
+        (("--kv-events-replay", "tcp://10.0.0.7:5558"), "--kv-events-replay: A replay address needs the KV-event address too."),
+    ],
+)
+def test_kv_event_settings_are_checked_as_the_admin_checks_them(flags: tuple[str, ...], problem: str) -> None:
+    register_kv()
+    with pytest.raises(CommandError, match=problem.replace("(", r"\(")):
+        register_kv(*flags)
+    assert kv_endpoint().kv_events_address == ""  # nothing written
+
+
+def test_an_unknown_hash_algorithm_is_refused_by_argparse() -> None:
+    with pytest.raises(CommandError):
+        register_kv("--kv-hash-algorithm", "md5")
