@@ -546,7 +546,8 @@ ENGINE_LOAD_KV_PENALTY = env_int("ENGINE_LOAD_KV_PENALTY", 8)
 # subscribed to on a thread of their own. Per endpoint at most KV_EVENTS_MAX_BLOCKS blocks are
 # indexed and KV_EVENTS_DIGESTS_KEPT digests kept to check hashes; at most KV_EVENTS_HWM messages
 # wait in a socket, each at most KV_EVENTS_MAX_BYTES. A replay answers within
-# KV_EVENTS_REPLAY_TIMEOUT_S. An endpoint sent requests but no event for KV_EVENTS_SILENCE_S is
+# KV_EVENTS_REPLAY_TIMEOUT_S; after one that did not, gaps are not replayed (their events are
+# lost, the endpoint falls back) for KV_EVENTS_REPLAY_BACKOFF_S. An endpoint sent requests but no event for KV_EVENTS_SILENCE_S is
 # routed on the approximate prefix index until its events resume; KV_EVENTS_CHECK_S is how often
 # that is checked.
 KV_EVENTS_MAX_BLOCKS = env_int("KV_EVENTS_MAX_BLOCKS", 1_000_000)
@@ -554,6 +555,7 @@ KV_EVENTS_DIGESTS_KEPT = env_int("KV_EVENTS_DIGESTS_KEPT", 65536)
 KV_EVENTS_HWM = env_int("KV_EVENTS_HWM", 100_000)
 KV_EVENTS_MAX_BYTES = env_int("KV_EVENTS_MAX_BYTES", 16 * 1024 * 1024)
 KV_EVENTS_REPLAY_TIMEOUT_S = env_float("KV_EVENTS_REPLAY_TIMEOUT_S", 5.0)
+KV_EVENTS_REPLAY_BACKOFF_S = env_float("KV_EVENTS_REPLAY_BACKOFF_S", 30.0)
 KV_EVENTS_SILENCE_S = env_float("KV_EVENTS_SILENCE_S", 30.0)
 KV_EVENTS_CHECK_S = env_float("KV_EVENTS_CHECK_S", 1.0)
 # Block keys of prompts learned from the workers' answers (the join of conversations to blocks;

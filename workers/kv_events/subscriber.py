@@ -26,7 +26,10 @@ ROUTER. On connecting, the subscription asks for a replay from seq 0 (everything
 engine's ring), then reads the live stream, `[topic, seq (8 bytes, big-endian), payload]`, and
 hands each batch to the endpoint's `EndpointBlocks`, which asks for a replay when a seq is
 missing. A replay request is `[b"", start_seq]`; the answer is `[b"", topic, seq, payload]` per
-batch (`[b"", seq, payload]` before vLLM PR #45177), ended by a batch whose seq is -1.
+batch (`[b"", seq, payload]` before vLLM PR #45177), ended by a batch whose seq is -1. A replay
+the engine does not end within `KV_EVENTS_REPLAY_TIMEOUT_S` holds the next ones back for
+`KV_EVENTS_REPLAY_BACKOFF_S`: a gap meanwhile is lost at once (the endpoint falls back) rather
+than stopping the live stream for another timeout.
 
 Everything here (receiving, decoding, hashing, applying) runs on the subscriptions' own event loop
 in a daemon thread, never on the gateway's: routing only reads the indexes (dict lookups, safe
@@ -73,6 +76,12 @@ FALLBACKS = Counter(
     "gateway_kv_events_fallbacks", "Endpoints put on the approximate prefix index, by why (counted once per change)", ["reason"]
 )
 BATCHES = Counter("gateway_kv_events_batches", "KV-cache event batches applied to the endpoints' block indexes")
+REPLAYS = Counter(
+    "gateway_kv_events_replays",
+    "Replays of missed KV-cache events: answered, unanswered (the engine's replay socket was silent), "
+    "skipped (not asked: within KV_EVENTS_REPLAY_BACKOFF_S of an unanswered one)",
+    ["outcome"],
+)
 
 _END = b"\xff" * 8  # -1 as 8 bytes: the replay's end marker
 
@@ -122,6 +131,10 @@ class _Subscription:
         self.blocks = blocks
         self.source = source
         self.context = context
+        # Until when a gap is not replayed, after a replay the engine did not answer: each attempt
+        # stops the live stream for up to KV_EVENTS_REPLAY_TIMEOUT_S, and a silent replay socket
+        # (engine overloaded, port wrong) would otherwise cost that on every later gap.
+        self._replays_resume_at = 0.0
 
     async def run(self) -> None:
         sub = self.context.socket(zmq.SUB)
@@ -131,8 +144,7 @@ class _Subscription:
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         sub.connect(self.source.address)
         try:
-            if self.source.replay_address:
-                await self._replay(0)
+            await self._ask_replay(0)
             self.blocks.joined()
             while True:
                 frames = await sub.recv_multipart()
@@ -148,10 +160,24 @@ class _Subscription:
                 replay = self.blocks.on_live(seq, batch, time.monotonic())
                 BATCHES.inc()
                 if replay is not None:
-                    answered = bool(self.source.replay_address) and await self._replay(replay.start_seq)
+                    answered = await self._ask_replay(replay.start_seq)
                     self.blocks.replay_done(time.monotonic(), answered=answered)
         finally:
             sub.close(linger=0)
+
+    async def _ask_replay(self, start_seq: int) -> bool:
+        """Replay from `start_seq` unless there is no replay socket or it is backed off (llm-d
+        backs off 30 s the same way); True when the engine ended its answer."""
+        if not self.source.replay_address:
+            return False
+        if time.monotonic() < self._replays_resume_at:
+            REPLAYS.labels("skipped").inc()
+            return False
+        answered = await self._replay(start_seq)
+        REPLAYS.labels("answered" if answered else "unanswered").inc()
+        if not answered:
+            self._replays_resume_at = time.monotonic() + settings.KV_EVENTS_REPLAY_BACKOFF_S
+        return answered
 
     async def _replay(self, start_seq: int) -> bool:
         """Ask for every batch from `start_seq` on; True when the engine ended its answer."""

@@ -190,3 +190,55 @@ def test_a_request_routed_after_a_batch_waits_for_the_next_one_however_late_the_
     events.check()
     assert blocks.fallback == Fallback.SILENT
     events.view.clear()
+
+
+@override_settings(KV_EVENTS_REPLAY_TIMEOUT_S=0.3, KV_EVENTS_REPLAY_BACKOFF_S=60.0)
+def test_a_replay_socket_that_does_not_answer_is_not_asked_again_for_a_while() -> None:
+    """The engine's replay socket takes requests and never answers: the subscription asks once (on
+    connecting), and a later gap is lost at once instead of waiting out another timeout."""
+    import zmq
+
+    from workers.kv_events.subscriber import REPLAYS
+
+    address, replay = f"tcp://127.0.0.1:{unused_port()}", f"tcp://127.0.0.1:{unused_port()}"
+    loop = asyncio.new_event_loop()
+    publisher = KvPublisher(address)  # live only: its replay address is this test's silent socket
+    cache = PrefixCache(4, 1000, BlockHasher("sha256"), publisher.publish)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(replay)
+    asked: list[int] = []
+
+    def count_requests() -> int:
+        while silent.poll(0):
+            asked.append(int.from_bytes(silent.recv_multipart()[-1], "big"))
+        return len(asked)
+
+    skipped = REPLAYS.labels("skipped")._value.get()
+    events = KvEvents()
+    try:
+        events.sync([Endpoint(1, address, replay)])
+        blocks = events.view[1]
+        more = iter(range(0, 100_000, 4))
+
+        def live() -> bool:
+            start = next(more)
+            cache.store(list(range(start, start + 4)))
+            return blocks.live_seq is not None
+
+        serve_until(loop, live)
+        assert count_requests() == 1 and asked == [0]  # the replay on connecting, unanswered
+        assert blocks.trusted
+        publisher.mode = "drop"
+        cache.store([900, 901, 902, 903])  # published to no one: the next live batch shows a gap
+        publisher.mode = "live"
+        cache.store([910, 911, 912, 913])
+        serve_until(loop, lambda: not blocks.trusted)
+        assert blocks.fallback == "gap" and blocks.gaps == 1
+        assert count_requests() == 1  # not asked again (asked, it would be lost only after a timeout)
+        assert REPLAYS.labels("skipped")._value.get() == skipped + 1
+    finally:
+        events.stop_all()
+        silent.close(linger=0)
+        loop.run_until_complete(publisher.close())
+        loop.close()
