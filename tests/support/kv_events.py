@@ -38,9 +38,10 @@ def kv(gateway: Gateway, sim: SimWorker, name: str, **labels: str) -> float | No
         return None
 
 
-def register_pool(gateways: list[Gateway], engines: list[Engine]) -> Cluster:
-    """A `cache_aware` aggregated vLLM pool of the engines, their events followed with sha256 hashes;
-    returns once every gateway routes with it and trusts every engine's events."""
+def register_pool(gateways: list[Gateway], engines: list[Engine], algorithm: str = "sha256") -> Cluster:
+    """A `cache_aware` aggregated vLLM pool of the engines, their events followed with `algorithm`
+    (the engines' sha256, or `tokens`); returns once every gateway routes with it and trusts every
+    engine's events."""
     from messages_api.auth import create_api_key
     from workers.models import WorkerEndpoint, WorkerPool
 
@@ -50,7 +51,7 @@ def register_pool(gateways: list[Gateway], engines: list[Engine]) -> Cluster:
     for sim, pub, replay in engines:
         WorkerEndpoint.objects.create(
             pool=pool, role="generation", url=sim.url, kv_events_address=pub, kv_events_replay_address=replay, kv_block_size=BLOCK,
-            kv_hash_algorithm="sha256",
+            kv_hash_algorithm=algorithm,
         )
     _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
     cluster = Cluster(pool=pool, key=key, model=MODEL, context=engines[0][0], generation=engines[-1][0])

@@ -61,7 +61,7 @@ from django.conf import settings
 from prometheus_client import Counter
 
 from workers.kv_events.decode import BadEvents, decode_batch
-from workers.kv_events.hashing import BlockHasher
+from workers.kv_events.hashing import BlockHasher, TokenKeys, hasher_for
 from workers.kv_events.index import EndpointBlocks, Profile
 from workers.kv_events.shared import SharedPrompts
 
@@ -226,7 +226,7 @@ class KvEvents:
         # (hash profile, prompt end mark) -> the prompt's block keys, least recently learned first.
         self._learned: OrderedDict[tuple[Profile, int], array[int]] = OrderedDict()
         self._learned_blocks = 0
-        self._hashers: dict[Profile, BlockHasher] = {}
+        self._hashers: dict[Profile, BlockHasher | TokenKeys] = {}
         # With Redis: the prompts learned here go to the other processes, theirs come here.
         self._shared: SharedPrompts | None = None
         self._following: Future[None] | None = None
@@ -248,7 +248,7 @@ class KvEvents:
         started = time.thread_time()
         hasher = self._hashers.get(profile)
         if hasher is None:
-            hasher = self._hashers[profile] = BlockHasher(profile[0], profile[1] or None)
+            hasher = self._hashers[profile] = hasher_for(profile[0], profile[1] or None)
         if not all(type(t) is int and 0 <= t < 1 << 32 for t in token_ids):
             return  # not token ids (a worker is outside input)
         keys = array("Q", hasher.keys(token_ids, profile[2]))
@@ -322,7 +322,7 @@ class KvEvents:
 
     def _start(self, endpoint_id: int, source: EventSource) -> None:
         loop = self._thread_loop()
-        hasher = BlockHasher(source.hash_algorithm, source.hash_seed or None) if source.hash_algorithm else None
+        hasher = hasher_for(source.hash_algorithm, source.hash_seed or None) if source.hash_algorithm else None
         blocks = EndpointBlocks(
             endpoint_id, hasher, source.block_size, max_blocks=settings.KV_EVENTS_MAX_BLOCKS, digests_kept=settings.KV_EVENTS_DIGESTS_KEPT
         )
@@ -409,6 +409,7 @@ class KvEvents:
         return {
             "blocks": blocks.size, "fallback": blocks.fallback, "detail": blocks.detail, "seq": blocks.applied_seq,
             "stored": blocks.stored, "removed": blocks.removed, "checked": blocks.checked, "resets": blocks.resets, "gaps": blocks.gaps,
+            "keyed": blocks.keyed, "unkeyed": blocks.unkeyed,
         }
 
 
