@@ -21,11 +21,12 @@ Engine = tuple[SimWorker, str, str]
 
 
 def start_engine(**options: Any) -> Engine:
-    """A vLLM sim worker publishing its prefix cache's events (`kv_cache_blocks=` its capacity)."""
+    """A sim generation worker (vLLM's dialect unless `protocol=`) publishing its prefix cache's
+    events (`kv_cache_blocks=` its capacity)."""
     pub, replay = f"tcp://127.0.0.1:{unused_port()}", f"tcp://127.0.0.1:{unused_port()}"
     sim = start_simworker(
-        "generation", tokens_per_second=0, prefill_tokens_per_second=0, protocol="vllm", kv_block_tokens=BLOCK,
-        kv_events=pub, kv_events_replay=replay, **{"kv_cache_blocks": 4096, **options},
+        "generation", tokens_per_second=0, prefill_tokens_per_second=0, kv_block_tokens=BLOCK,
+        kv_events=pub, kv_events_replay=replay, **{"kv_cache_blocks": 4096, "protocol": "vllm", **options},
     )  # fmt: skip
     return sim, pub, replay
 

@@ -21,5 +21,5 @@ from workers.kv_events.subscriber import EventSource, KvEvents, kv_events
 
 __all__ = [
     "ALGORITHMS", "AllBlocksCleared", "BadEvents", "BlockHasher", "BlockRemoved", "BlockStored", "decode_batch", "encode_batch",
-    "EndpointBlocks", "EventBatch", "EventSource", "Fallback", "kv_events", "KvEvents", "Replay", "TOKENS", "TokenKeys",
+    "EndpointBlocks", "EventBatch", "EventSource", "Fallback", "kv_events", "KvEvents", "Replay", "TokenKeys", "TOKENS",
 ]

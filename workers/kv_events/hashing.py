@@ -36,7 +36,7 @@ from typing import Any
 
 import cbor2
 
-__all__ = ["ALGORITHMS", "BlockHasher", "DEFAULT_SEED", "hasher_for", "known_algorithm", "published", "TOKENS", "TokenKeys"]
+__all__ = ["ALGORITHMS", "BlockHasher", "DEFAULT_SEED", "hasher_for", "known_algorithm", "published", "TokenKeys", "TOKENS"]
 
 #: vLLM's seed when PYTHONHASHSEED is unset and the algorithm is cryptographic (DEFAULT_NONE_HASH_SEED).
 DEFAULT_SEED = "vllm-none-hash"
