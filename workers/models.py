@@ -114,11 +114,14 @@ class WorkerPool(models.Model):
 
 
 class KvHashAlgorithm(models.TextChoices):
-    """The `--prefix-caching-hash-algo` values whose hashes the gateway reproduces."""
+    """The `--prefix-caching-hash-algo` values whose hashes the gateway reproduces, and `tokens`."""
 
     NONE = "", "not checked"
     SHA256 = "sha256", "sha256 (pickle; vLLM's default)"
     SHA256_CBOR = "sha256_cbor", "sha256_cbor"
+    # Not an engine's: blocks keyed by their tokens (workers.kv_events.hashing.TokenKeys), for an
+    # engine whose hashes the gateway does not reproduce (SGLang, TensorRT-LLM, a seedless vLLM).
+    TOKENS = "tokens", "by their tokens (any engine; hashes not checked)"
 
 
 class WorkerEndpoint(models.Model):
@@ -168,7 +171,8 @@ class WorkerEndpoint(models.Model):
     )
     kv_hash_algorithm = models.CharField(
         max_length=20, blank=True, default="sha256", choices=KvHashAlgorithm.choices,
-        help_text="The engine's --prefix-caching-hash-algo, to check the block hashes it publishes. Empty: not checked.",
+        help_text="The engine's --prefix-caching-hash-algo, to check the block hashes it publishes; "
+        "'by their tokens' for an engine whose hashes the gateway does not reproduce (SGLang, TensorRT-LLM). Empty: followed, not routed on.",
     )
     kv_hash_seed = models.CharField(
         max_length=200, blank=True, default="",

@@ -172,20 +172,25 @@ def test_events_that_stop_while_requests_are_sent_fall_back(gateways: Callable[.
     wait_until(lambda: kv(gateway, sim, "gateway_kv_events_trusted", reason="") == 1.0, timeout=15, message="not trusted again")
 
 
-@pytest.fixture
-def two_engines() -> Iterator[list[Engine]]:
-    engines = [start_engine(), start_engine()]
-    yield engines
+@pytest.fixture(params=["sha256", "tokens"])
+def two_engines(request: pytest.FixtureRequest) -> Iterator[tuple[list[Engine], str]]:
+    """Two engines and the algorithm their events are followed with: their own hashes (sha256,
+    reproduced), or `tokens`, for engines whose hashes the gateway cannot reproduce (here: a seed
+    it is not told, as a vLLM before PR #51875 without PYTHONHASHSEED; SGLang, TensorRT-LLM)."""
+    options = {} if request.param == "sha256" else {"kv_hash_seed": f"unknown-{time.monotonic_ns()}"}
+    engines = [start_engine(**options), start_engine(**options)]
+    yield engines, request.param
     for sim, _, _ in engines:
         sim.stop()
 
 
 def test_a_later_turn_goes_where_the_engines_events_say_its_prefix_is(
-    gateways: Callable[..., Gateway], two_engines: list[Engine]
+    gateways: Callable[..., Gateway], two_engines: tuple[list[Engine], str]
 ) -> None:
     gateway = gateways()
-    cluster = register_pool([gateway], two_engines)
-    sims = [sim for sim, _, _ in two_engines]
+    engines, algorithm = two_engines
+    cluster = register_pool([gateway], engines, algorithm)
+    sims = [sim for sim, _, _ in engines]
     first = [{"role": "user", "content": "Refactor the parser. " + " ".join(f"w{i}" for i in range(200))}]
     answer = turn(gateway, cluster, first)
     holder, other = (sims[0], sims[1]) if received(sims[0]) == 1 else (sims[1], sims[0])
@@ -211,3 +216,66 @@ def test_a_later_turn_goes_where_the_engines_events_say_its_prefix_is(
     before = received(other)
     turn(gateway, cluster, third)
     assert received(other) == before + 1 and received(holder) == 2
+
+
+@pytest.fixture
+def trtllm_engines() -> Iterator[tuple[SimWorker, list[Engine]]]:
+    """A TensorRT-LLM context worker and two generation workers publishing their events, with
+    hashes the gateway does not reproduce (TensorRT-LLM's own; here a seed it is not told)."""
+    seed = f"unknown-{time.monotonic_ns()}"
+    context = start_simworker("context", tokens_per_second=0, prefill_tokens_per_second=0, protocol="trtllm", kv_block_tokens=BLOCK)
+    engines = [start_engine(protocol="trtllm", kv_hash_seed=seed), start_engine(protocol="trtllm", kv_hash_seed=seed)]
+    yield context, engines
+    context.stop()
+    for sim, _, _ in engines:
+        sim.stop()
+
+
+def test_a_tensorrt_llm_pool_learns_the_prompt_from_its_context_answer_and_routes_by_tokens(
+    gateways: Callable[..., Gateway], trtllm_engines: tuple[SimWorker, list[Engine]]
+) -> None:
+    """Context first: the context worker's answer carries the prompt's token ids (which the gateway
+    relays to the generation worker unread); they are read off the loop for the join, and the
+    generation engines' events, keyed by tokens, send a later turn to where its prefix is."""
+    from messages_api.auth import create_api_key
+    from workers.models import WorkerEndpoint, WorkerPool
+
+    context, engines = trtllm_engines
+    gateway = gateways()
+    pool = WorkerPool.objects.create(
+        name=f"pool-{MODEL}", model=MODEL, schedule_style="context_first", protocol="trtllm", routing="cache_aware", cache_scope="shared"
+    )
+    WorkerEndpoint.objects.create(pool=pool, role="context", url=context.url)
+    for sim, pub, replay in engines:
+        WorkerEndpoint.objects.create(
+            pool=pool, role="generation", url=sim.url, kv_events_address=pub, kv_events_replay_address=replay, kv_block_size=BLOCK,
+            kv_hash_algorithm="tokens",
+        )
+    _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
+    cluster = Cluster(pool=pool, key=key, model=MODEL, context=context, generation=engines[0][0])
+    wait_registered(gateway, cluster)
+    sims = [sim for sim, _, _ in engines]
+    for sim in sims:
+        wait_until(lambda sim=sim: kv(gateway, sim, "gateway_kv_events_trusted", reason="") == 1.0, timeout=15, message="not subscribed")
+
+    first = [{"role": "user", "content": "Refactor the parser. " + " ".join(f"w{i}" for i in range(200))}]
+    answer = turn(gateway, cluster, first)
+    holder, other = (sims[0], sims[1]) if received(sims[0]) == 1 else (sims[1], sims[0])
+    learned = "gateway_kv_events_prompts_learned_total"
+    wait_until(lambda: counter(gateway, learned) == 1, timeout=15, message="the context answer's token ids were not learned")
+    assert "prompt_token_ids" in holder.requests()[-1]  # relayed as they came
+    wait_until(lambda: (kv(gateway, holder, "gateway_kv_events_blocks") or 0) > 0, timeout=15, message="no blocks keyed")
+
+    # Outside the gateway: the holder's cache is reset and the prompt is served by the other engine
+    # (a plain request with the same token ids). The gateway's own index still says the holder.
+    sent = holder.requests()[-1]
+    holder.kv_events(reset_prefix_cache=True)
+    plain = {k: v for k, v in sent.items() if k not in ("disaggregated_params", "prompt_token_ids_b64")}
+    outside = httpx.post(other.url + "/v1/chat/completions", json={**plain, "stream": False}, timeout=30)
+    assert outside.status_code == 200, outside.text
+    wait_until(lambda: kv(gateway, holder, "gateway_kv_events_blocks") == 0, timeout=15, message="the reset was not seen")
+    wait_until(lambda: (kv(gateway, other, "gateway_kv_events_blocks") or 0) > 0, timeout=15, message="the outside prompt was not seen")
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Now add tests."}]
+    before = received(other)
+    turn(gateway, cluster, second)
+    assert received(other) == before + 1 and received(holder) == 1

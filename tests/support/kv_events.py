@@ -21,11 +21,12 @@ Engine = tuple[SimWorker, str, str]
 
 
 def start_engine(**options: Any) -> Engine:
-    """A vLLM sim worker publishing its prefix cache's events (`kv_cache_blocks=` its capacity)."""
+    """A sim generation worker (vLLM's dialect unless `protocol=`) publishing its prefix cache's
+    events (`kv_cache_blocks=` its capacity)."""
     pub, replay = f"tcp://127.0.0.1:{unused_port()}", f"tcp://127.0.0.1:{unused_port()}"
     sim = start_simworker(
-        "generation", tokens_per_second=0, prefill_tokens_per_second=0, protocol="vllm", kv_block_tokens=BLOCK,
-        kv_events=pub, kv_events_replay=replay, **{"kv_cache_blocks": 4096, **options},
+        "generation", tokens_per_second=0, prefill_tokens_per_second=0, kv_block_tokens=BLOCK,
+        kv_events=pub, kv_events_replay=replay, **{"kv_cache_blocks": 4096, "protocol": "vllm", **options},
     )  # fmt: skip
     return sim, pub, replay
 
@@ -38,9 +39,10 @@ def kv(gateway: Gateway, sim: SimWorker, name: str, **labels: str) -> float | No
         return None
 
 
-def register_pool(gateways: list[Gateway], engines: list[Engine]) -> Cluster:
-    """A `cache_aware` aggregated vLLM pool of the engines, their events followed with sha256 hashes;
-    returns once every gateway routes with it and trusts every engine's events."""
+def register_pool(gateways: list[Gateway], engines: list[Engine], algorithm: str = "sha256") -> Cluster:
+    """A `cache_aware` aggregated vLLM pool of the engines, their events followed with `algorithm`
+    (the engines' sha256, or `tokens`); returns once every gateway routes with it and trusts every
+    engine's events."""
     from messages_api.auth import create_api_key
     from workers.models import WorkerEndpoint, WorkerPool
 
@@ -50,7 +52,7 @@ def register_pool(gateways: list[Gateway], engines: list[Engine]) -> Cluster:
     for sim, pub, replay in engines:
         WorkerEndpoint.objects.create(
             pool=pool, role="generation", url=sim.url, kv_events_address=pub, kv_events_replay_address=replay, kv_block_size=BLOCK,
-            kv_hash_algorithm="sha256",
+            kv_hash_algorithm=algorithm,
         )
     _, key = create_api_key(f"test-key-{time.monotonic_ns()}")
     cluster = Cluster(pool=pool, key=key, model=MODEL, context=engines[0][0], generation=engines[-1][0])

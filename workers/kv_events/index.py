@@ -30,18 +30,25 @@ block always, and a block whose parent was recomputed here while its digest is s
 last `digests_kept`. Blocks with LoRA or other extra keys, of another medium than the GPU's, or of
 a non-zero KV-cache group are indexed unchecked (their hashing is not reproduced here).
 
+Followed by tokens (`workers.kv_events.hashing.TokenKeys`: an engine whose hashes are not
+reproduced), each stored block is keyed by the gateway's own chain over the event's tokens, from
+its parent's key; the engine's hash maps to that key for its removal and for its children. A
+block whose parent's key is unknown (stored before this subscriber joined, or forgotten) cannot be
+keyed and is skipped (counted, as llm-d and Dynamo do). Nothing is checked.
+
 Bounded: at most `max_blocks` blocks (a lost removal cannot grow it without end: the oldest go
-first), `digests_kept` digests for the check.
+first), `digests_kept` digests for the check; followed by tokens, as many engine hashes as blocks.
 """
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from workers.kv_events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from workers.kv_events.hashing import BlockHasher, published
+from workers.kv_events.hashing import BlockHasher, TokenKeys, published
 
 __all__ = ["EndpointBlocks", "Fallback", "Profile", "Replay"]
 
@@ -69,10 +76,19 @@ class EndpointBlocks:
     """One endpoint's blocks and the state of its event stream (one per subscribed endpoint)."""
 
     def __init__(
-        self, endpoint_id: int, hasher: BlockHasher | None, block_size: int, *, max_blocks: int = 1_000_000, digests_kept: int = 65536
+        self,
+        endpoint_id: int,
+        hasher: BlockHasher | TokenKeys | None,
+        block_size: int,
+        *,
+        max_blocks: int = 1_000_000,
+        digests_kept: int = 65536,
     ) -> None:
         self.endpoint_id = endpoint_id
-        self.hasher = hasher
+        self.hasher = hasher if isinstance(hasher, BlockHasher) else None
+        # Followed by tokens: the gateway's keys, and the engine's hash -> key, oldest first.
+        self._keyer = hasher if isinstance(hasher, TokenKeys) else None
+        self._keys: dict[int, int] = {}
         #: Its hash settings, when the gateway can reproduce its hashes (None: it cannot, and no
         #: prompt is scored on its blocks).
         self.profile: Profile | None = None
@@ -98,6 +114,9 @@ class EndpointBlocks:
         self.unchecked = 0
         self.resets = 0
         self.gaps = 0
+        #: Followed by tokens: blocks keyed, and blocks skipped for a parent whose key is unknown.
+        self.keyed = 0
+        self.unkeyed = 0
         #: `time.monotonic()` of the last batch applied (0: none yet).
         self.last_event_at = 0.0
         # The live batch that asked for a replay, applied after it if the replay does not reach it.
@@ -206,6 +225,7 @@ class EndpointBlocks:
     def _clear(self, *, healed: bool) -> None:
         self._blocks.clear()
         self._digests.clear()
+        self._keys.clear()
         self.applied_seq = None
         if healed and self.fallback in (Fallback.GAP, Fallback.SILENT):
             self.fallback, self.detail = "", ""
@@ -220,6 +240,12 @@ class EndpointBlocks:
             if isinstance(event, BlockStored):
                 self._store(event)
             elif isinstance(event, BlockRemoved):
+                if self._keyer is not None:
+                    keys = self._keys
+                    for engine_hash in event.block_hashes:
+                        key = keys.pop(engine_hash, None)
+                        self.removed += key is not None and self._blocks.pop(key, None) is not None
+                    continue
                 for key in event.block_hashes:
                     self.removed += self._blocks.pop(key, None) is not None
                     self._digests.pop(key, None)
@@ -232,6 +258,9 @@ class EndpointBlocks:
     def _store(self, event: BlockStored) -> None:
         if event.group_idx != 0 or (event.medium not in (None, "GPU")):
             return  # another KV group (sliding window, mamba) or an offload tier: not the prefix cache routed on
+        if self._keyer is not None:
+            self._store_by_tokens(event, self._keyer)
+            return
         blocks = self._blocks
         parent = -1 if event.parent is None else event.parent
         for key in event.block_hashes:
@@ -244,6 +273,40 @@ class EndpointBlocks:
             del blocks[oldest]
             self._digests.pop(oldest, None)
         self._check(event)
+
+    def _store_by_tokens(self, event: BlockStored, keyer: TokenKeys) -> None:
+        count = len(event.block_hashes)
+        if event.block_size != self.block_size:
+            self._mismatch(f"the engine's block size is {event.block_size}, the endpoint's setting {self.block_size}")
+            return
+        parent = None if event.parent is None else self._keys.get(event.parent)
+        if not event.plain or (event.parent is not None and parent is None):
+            # LoRA, multimodal or salted blocks (their keys would need what the engine mixed in), or
+            # a parent stored before this subscriber joined: not keyed.
+            self.unkeyed += count
+            return
+        try:
+            keys = keyer.keys(event.token_ids, event.block_size, parent)
+        except struct.error:
+            self.unkeyed += count  # not token ids: the event is outside input
+            return
+        if len(keys) != count:
+            self._mismatch(f"a stored event's {len(event.token_ids)} tokens are not {count} blocks of {event.block_size}")
+            return
+        blocks, engine_keys = self._blocks, self._keys
+        previous = -1 if parent is None else parent
+        for engine_hash, key in zip(event.block_hashes, keys, strict=True):
+            engine_keys.pop(engine_hash, None)
+            engine_keys[engine_hash] = key
+            blocks.pop(key, None)
+            blocks[key] = previous
+            previous = key
+        self.stored += count
+        self.keyed += count
+        while len(blocks) > self.max_blocks:
+            del blocks[next(iter(blocks))]
+        while len(engine_keys) > self.max_blocks:
+            del engine_keys[next(iter(engine_keys))]
 
     def _check(self, event: BlockStored) -> None:
         hasher = self.hasher

@@ -50,7 +50,7 @@ from typing import Any
 from django.conf import settings
 
 from disagg_project import GATEWAY_INSTANCE, Script, SharedState
-from workers.kv_events.hashing import ALGORITHMS
+from workers.kv_events.hashing import known_algorithm
 from workers.kv_events.index import Profile
 
 __all__ = ["entry_fields", "read_entry", "SharedPrompts", "stream_key"]
@@ -101,7 +101,7 @@ def read_entry(fields: Any, max_blocks: int) -> tuple[str, Profile, int, array[i
     except (KeyError, TypeError, ValueError, AttributeError):  # UnicodeDecodeError is a ValueError
         return None
     if (
-        algorithm not in ALGORITHMS or not 0 < block_size <= _MAX_BLOCK_SIZE or not 0 <= mark < 1 << 64
+        not known_algorithm(algorithm) or not 0 < block_size <= _MAX_BLOCK_SIZE or not 0 <= mark < 1 << 64
         or type(data) is not bytes or not data or len(data) % 8 or len(data) > 8 * max_blocks
     ):  # fmt: skip
         return None

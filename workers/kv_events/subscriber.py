@@ -9,8 +9,9 @@
 
 Joining prompts to blocks: the gateway routes before any worker tokenizes a prompt, so it learns
 a prompt's token ids from the answer of a worker whose events it follows (vLLM's
-`return_token_ids`; `workers.schedule.cache_feedback.CacheFeedback.on_prompt_tokens`) and hashes
-them here, off the loop, as the engine does (the endpoint's algorithm, seed and block size). They
+`return_token_ids`, TensorRT-LLM's context answer, read here;
+`workers.schedule.cache_feedback.CacheFeedback.on_prompt_tokens`) and hashes them here, off the
+loop, as the engine does (the endpoint's algorithm, seed and block size; or by their tokens). They
 are kept under the prompt's end mark (`workers.routing.prefix_index.PromptKey`): the next turn of
 the conversation, which extends that prompt, finds it among the places where an earlier prompt
 may have ended (`Prompt.candidates`), and each endpoint is scored by how many of its leading
@@ -50,18 +51,19 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import zmq
 import zmq.asyncio
 from django.conf import settings
 from prometheus_client import Counter
 
 from workers.kv_events.decode import BadEvents, decode_batch
-from workers.kv_events.hashing import BlockHasher
+from workers.kv_events.hashing import BlockHasher, TokenKeys, hasher_for
 from workers.kv_events.index import EndpointBlocks, Profile
 from workers.kv_events.shared import SharedPrompts
 
@@ -226,7 +228,7 @@ class KvEvents:
         # (hash profile, prompt end mark) -> the prompt's block keys, least recently learned first.
         self._learned: OrderedDict[tuple[Profile, int], array[int]] = OrderedDict()
         self._learned_blocks = 0
-        self._hashers: dict[Profile, BlockHasher] = {}
+        self._hashers: dict[Profile, BlockHasher | TokenKeys] = {}
         # With Redis: the prompts learned here go to the other processes, theirs come here.
         self._shared: SharedPrompts | None = None
         self._following: Future[None] | None = None
@@ -236,19 +238,25 @@ class KvEvents:
 
     # --- the join -----------------------------------------------------------------------------
 
-    def learn(self, endpoint_id: int, mark: int, token_ids: list[int]) -> None:
-        """The prompt ending at `mark` had these token ids on the endpoint (hashed on the thread)."""
+    def learn(self, endpoint_id: int, mark: int, token_ids: list[int] | Callable[[], list[int]]) -> None:
+        """The prompt ending at `mark` had these token ids on the endpoint, or what the reader
+        returns (run, and the ids hashed, on the thread)."""
         blocks = self.view.get(endpoint_id)
         loop = self._loop
         if blocks is None or blocks.profile is None or loop is None:
             return
         loop.call_soon_threadsafe(self._learn, blocks.profile, mark, token_ids)
 
-    def _learn(self, profile: Profile, mark: int, token_ids: list[int]) -> None:
+    def _learn(self, profile: Profile, mark: int, token_ids: list[int] | Callable[[], list[int]]) -> None:
         started = time.thread_time()
+        if callable(token_ids):
+            try:
+                token_ids = token_ids()
+            except (ValueError, TypeError, orjson.JSONDecodeError):  # binascii.Error is a ValueError
+                return  # not token ids (a worker is outside input)
         hasher = self._hashers.get(profile)
         if hasher is None:
-            hasher = self._hashers[profile] = BlockHasher(profile[0], profile[1] or None)
+            hasher = self._hashers[profile] = hasher_for(profile[0], profile[1] or None)
         if not all(type(t) is int and 0 <= t < 1 << 32 for t in token_ids):
             return  # not token ids (a worker is outside input)
         keys = array("Q", hasher.keys(token_ids, profile[2]))
@@ -322,7 +330,7 @@ class KvEvents:
 
     def _start(self, endpoint_id: int, source: EventSource) -> None:
         loop = self._thread_loop()
-        hasher = BlockHasher(source.hash_algorithm, source.hash_seed or None) if source.hash_algorithm else None
+        hasher = hasher_for(source.hash_algorithm, source.hash_seed or None) if source.hash_algorithm else None
         blocks = EndpointBlocks(
             endpoint_id, hasher, source.block_size, max_blocks=settings.KV_EVENTS_MAX_BLOCKS, digests_kept=settings.KV_EVENTS_DIGESTS_KEPT
         )
@@ -409,6 +417,7 @@ class KvEvents:
         return {
             "blocks": blocks.size, "fallback": blocks.fallback, "detail": blocks.detail, "seq": blocks.applied_seq,
             "stored": blocks.stored, "removed": blocks.removed, "checked": blocks.checked, "resets": blocks.resets, "gaps": blocks.gaps,
+            "keyed": blocks.keyed, "unkeyed": blocks.unkeyed,
         }
 
 

@@ -23,7 +23,7 @@ pool's validation keep such pools from being configured).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -91,6 +91,12 @@ class Handoff(Protocol):
     @property
     def prompt_tokens(self) -> int | None:
         """The prompt's token count as the context worker counted it, if it said."""
+
+    @property
+    def prompt_ids_reader(self) -> Callable[[], list[int]] | None:
+        """Reads the prompt's token ids from what the context worker sent, in whatever form it
+        sent them (None: it sent none). Called off the event loop, by the KV-event join
+        (`workers.kv_events`): a Claude Code prompt is ~20,000 ids."""
 
 
 #: Fields only the gateway sets on a worker request, whatever the chat body carries: the engines'

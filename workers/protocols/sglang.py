@@ -33,7 +33,7 @@ serve its short prompts from a pool of decode servers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -89,6 +89,10 @@ class PrefillDone:
     @property
     def complete_answer(self) -> dict[str, Any] | None:
         return None
+
+    @property
+    def prompt_ids_reader(self) -> Callable[[], list[int]] | None:
+        return None  # its prefill answer does not carry them
 
 
 def bootstrap_fields(context: ContextPeer, room: int) -> dict[str, Any]:

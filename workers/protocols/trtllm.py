@@ -34,14 +34,18 @@ into the gateway's own failure (the client's request was not at fault).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import logging
+import sys
 import time
+from array import array
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import orjson
@@ -133,6 +137,30 @@ class ContextResult:
     @property
     def complete_answer(self) -> dict[str, Any] | None:
         return self.complete_response
+
+    @property
+    def prompt_ids_reader(self) -> Callable[[], list[int]] | None:
+        if self.prompt_token_ids_b64 is not None:
+            return partial(_ids_of_b64, self.prompt_token_ids_b64)
+        ids = self.prompt_token_ids
+        if isinstance(ids, orjson.Fragment):
+            return partial(_ids_of_json, ids)
+        return None if ids is None else partial(list, ids)
+
+
+def _ids_of_b64(text: str) -> list[int]:
+    """Token ids from upstream's `prompt_token_ids_b64` (little-endian int32s, checked by
+    `is_int32_b64` when the answer was read)."""
+    ids = array("i", base64.b64decode(text))
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def _ids_of_json(text: orjson.Fragment) -> list[int]:
+    """Token ids from the JSON text `workers.wire.raw_ints` kept (a compact array of ints)."""
+    ids = orjson.loads(orjson.dumps(text))
+    return ids if isinstance(ids, list) else []
 
 
 # --- signatures (disagg_auth.py) -----------------------------------------------------------------

@@ -20,6 +20,7 @@ length-capped prefill without params means its worker has no KV connector: a 502
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -93,6 +94,10 @@ class PrefillResult:
     @property
     def complete_answer(self) -> dict[str, Any] | None:
         return None  # vLLM's proxies always decode
+
+    @property
+    def prompt_ids_reader(self) -> Callable[[], list[int]] | None:
+        return None  # its prefill answer does not carry them
 
 
 def prefill_request(chat: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ of no cache hit (it may be another key's), but only after `on_usage` has read th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from workers.cluster.health import FailureScope, failure_scope
@@ -56,10 +57,11 @@ class CacheFeedback:
         if placement is not None and placement.key is not None:
             get_index().confirm(endpoint_id, placement.key)
 
-    def on_prompt_tokens(self, token_ids: list[int]) -> None:
+    def on_prompt_tokens(self, token_ids: list[int] | Callable[[], list[int]]) -> None:
         """The generation worker's first chunk carried the prompt's token ids (asked for when its
-        engine's KV-cache events are followed): the conversation's next turn is scored by the
-        blocks of this prompt (`KvEvents.learn`, hashed off the loop)."""
+        engine's KV-cache events are followed), or the context answer did (a reader of them, run
+        off the loop): the conversation's next turn is scored by the blocks of this prompt on the
+        generation endpoint (`KvEvents.learn`, hashed off the loop)."""
         placement = self._placement
         if placement is not None and placement.key is not None:
             kv_events.learn(self._endpoint_id, placement.key.marks[-1], token_ids)

@@ -117,7 +117,8 @@ class ChatRun:
         self._stream: ChunkStream | None = None
         self._complete_response: dict[str, Any] | None = None
         self._first_chunk = True  # no generation chunk has arrived yet
-        self._learn_tokens = False  # the first chunk's prompt_token_ids are for the KV-event join
+        #: The prompt's token ids (the first chunk's, or the context answer's) are for the KV-event join.
+        self.learns_prompt_tokens = False
         self._closing: asyncio.Task[None] | None = None
 
     @property
@@ -246,7 +247,7 @@ class ChatRun:
                 # answer (not for a salted prompt: its blocks' hashes carry the salt as the engine
                 # words it, which is not reproduced here; the approximate index routes it).
                 self.call = replace(self.call, return_token_ids=True)
-                self._learn_tokens = True
+                self.learns_prompt_tokens = True
             self._reservations.append(generation)
             self._generation_url = generation.endpoint.url
             self.note(generation_endpoint=generation.endpoint.url)
@@ -306,7 +307,7 @@ class ChatRun:
                 self._first_chunk = False
                 self.note(first_chunk_at=time.monotonic())
                 feedback.on_first_chunk(self._generation_endpoint_id)
-                if self._learn_tokens:
+                if self.learns_prompt_tokens:
                     ids = chunk.pop("prompt_token_ids", None)
                     if isinstance(ids, list):
                         feedback.on_prompt_tokens(ids)

@@ -58,6 +58,9 @@ class Steps(Protocol):
     #: The context worker issued a handoff a generation worker must take: the run's exit then
     #: lets the generation request's worker take it, whatever happened to the client.
     handoff_issued: bool
+    #: The generation endpoint's KV-cache events are followed: the prompt's token ids, where a
+    #: worker answers with them, are learned for the next turn (`CacheFeedback.on_prompt_tokens`).
+    learns_prompt_tokens: bool
 
     @property
     def rendered(self) -> RenderedChat:
@@ -208,6 +211,8 @@ async def context_phase(
         run.report(reservation.endpoint.id, None)
         handoff = protocol.read_context_answer(response)
         run.feedback.on_first_chunk(reservation.endpoint.id)
+        if run.learns_prompt_tokens and (reader := handoff.prompt_ids_reader) is not None:
+            run.feedback.on_prompt_tokens(reader)  # TensorRT-LLM's context answer carries them
         reservation.release(Outcome.SUCCESS)
         run.handoff_issued = handoff.generation_pending
         run.note(context_done_at=time.monotonic())

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.kv_events.hashing import DEFAULT_SEED, BlockHasher, published
+from workers.kv_events.hashing import DEFAULT_SEED, BlockHasher, TokenKeys, hasher_for, known_algorithm, published
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -71,3 +71,33 @@ def test_published_is_the_low_64_bits_big_endian() -> None:
 def test_an_unknown_algorithm_is_refused() -> None:
     with pytest.raises(ValueError, match="xxhash"):
         BlockHasher("xxhash")
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=40), st.integers(min_value=1, max_value=8))
+def test_token_keys_chain_over_each_block_from_its_parents_key(tokens: list[int], size: int) -> None:
+    """The gateway's own keys: BLAKE2b-64 of the parent key (or the root) and the block's tokens as
+    unsigned 32-bit little-endian, written out here; a prompt's later blocks chain from its earlier
+    ones, so keying a suffix from its parent's key gives the same keys."""
+    keys = TokenKeys().keys(tokens, size)
+    expected, previous = [], b"gateway-kv-tokens"
+    for start in range(0, len(tokens) - size + 1, size):
+        block = b"".join(t.to_bytes(4, "little") for t in tokens[start : start + size])
+        previous = hashlib.blake2b(previous + block, digest_size=8).digest()
+        expected.append(int.from_bytes(previous, "little"))
+    assert keys == expected
+    if len(keys) >= 2:
+        assert TokenKeys().keys(tokens[size:], size, keys[0]) == keys[1:]
+
+
+def test_token_keys_refuse_what_is_not_a_token_id() -> None:
+    with pytest.raises(struct.error):
+        TokenKeys().keys([2**32, 0], 2)
+    with pytest.raises(struct.error):
+        TokenKeys().keys([-1, 0], 2)
+
+
+def test_hasher_for_an_endpoints_algorithm() -> None:
+    assert isinstance(hasher_for("tokens"), TokenKeys)
+    hasher = hasher_for("sha256_cbor", "7")
+    assert isinstance(hasher, BlockHasher) and hasher.algorithm == "sha256_cbor" and hasher.none_hash == BlockHasher("sha256_cbor", "7").none_hash
+    assert known_algorithm("tokens") and known_algorithm("sha256") and not known_algorithm("md5") and not known_algorithm("")

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from workers.kv_events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from workers.kv_events.hashing import BlockHasher
+from workers.kv_events.hashing import BlockHasher, TokenKeys
 from workers.kv_events.index import EndpointBlocks, Fallback, Replay
 
 SIZE = 4
@@ -164,3 +164,66 @@ def test_silence_falls_back_until_the_next_batch() -> None:
     assert blocks.fallback == Fallback.SILENT
     blocks.on_live(1, batch(), 2.0)
     assert blocks.trusted
+
+
+# --- followed by tokens (an engine whose hashes are not reproduced) --------------------------------
+
+SEEDLESS = BlockHasher("sha256", "a seed the gateway does not know")  # as a vLLM with a random seed
+
+
+def engine_stored(tokens: list[int], parent_tokens: list[int] | None = None) -> BlockStored:
+    """What such an engine publishes: its own hashes, the tokens."""
+    prefix = parent_tokens or []
+    keys = SEEDLESS.keys(prefix + tokens, SIZE)
+    skip = len(prefix) // SIZE
+    return BlockStored(tuple(keys[skip:]), keys[skip - 1] if skip else None, tuple(tokens[: SIZE * (len(keys) - skip)]), SIZE, None, "GPU")
+
+
+def by_tokens() -> EndpointBlocks:
+    blocks = EndpointBlocks(1, TokenKeys(), SIZE)
+    blocks.joined()
+    return blocks
+
+
+def test_followed_by_tokens_the_blocks_are_the_gateways_keys_of_their_tokens() -> None:
+    blocks = by_tokens()
+    prompt = list(range(16))
+    keys = TokenKeys().keys(prompt, SIZE)  # what a learned prompt is scored by
+    blocks.on_live(0, batch(engine_stored(prompt[:8])), 1.0)
+    blocks.on_live(1, batch(engine_stored(prompt[8:], prompt[:8])), 2.0)  # a child: keyed from its parent's key
+    assert blocks.leading(keys) == 4 and blocks.keyed == 4 and blocks.trusted
+    assert blocks.checked == 0  # nothing to check: the engine's hashes are not reproduced
+    engine = SEEDLESS.keys(prompt, SIZE)
+    blocks.on_live(2, batch(BlockRemoved((engine[3], engine[2]))), 3.0)  # removed by the engine's hashes
+    assert blocks.leading(keys) == 2 and blocks.size == 2 and blocks.removed == 2
+    blocks.on_live(3, batch(AllBlocksCleared()), 4.0)
+    assert blocks.leading(keys) == 0 and blocks._keys == {}
+
+
+def test_followed_by_tokens_a_block_whose_parent_is_unknown_is_skipped() -> None:
+    blocks = by_tokens()
+    prompt = list(range(16))
+    blocks.on_live(0, batch(engine_stored(prompt[8:], prompt[:8])), 1.0)  # its parent was stored before we joined
+    assert blocks.size == 0 and blocks.unkeyed == 2 and blocks.trusted
+    salted = BlockStored((1, 2), None, tuple(range(8)), SIZE, (("salt",), None), "GPU")
+    blocks.on_live(1, batch(salted), 2.0)  # its key would need what the engine mixed in
+    assert blocks.size == 0 and blocks.unkeyed == 4
+    blocks.on_live(2, batch(BlockStored((1,), None, (-1, 0, 0, 0), SIZE, None, "GPU")), 3.0)  # not token ids
+    assert blocks.size == 0 and blocks.unkeyed == 5 and blocks.trusted
+
+
+def test_followed_by_tokens_a_wrong_block_size_or_token_count_falls_back() -> None:
+    blocks = by_tokens()
+    blocks.on_live(0, batch(BlockStored((1, 2), None, tuple(range(6)), SIZE, None, "GPU")), 1.0)
+    assert blocks.fallback == Fallback.MISMATCH and "6 tokens" in blocks.detail
+    other = by_tokens()
+    other.on_live(0, batch(BlockStored((1,), None, tuple(range(8)), 8, None, "GPU")), 1.0)
+    assert other.fallback == Fallback.MISMATCH and "block size is 8" in other.detail
+
+
+def test_followed_by_tokens_both_maps_are_bounded() -> None:
+    blocks = EndpointBlocks(1, TokenKeys(), SIZE, max_blocks=3)
+    blocks.joined()
+    prompt = list(range(40))
+    blocks.on_live(0, batch(engine_stored(prompt)), 1.0)
+    assert blocks.size == 3 and len(blocks._keys) == 3
