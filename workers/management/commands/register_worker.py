@@ -97,7 +97,8 @@ class Command(BaseCommand):
         kv.add_argument("--kv-block-size", type=limit_argument, metavar="N", help="The engine's KV block size in tokens (0 or none: 16).")
         kv.add_argument(
             "--kv-hash-algorithm", choices=[a or "none" for a in KvHashAlgorithm.values],
-            help="The engine's --prefix-caching-hash-algo ('none': hashes neither checked nor scored).",
+            help="The engine's --prefix-caching-hash-algo; 'tokens' for an engine whose hashes the gateway does not "
+            "reproduce (SGLang, TensorRT-LLM); 'none': followed, not routed on.",
         )
         kv.add_argument("--kv-hash-seed", metavar="SEED", help="The engine's PYTHONHASHSEED, if it sets one ('': vLLM's default seed).")
 
