@@ -26,6 +26,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -49,7 +50,7 @@ _PREFIX = "gwt"  # namespaces gwt<pid>n<k>-<host>, bridges gwb<pid>n<k>, veths g
 _OURS = re.compile(r"^gw[tbv](\d+)n\d+")
 _runs = itertools.count(1)
 #: What `ip` says on a machine (a container) that withholds the capability even from root.
-_NOT_PERMITTED = re.compile(r"not permitted|permission denied|cannot open network namespace|mount", re.IGNORECASE)
+_NOT_PERMITTED = re.compile(r"not permitted|permission denied", re.IGNORECASE)
 
 
 class NetnsUnavailable(Exception):
@@ -306,6 +307,12 @@ def _pings(host: str, port: int) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the test process dies, however it dies (a Redis nobody stops)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @contextmanager
 def redis_server(address: str) -> Iterator[str]:
     """A Redis of the test's own, listening on `address` only (no persistence); its URL."""
@@ -315,7 +322,7 @@ def redis_server(address: str) -> Iterator[str]:
     port = unused_port()
     process = subprocess.Popen(
         [binary, "--bind", address, "--port", str(port), "--save", "", "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
     )  # fmt: skip
     try:
         poll(lambda: process.poll() is None and _pings(address, port), bool, timeout=15, what=f"redis-server on {address}:{port}")
