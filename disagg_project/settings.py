@@ -541,6 +541,13 @@ ENGINE_LOAD_MAX_AGE_S = env_float("ENGINE_LOAD_MAX_AGE_S", 5.0)
 ENGINE_LOAD_MAX_BYTES = env_int("ENGINE_LOAD_MAX_BYTES", 2 * 1024 * 1024)
 ENGINE_LOAD_KV_THRESHOLD = env_float("ENGINE_LOAD_KV_THRESHOLD", 0.9)
 ENGINE_LOAD_KV_PENALTY = env_int("ENGINE_LOAD_KV_PENALTY", 8)
+# Admission on the same figures: an endpoint whose engine reports at least
+# ENGINE_LOAD_ADMIT_MAX_WAITING requests waiting, or a KV cache at least
+# ENGINE_LOAD_ADMIT_MAX_KV_USAGE full (a fraction), counts as full while the figures are fresh, and
+# requests wait in the gateway's admission queue (priorities, fair shares) instead of the
+# engine's. 0: off (the default; admission then reads nothing of the engines).
+ENGINE_LOAD_ADMIT_MAX_WAITING = env_int("ENGINE_LOAD_ADMIT_MAX_WAITING", 0)
+ENGINE_LOAD_ADMIT_MAX_KV_USAGE = env_float("ENGINE_LOAD_ADMIT_MAX_KV_USAGE", 0.0)
 
 # KV-cache events (workers/kv_events/, docs/engines.md): endpoints with a KV-event address are
 # subscribed to on a thread of their own. Per endpoint at most KV_EVENTS_MAX_BLOCKS blocks are

@@ -5,19 +5,22 @@ Prometheus metrics, a sim that reports a long queue of outside traffic, Anthropi
   cache_aware alike): the issue's target is at most 10 % to the busy one;
 - figures that stop coming go stale, routing falls back to the gateway's own counts, visibly;
 - with Redis, two gateway processes read each engine once between them (counted at the sim), and
-  both route on the figures.
+  both route on the figures;
+- with ENGINE_LOAD_ADMIT_MAX_WAITING set, requests wait in the gateway's admission queue while
+  the engines report a queue that long, and go as soon as the figures clear.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.cluster import MODEL, Cluster, wait_registered, wait_until
+from tests.support.cluster import MODEL, Cluster, audit_row, wait_registered, wait_until
 from tests.support.gateway import Gateway
 from tests.support.prometheus import metric_value
 from tests.support.redis import redis_url_or_skip
@@ -176,3 +179,48 @@ def test_two_gateway_processes_with_redis_read_each_engine_once_between_them(
     new_conversations(first, cluster, 5, "first")
     new_conversations(second, cluster, 5, "second")
     assert busy.stats()["received"] <= 1, busy.stats()
+
+
+def test_requests_wait_in_the_gateways_queue_while_the_engines_report_a_long_queue_and_go_when_it_clears(
+    polling: Callable[..., Gateway], sims: tuple[SimWorker, SimWorker]
+) -> None:
+    # The queue's own look every ADMISSION_POLL_INTERVAL_S (for slots freed elsewhere) put out of
+    # the way: only the engine-load poll that sees the queue clear can wake the waiters in time.
+    gateway = polling(ENGINE_LOAD_ADMIT_MAX_WAITING="8", ADMISSION_POLL_INTERVAL_S="60")
+    cluster = register("least_loaded", gateway, sims=sims)  # uncapped: only the engines' figures hold
+    for sim in sims:
+        sim.outside_load(OUTSIDE_QUEUE)
+    for sim in sims:
+        wait_figures(gateway, sim, waiting=OUTSIDE_QUEUE)
+        wait_until(lambda sim=sim: figures(gateway, sim, "gateway_engine_load_holds_admission") == 1.0, message="not holding")
+
+    def depth() -> float:
+        try:
+            return metric_value(scrape(gateway), "gateway_admission_queue_depth", priority="standard")
+        except AssertionError:
+            return 0.0  # no request has queued yet: no sample
+
+    def polls_made() -> float:
+        return sum(metric_value(scrape(gateway), "gateway_engine_load_polls_total", endpoint=sim.url, outcome="ok") for sim in sims)
+
+    with ThreadPoolExecutor(3) as clients:
+        body = {"model": cluster.model, "max_tokens": 4, "messages": [{"role": "user", "content": "held while the engines queue"}]}
+        sent = [clients.submit(httpx.post, gateway.url + "/v1/messages", json=body, headers=cluster.headers(), timeout=30) for _ in range(3)]
+        wait_until(lambda: depth() == 3, message="the requests never queued in the gateway")
+        held_since = time.monotonic()
+        before = polls_made()
+        wait_until(lambda: polls_made() >= before + 6, message="the engines were not read again")  # several polls, still held
+        assert depth() == 3 and sum(sim.stats()["received"] for sim in sims) == 0
+        held_for = time.monotonic() - held_since
+
+        for sim in sims:
+            sim.outside_load(0)
+        cleared = time.monotonic()
+        answers = [future.result(timeout=15) for future in sent]
+        went_after = time.monotonic() - cleared
+    assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+    assert went_after < 2.0  # at the next engine-load poll (0.1 s): nothing else would wake them
+    assert sum(sim.stats()["received"] for sim in sims) == 3
+    for answer in answers:
+        row = audit_row(answer.headers["request-id"])
+        assert row.status == "completed" and (row.queued_ms or 0) >= held_for * 1000, (row.queued_ms, held_for)

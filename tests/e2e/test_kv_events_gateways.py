@@ -10,12 +10,19 @@ workers publishing vLLM's KV-cache events, Anthropic requests.
 - after the holder's prefix cache is reset (and the conversation's prompt lands on the other
   engine from outside), both gateways send the next turn to the other engine, although each one's
   own index says it sent the conversation to the holder.
+
+The agreeing test runs twice: with both gateways on this host, and with each on a host of its own
+(`two hosts`: network namespaces, tests/support/netns.py). There the gateways' only way to the
+engines, the Redis and the database is their link to the bridge: the engines listen on the
+bridge's address, the Redis is the test's own there, and the database is a file or relayed.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -24,6 +31,7 @@ import pytest
 from tests.support.cluster import wait_until
 from tests.support.gateway import Gateway
 from tests.support.kv_events import Engine, counter, kv, received, register_pool, start_engine, turn
+from tests.support.netns import Network, database_url, network, redis_server
 from tests.support.redis import redis_url_or_skip
 from tests.support.simworkers import SimWorker
 
@@ -32,27 +40,55 @@ LEARNED = "gateway_kv_events_prompts_learned_total"
 RECEIVED = "gateway_kv_events_prompts_received_total"
 
 
+@dataclass
+class Place:
+    """Where the test's processes run: the address the engines listen on, the Redis, and the two
+    gateways' hosts (`net`: none, both on this host)."""
+
+    engines: str
+    redis: str
+    net: Network | None = None
+    database: str = ""
+
+    def gateway(self, i: int, env: dict[str, str]) -> Gateway:
+        if self.net is None:
+            return Gateway(env)
+        return self.net.gateway(("hostA", "hostB")[i], {**env, "DATABASE_URL": self.database})
+
+
 @pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    started = [start_engine(), start_engine()]
+def place(request: pytest.FixtureRequest, transactional_db: Any) -> Iterator[Place]:
+    """`one host` (the default), or `two hosts` (parametrize indirectly)."""
+    if getattr(request, "param", "one host") == "one host":
+        yield Place(engines="127.0.0.1", redis=redis_url_or_skip())
+        return
+    with ExitStack() as stack:  # however the test ends: namespaces, links and the Redis go
+        net = stack.enter_context(network("hostA", "hostB"))
+        redis, database = stack.enter_context(redis_server(net.hub)), stack.enter_context(database_url(net.hub))
+        yield Place(engines=net.hub, redis=redis, net=net, database=database)
+
+
+@pytest.fixture
+def engines(place: Place) -> Iterator[list[Engine]]:
+    started = [start_engine(place.engines), start_engine(place.engines)]
     yield started
     for sim, _, _ in started:
         sim.stop()
 
 
 @pytest.fixture
-def gateways(transactional_db: Any) -> Iterator[Callable[..., tuple[Gateway, Gateway]]]:
+def gateways(place: Place) -> Iterator[Callable[..., tuple[Gateway, Gateway]]]:
     """`gateways(**env)` → two gateways on one Redis, with a key prefix of their own, reading the
     engines' load (to see the holder's outside queue)."""
     started: list[Gateway] = []
 
     def start(**env: str) -> tuple[Gateway, Gateway]:
         common = {
-            "REDIS_URL": redis_url_or_skip(), "REDIS_KEY_PREFIX": f"test-kvgw-{secrets.token_hex(4)}:", "KV_EVENTS_SHARED_TTL_S": "120",
+            "REDIS_URL": place.redis, "REDIS_KEY_PREFIX": f"test-kvgw-{secrets.token_hex(4)}:", "KV_EVENTS_SHARED_TTL_S": "120",
             "KV_EVENTS_CHECK_S": "0.1", "ENGINE_LOAD_POLL_S": "0.1", "ENGINE_LOAD_MAX_AGE_S": "1.0", **env,
         }  # fmt: skip
-        for _ in range(2):
-            started.append(Gateway(common).start())
+        for i in range(2):
+            started.append(place.gateway(i, common).start())
         return started[-2], started[-1]
 
     yield start
@@ -88,11 +124,16 @@ def first_turn(a: Gateway, b: Gateway, engines: list[Engine]) -> tuple[Any, list
     return cluster, second, holder, other
 
 
+@pytest.mark.parametrize("place", ["one host", "two hosts"], indirect=True)
 def test_a_turn_through_another_gateway_goes_to_the_engine_that_holds_its_prefix(
-    gateways: Callable[..., tuple[Gateway, Gateway]], engines: list[Engine]
+    gateways: Callable[..., tuple[Gateway, Gateway]], engines: list[Engine], place: Place
 ) -> None:
     a, b = gateways()
     cluster, second, holder, other = first_turn(a, b, engines)
+    if place.net is not None:  # each gateway follows both engines' events over its own link
+        for host in ("hostA", "hostB"):
+            publishers = {(place.engines, int(pub.rsplit(":", 1)[1])) for _, pub, _ in engines}
+            assert publishers <= place.net.peers(host), f"{host}'s connections: {place.net.peers(host)}"
     wait_until(lambda: counter(b, RECEIVED) == 1, timeout=15, message="B never received what A learned")
     turn(b, cluster, second)
     assert (received(holder), received(other)) == (2, 0)  # B: where the events say turn 1 is

@@ -79,7 +79,9 @@ def gateway_env(env: dict[str, str] | None = None) -> dict[str, str]:
 class Gateway:
     """`host`: the address the socket is bound to ("0.0.0.0" for every interface; the URL stays
     loopback's); `daphne_args`: more options on daphne's command line (`--proxy-headers`);
-    `application`: the ASGI application daphne serves (it must answer `HEAD /` with a 200)."""
+    `application`: the ASGI application daphne serves (it must answer `HEAD /` with a 200);
+    `sock`: a listening socket made elsewhere instead (in a network namespace: tests/support/netns.py),
+    `command_prefix`: what runs daphne (`ip netns exec NAME`)."""
 
     def __init__(
         self,
@@ -88,16 +90,21 @@ class Gateway:
         host: str = "127.0.0.1",
         daphne_args: Sequence[str] = (),
         application: str = "disagg_project.asgi:application",
+        sock: socket.socket | None = None,
+        command_prefix: Sequence[str] = (),
     ) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
-        self.sock.listen(1024)
-        self.port = self.sock.getsockname()[1]
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            sock.listen(1024)
+        self.sock = sock
+        host, self.port = sock.getsockname()[:2]
         self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
         self.env = gateway_env(env)
         self.daphne_args = list(daphne_args)
         self.application = application
+        self.command_prefix = list(command_prefix)
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = PROJECT_ROOT / ".gateway" / f"test-daphne-{os.getpid()}-{self.port}.log"
 
@@ -106,6 +113,7 @@ class Gateway:
         log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             [
+                *self.command_prefix,
                 sys.executable, "-m", "daphne",
                 "--fd", str(self.sock.fileno()),
                 "--application-close-timeout", "5",

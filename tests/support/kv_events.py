@@ -20,21 +20,29 @@ BLOCK = 16
 Engine = tuple[SimWorker, str, str]
 
 
-def start_engine(**options: Any) -> Engine:
+def start_engine(host: str = "127.0.0.1", **options: Any) -> Engine:
     """A sim generation worker (vLLM's dialect unless `protocol=`) publishing its prefix cache's
-    events (`kv_cache_blocks=` its capacity)."""
-    pub, replay = f"tcp://127.0.0.1:{unused_port()}", f"tcp://127.0.0.1:{unused_port()}"
+    events (`kv_cache_blocks=` its capacity), listening (chat, metrics, events) on `host`."""
+    pub, replay = f"tcp://{host}:{unused_port()}", f"tcp://{host}:{unused_port()}"
     sim = start_simworker(
-        "generation", tokens_per_second=0, prefill_tokens_per_second=0, kv_block_tokens=BLOCK,
+        "generation", host=host, tokens_per_second=0, prefill_tokens_per_second=0, kv_block_tokens=BLOCK,
         kv_events=pub, kv_events_replay=replay, **{"kv_cache_blocks": 4096, "protocol": "vllm", **options},
     )  # fmt: skip
     return sim, pub, replay
 
 
+def metrics(gateway: Gateway) -> str:
+    """The gateway's `/metrics` (with its METRICS_TOKEN, if it has one: a gateway on another host)."""
+    token = gateway.env.get("METRICS_TOKEN")
+    response = httpx.get(gateway.url + "/metrics", headers={"authorization": f"Bearer {token}"} if token else {}, timeout=5)
+    response.raise_for_status()
+    return response.text
+
+
 def kv(gateway: Gateway, sim: SimWorker, name: str, **labels: str) -> float | None:
     """The gateway's sample `name` for the sim's endpoint (None: none yet)."""
     try:
-        return metric_value(httpx.get(gateway.url + "/metrics", timeout=5).text, name, endpoint=sim.url, **labels)
+        return metric_value(metrics(gateway), name, endpoint=sim.url, **labels)
     except AssertionError:
         return None
 
@@ -76,7 +84,7 @@ def turn(gateway: Gateway, cluster: Cluster, messages: list[dict[str, Any]]) -> 
 
 def counter(gateway: Gateway, name: str) -> float:
     """A counter of the gateway's, summed over its labels (`gateway_kv_events_prompts_learned_total`)."""
-    return metric_total(httpx.get(gateway.url + "/metrics", timeout=5).text, name)
+    return metric_total(metrics(gateway), name)
 
 
 def received(sim: SimWorker) -> int:

@@ -7,6 +7,13 @@ the first one that frees.
 
 `admit` is what the router calls. A pool none of whose usable endpoints has a capacity takes the
 fast path: no queue, no lease, no await.
+
+An endpoint whose engine reports a long queue or a nearly full KV cache (fresh figures at
+`ENGINE_LOAD_ADMIT_MAX_WAITING` / `ENGINE_LOAD_ADMIT_MAX_KV_USAGE`: `EngineLoads.holds`) counts as
+full too, capped or not, whoever filled it: the request waits here, where its key's priority
+and fair share order it, rather than in the engine's FIFO. The engine-load poll wakes the
+waiters when its figures clear or go stale (`workers.cluster.services`). With both settings off
+(the default) `engine_loads.holding` stays empty, and that one attribute is all admission reads.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from disagg_project import new_id
 from workers.admission import capacity
 from workers.admission.headroom import activity, free_slots, slots_to_keep
 from workers.admission.queue import AdmissionQueue, AdmissionRefused, Priority, Ticket, get_queue
+from workers.cluster.engine_load import engine_loads
 from workers.cluster.registry import EndpointInfo
 
 __all__ = ["activity", "AdmissionRefused", "admit", "Priority", "Ticket"]
@@ -46,7 +54,7 @@ async def admit(
     and the other processes' load change while a request waits);
     `held_here(endpoint_id)` is what this process holds there: (requests, tokens)."""
     endpoints = usable(False)
-    if not any(e.capped for e in endpoints):
+    if not any(e.capped for e in endpoints) and not (engine_loads.holding and any(engine_loads.holds(e.id) for e in endpoints)):
         return pick(endpoints), None
     queue = get_queue()
     activity.asked(resource, ticket, time.monotonic())
@@ -96,7 +104,11 @@ def _must_leave_headroom(
 async def _try(
     endpoints: list[EndpointInfo], pick: Callable[[list[EndpointInfo]], EndpointInfo], tokens: int, held_here: Counts
 ) -> tuple[EndpointInfo, str | None] | None:
-    roomy = [e for e in endpoints if not e.capped or capacity.fits_here(e, *held_here(e.id), tokens)]
+    holding = engine_loads.holding  # empty unless an engine's figures hold admission somewhere
+    roomy = [
+        e for e in endpoints
+        if not (holding and engine_loads.holds(e.id)) and (not e.capped or capacity.fits_here(e, *held_here(e.id), tokens))
+    ]  # fmt: skip
     while roomy:
         endpoint = pick(roomy)
         if not endpoint.capped:

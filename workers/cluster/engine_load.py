@@ -20,6 +20,13 @@ Routing asks `fresh(endpoint_id)`: the figures if they are younger than `ENGINE_
 else None, and then routes on the gateway's own counts (`workers.routing.router._load`). Figures
 going stale, or an engine whose metrics cannot be read, are logged once per change, and shown in
 `/metrics` (`workers.cluster.metrics`) and the admin's overview (`workers.local_state`).
+
+Admission asks `holds(endpoint_id)`: whether the engine's fresh figures say it takes no more for
+now (`holds_admission`: its queue at `ENGINE_LOAD_ADMIT_MAX_WAITING`, or its KV cache at
+`ENGINE_LOAD_ADMIT_MAX_KV_USAGE`; both off by default). Such an endpoint counts as full, and
+requests wait in the gateway's admission queue (`workers.admission`) rather than the engine's
+FIFO; `poll_all` returns the resources where an endpoint stopped holding, whose waiters the
+caller wakes. Stale figures hold nothing: the gateway's own counts decide, as in routing.
 """
 
 from __future__ import annotations
@@ -92,6 +99,8 @@ class EndpointLoad:
     #: than per request: the engine's waiting + running, and the requests its KV use adds.
     requests: int = 0
     kv_penalty: int = 0
+    #: Admission counts the endpoint as full while these figures are fresh (`holds_admission`).
+    holds_admission: bool = False
 
     @property
     def fresh(self) -> bool:
@@ -114,6 +123,9 @@ class EngineLoads:
         self._failing: dict[int, str] = {}
         # Endpoints whose figures were fresh at the last poll (a change is logged).
         self._was_fresh: dict[int, bool] = {}
+        #: Endpoints whose figures held admission, fresh, at the last poll (`holds`). Empty while
+        #: the admission settings are off: admission then looks nothing else up.
+        self.holding: frozenset[int] = frozenset()
 
     # --- routing -----------------------------------------------------------------------------------
 
@@ -124,13 +136,21 @@ class EngineLoads:
             return None
         return entry
 
+    def holds(self, endpoint_id: int) -> bool:
+        """Whether admission counts the endpoint as full: its engine's fresh figures report a queue
+        or a KV use at the admission settings (`holds_admission`). Callers look only when
+        `holding` is not empty."""
+        return endpoint_id in self.holding and self.fresh(endpoint_id) is not None
+
     def error(self, endpoint_id: int) -> str:
         """Why this process's last read of the endpoint's engine failed ("" when it did not)."""
         return self._failing.get(endpoint_id, "")
 
     # --- collection ----------------------------------------------------------------------------------
 
-    async def poll_all(self) -> None:
+    async def poll_all(self) -> set[tuple[str, str]]:
+        """Read (or take) every endpoint's figures; the admission resources (pool, role) where an
+        endpoint stopped holding admission, whose waiters may go now."""
         snapshot = await get_registry().snapshot()
         targets = {e.id: (e, pool) for pool in snapshot.pools if _reads_load(pool) for e in pool.endpoints if e.enabled}
         for gone in [i for i in self.view if i not in targets]:
@@ -138,14 +158,20 @@ class EngineLoads:
         for table in (self.polls, self._failing, self._was_fresh):
             for gone in [i for i in table if i not in targets]:
                 del table[gone]
-        if not targets:
-            return
-        mine = await self._claim(targets.values())
-        read = await asyncio.gather(*(self._read(endpoint, pool) for endpoint, pool in mine))
-        published = [(endpoint, entry) for (endpoint, _), entry in zip(mine, read, strict=True) if entry is not None]
-        if published and get_shared_state().available:
-            _publish(published)
-        self._note_freshness()
+        if targets:
+            mine = await self._claim(targets.values())
+            read = await asyncio.gather(*(self._read(endpoint, pool) for endpoint, pool in mine))
+            published = [(endpoint, entry) for (endpoint, _), entry in zip(mine, read, strict=True) if entry is not None]
+            if published and get_shared_state().available:
+                _publish(published)
+            self._note_freshness()
+        return self._note_holding(targets)
+
+    def _note_holding(self, targets: dict[int, tuple[EndpointInfo, PoolInfo]]) -> set[tuple[str, str]]:
+        holding = frozenset(i for i, entry in self.view.items() if entry.holds_admission and entry.fresh)
+        released = {(targets[i][0].pool_name, targets[i][0].role) for i in self.holding - holding if i in targets}
+        self.holding = holding
+        return released
 
     async def _claim(self, targets: Iterable[tuple[EndpointInfo, PoolInfo]]) -> list[tuple[EndpointInfo, PoolInfo]]:
         """The endpoints this process reads itself; the others' published figures are stored."""
@@ -232,8 +258,19 @@ def _reads_load(pool: PoolInfo) -> bool:
 def _entry(load: EngineLoad, read_at: float, *, polled_here: bool) -> EndpointLoad:
     age = max(0.0, time.time() - read_at)
     return EndpointLoad(
-        load, read_at, time.monotonic() + settings.ENGINE_LOAD_MAX_AGE_S - age, polled_here, load.requests, kv_penalty(load.kv_usage)
-    )
+        load, read_at, time.monotonic() + settings.ENGINE_LOAD_MAX_AGE_S - age, polled_here, load.requests, kv_penalty(load.kv_usage),
+        holds_admission(load, settings.ENGINE_LOAD_ADMIT_MAX_WAITING, settings.ENGINE_LOAD_ADMIT_MAX_KV_USAGE),
+    )  # fmt: skip
+
+
+def holds_admission(load: EngineLoad, max_waiting: int, max_kv_usage: float) -> bool:
+    """Whether an engine reporting `load` should take no more requests from the gateway for now:
+    its own queue holds at least `max_waiting` requests, or its KV cache is at least `max_kv_usage`
+    full (0 turns either test off). The requests wait in the gateway's queue instead, where the
+    keys' priorities and fair shares order them; the engine's FIFO orders by arrival only."""
+    if max_waiting > 0 and load.waiting >= max_waiting:
+        return True
+    return max_kv_usage > 0 and load.kv_usage is not None and load.kv_usage >= max_kv_usage
 
 
 def kv_penalty(kv_usage: float | None) -> int:

@@ -49,6 +49,11 @@ class ClusterCollector(Collector):
             labels=labelled,
         )
         age = GaugeMetricFamily("gateway_engine_load_age_seconds", "Age of the engine's last figures this process has.", labels=labelled)
+        holds = GaugeMetricFamily(
+            "gateway_engine_load_holds_admission",
+            "1 while the engine's fresh figures count the endpoint as full (ENGINE_LOAD_ADMIT_MAX_*): requests wait in the gateway's queue.",
+            labels=labelled,
+        )
         polls = CounterMetricFamily(
             "gateway_engine_load_polls", "Reads of the engine's metrics made by this process, by outcome.", labels=[*labelled, "outcome"]
         )
@@ -78,6 +83,7 @@ class ClusterCollector(Collector):
                         kv_usage.add_metric(labels, reported.load.kv_usage)
                     fresh.add_metric(labels, 1 if reported.fresh else 0)
                     age.add_metric(labels, reported.age_s)
+                    holds.add_metric(labels, 1 if engine_loads.holds(endpoint.id) else 0)
                 for outcome, n in engine_loads.polls.get(endpoint.id, {}).items():
                     polls.add_metric([*labels, outcome], n)
                 blocks = kv_events.view.get(endpoint.id)
@@ -89,7 +95,7 @@ class ClusterCollector(Collector):
         yield open_reservations
         yield breaker
         yield healthy
-        yield from (waiting, running, kv_usage, fresh, age, polls, kv_blocks, kv_trusted, kv_counts)
+        yield from (waiting, running, kv_usage, fresh, age, holds, polls, kv_blocks, kv_trusted, kv_counts)
         yield CounterMetricFamily(
             "gateway_kv_events_prompts_learned",
             "Prompts whose token ids a worker returned, hashed into block keys (the join of conversations to KV-cache events).",

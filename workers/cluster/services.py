@@ -20,6 +20,7 @@ from django.conf import settings
 
 from disagg_project import DatabaseThread
 from disagg_project import shared_leases as leases
+from workers.admission.queue import notify_freed
 from workers.cluster import recovery
 from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
@@ -45,7 +46,7 @@ def start_services() -> None:
     ]
     if settings.ENGINE_LOAD_POLL_S > 0:
         _started[loop].append(
-            loop.create_task(_every(settings.ENGINE_LOAD_POLL_S, engine_loads.poll_all, first_delay=0), name="engine-load")
+            loop.create_task(_every(settings.ENGINE_LOAD_POLL_S, _poll_engine_load, first_delay=0), name="engine-load")
         )
     if settings.REDIS_URL:
         _started[loop].append(loop.create_task(_every(settings.CAPACITY_LEASE_S / 3, leases.renew), name="lease-renewal"))
@@ -60,6 +61,14 @@ _RECOVERY = DatabaseThread("recovery-db")
 async def _heartbeat_and_recover() -> None:
     await _RECOVERY.run(recovery.heartbeat)
     await _RECOVERY.run(recovery.sweep, settings.GATEWAY_DEAD_AFTER_S)
+
+
+async def _poll_engine_load() -> None:
+    """Read the engines' load; where an engine stopped holding admission (its queue cleared, its
+    figures went stale), the requests waiting for its pool's role try again now, not at the next
+    release of a slot."""
+    for resource in await engine_loads.poll_all():
+        notify_freed(resource)
 
 
 _synced_at: list[float] = [-1.0]  # the registry load the subscriptions were last matched to

@@ -241,6 +241,7 @@ def choose_pool(served: Sequence[Served], tokens: int = 0) -> Served:
     first with any usable one (the request waits there for a slot), else the first (which answers
     that nothing is available)."""
     queue = get_queue()
+    holding = engine_loads.holding  # endpoints whose engines' figures count them as full (admission)
     waiting_room: Served | None = None
     for option in served:
         pool = _current(option.pool)
@@ -248,7 +249,7 @@ def choose_pool(served: Sequence[Served], tokens: int = 0) -> Served:
         if not usable:
             continue
         if not queue.busy((pool.name, Role.GENERATION)) and any(
-            not e.capped or fits_here(e, *_held_here(e.id), tokens) for e in usable
+            not (holding and engine_loads.holds(e.id)) and (not e.capped or fits_here(e, *_held_here(e.id), tokens)) for e in usable
         ):
             return option
         if waiting_room is None:

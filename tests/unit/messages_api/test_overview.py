@@ -340,3 +340,19 @@ def test_each_endpoint_shows_its_engines_queue_and_kv_use_and_whether_they_are_f
     html = client_with(superuser=True, name="engine").get(reverse("admin:cluster_overview_live")).content.decode()
     assert "12 waiting · KV 50%" in html
     assert "1 waiting (stale)" in html and "routing uses the gateway's own counts" in html
+    assert "admission held" not in html  # ENGINE_LOAD_ADMIT_MAX_* off
+
+
+def test_an_endpoint_whose_engine_holds_admission_says_so(cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from django.test import override_settings
+
+    from workers.cluster.engine_load import _entry, engine_loads
+    from workers.protocols.engine_load import EngineLoad
+
+    with override_settings(ENGINE_LOAD_ADMIT_MAX_WAITING=10):
+        monkeypatch.setitem(engine_loads.view, cluster["generation"].id, _entry(EngineLoad(12, 3, 0.5), time.time(), polled_here=True))
+        monkeypatch.setitem(engine_loads.view, cluster["context"].id, _entry(EngineLoad(2, 3, 0.5), time.time(), polled_here=True))
+    html = client_with(superuser=True, name="engine").get(reverse("admin:cluster_overview_live")).content.decode()
+    assert html.count("admission held") == 1 and "12 waiting · KV 50% · <span" in html

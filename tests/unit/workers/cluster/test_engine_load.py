@@ -17,7 +17,7 @@ from django.test import override_settings
 from disagg_project import get_shared_state
 from tests.support.redis import redis_url_or_skip
 from workers.cluster import engine_load as module
-from workers.cluster.engine_load import EngineLoads, _entry, kv_penalty
+from workers.cluster.engine_load import EngineLoads, _entry, holds_admission, kv_penalty
 from workers.cluster.registry import ClusterSnapshot, EndpointInfo, PoolInfo
 from workers.exceptions import WorkerUnreachable
 from workers.protocols.engine_load import EngineLoad
@@ -239,3 +239,51 @@ def test_published_figures_that_are_not_ours_are_ignored(loads: EngineLoads) -> 
     assert not loads.view
 
 
+
+
+# --- admission -------------------------------------------------------------------------------------
+
+
+def test_an_engine_holds_admission_at_its_queue_or_kv_setting_and_never_when_they_are_off() -> None:
+    assert not holds_admission(EngineLoad(waiting=1000, running=9, kv_usage=1.0), 0, 0.0)  # the default: off
+    assert not holds_admission(EngineLoad(waiting=7, running=9), 8, 0.0)
+    assert holds_admission(EngineLoad(waiting=8, running=0), 8, 0.0)
+    assert not holds_admission(EngineLoad(waiting=0, running=9, kv_usage=0.94), 0, 0.95)
+    assert holds_admission(EngineLoad(waiting=0, running=9, kv_usage=0.95), 0, 0.95)
+    assert not holds_admission(EngineLoad(waiting=0, running=9, kv_usage=None), 8, 0.95)  # an engine that does not say
+
+
+async def test_the_poll_marks_the_endpoints_that_hold_admission_and_returns_where_they_stop(
+    loads: EngineLoads, engines: Engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = make_pool(2)
+    busy, idle = pool.endpoints
+    monkeypatch.setattr(module, "get_registry", lambda: FakeRegistry(pool))
+    engines.answers[idle.url + "/metrics"] = VLLM_TEXT.format(running=1, waiting=0)
+    engines.answers[busy.url + "/metrics"] = VLLM_TEXT.format(running=4, waiting=12)
+    with override_settings(REDIS_URL=""):
+        assert await loads.poll_all() == set()
+        assert not loads.holding  # the setting is off: nothing holds
+        with override_settings(ENGINE_LOAD_ADMIT_MAX_WAITING=8):
+            assert await loads.poll_all() == set()
+            assert loads.holding == {busy.id} and loads.holds(busy.id) and not loads.holds(idle.id)
+            assert await loads.poll_all() == set()  # still holding: nothing to wake
+            engines.answers[busy.url + "/metrics"] = VLLM_TEXT.format(running=4, waiting=3)
+            assert await loads.poll_all() == {(pool.name, "generation")}  # its queue cleared: wake the waiters
+            assert not loads.holding
+
+
+async def test_stale_figures_hold_nothing_and_their_waiters_are_woken(
+    loads: EngineLoads, engines: Engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = make_pool(1)
+    (busy,) = pool.endpoints
+    monkeypatch.setattr(module, "get_registry", lambda: FakeRegistry(pool))
+    engines.answers[busy.url + "/metrics"] = VLLM_TEXT.format(running=4, waiting=12)
+    with override_settings(REDIS_URL="", ENGINE_LOAD_ADMIT_MAX_WAITING=8, ENGINE_LOAD_MAX_AGE_S=0.05):
+        await loads.poll_all()
+        assert loads.holds(busy.id)
+        engines.answers[busy.url + "/metrics"] = WorkerUnreachable(502, "connection refused", stage="metrics")
+        await asyncio.sleep(0.1)
+        assert not loads.holds(busy.id)  # at once, before any poll: the gateway's own counts decide
+        assert await loads.poll_all() == {(pool.name, "generation")}
