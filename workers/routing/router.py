@@ -21,9 +21,9 @@ from workers.admission.queue import get_queue
 from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
-from workers.exceptions import NoEndpointAvailable
 from workers.kv_events.subscriber import kv_events
 from workers.models import Role, RoutingPolicy
+from workers.routing import fallback
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
 from workers.routing.reservations import Reservation, ledger
 from workers.schedule.rendered_chat import RenderedChat
@@ -326,11 +326,9 @@ def _current(pool: PoolInfo) -> PoolInfo:
 def _usable(pool: PoolInfo, role: str, exclude: Iterable[str]) -> list[EndpointInfo]:
     usable = candidates(pool, role, exclude)
     if not usable:
-        raise NoEndpointAvailable(
-            503,
-            f"no {role} worker is available for model {pool.model!r}",
-            stage=role,
-            code="no_endpoint",
-            retry_after=1.0,
-        )
+        # Nothing passes: endpoints only slow to answer their probes, else a refusal whose
+        # reasons go to the log (`workers.routing.fallback`).
+        usable = fallback.despite_probes(pool, role, exclude)
+        if not usable:
+            raise fallback.nothing_usable(pool, role, exclude)
     return usable
