@@ -5,7 +5,10 @@ endpoint left says in the gateway's log why each one was left out, once, and nev
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,11 +47,8 @@ def probing_gateway() -> Iterator[Gateway]:
 
 
 @pytest.fixture
-def cluster(
-    transactional_db: Any, probing_gateway: Gateway, own_context_worker: SimWorker, own_generation_worker: SimWorker
-) -> Iterator[Cluster]:
+def cluster(transactional_db: Any, own_context_worker: SimWorker, own_generation_worker: SimWorker) -> Iterator[Cluster]:
     cluster = register_cluster(own_context_worker, own_generation_worker)
-    wait_registered(probing_gateway, cluster)
     yield cluster
     own_context_worker.health_delay(0)
     own_generation_worker.health_delay(0)
@@ -65,6 +65,7 @@ def endpoint(cluster: Cluster, role: str) -> WorkerEndpoint:
 
 def test_a_worker_whose_health_answers_late_while_it_serves_still_gets_requests(probing_gateway: Gateway, cluster: Cluster) -> None:
     gateway = probing_gateway
+    wait_registered(gateway, cluster)
     # Both workers' /health answer after 1 s, past the probe's 0.3 s; their chat routes answer
     # at once. Each role has one endpoint: today the role then has nothing usable and every
     # request is refused "no generation worker is available" although the worker is up.
@@ -101,6 +102,7 @@ def test_a_role_with_nothing_left_explains_each_endpoint_in_the_log_once_never_t
     probing_gateway: Gateway, cluster: Cluster
 ) -> None:
     gateway = probing_gateway
+    wait_registered(gateway, cluster)
     # The only context endpoint goes, and one that refuses connections takes its place: a probe
     # that is refused is a verdict (nothing listens there), not a slow answer.
     live = endpoint(cluster, "context")
@@ -119,3 +121,24 @@ def test_a_role_with_nothing_left_explains_each_endpoint_in_the_log_once_never_t
     line = explained[0]
     assert f"#{live.pk} ({live.url}): draining" in line
     assert re.search(rf"#{dead.pk} \({re.escape(dead.url)}\): unhealthy since \S+ \(\d+ failed probes?, last: [^)]+\)", line), line
+
+
+def test_a_gateway_that_stalls_does_not_blame_the_worker_for_its_own_lag(cluster: Cluster) -> None:
+    """The gateway process stops (SIGSTOP) for longer than a probe's timeout while a probe is out,
+    the worker's answer arriving meanwhile. A probe timed by the wall clock fails then: on resume
+    the loop runs the due timeout before it reads the socket. One failure is enough to mark the
+    endpoint unhealthy here, so any stall so counted shows."""
+    with Gateway({**FAST_PROBES, "HEALTH_UNHEALTHY_AFTER": "1"}) as gateway:
+        wait_registered(gateway, cluster)
+        # /health answers in half the probe's 0.3 s: most of the time a probe is out.
+        cluster.generation.health_delay(0.15)
+        assert gateway.process is not None
+        pid = gateway.process.pid
+        for _ in range(10):
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.6)  # the stall itself, longer than the probe's timeout
+            os.kill(pid, signal.SIGCONT)
+            # Let a round of probes run in time between stalls.
+            wait_until(lambda: post(gateway, cluster).status_code == 200, timeout=10)
+        assert "is now unhealthy" not in gateway.log(None)
+        assert endpoint(cluster, "generation").healthy
