@@ -15,10 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.cluster import Cluster, audit_row, register_cluster, sim_worker, wait_registered, wait_until
+from tests.support.cluster import Cluster, audit_row, register_cluster, reservations_closed, sim_worker, wait_registered, wait_until
 from tests.support.gateway import Gateway
 from tests.support.ports import refused_url
 from tests.support.prometheus import metric_value
+from tests.support.scripted import Request, ScriptedServer, answering, json_response
+from tests.support.scripted import response as scripted_response
 from tests.support.simworkers import SimWorker
 from workers.models import WorkerEndpoint
 
@@ -59,8 +61,8 @@ def post(gateway: Gateway, cluster: Cluster, text: str = "hi [sim tokens=2]") ->
     return httpx.post(gateway.url + "/v1/messages", json=payload, headers=cluster.headers(), timeout=30)
 
 
-def endpoint(cluster: Cluster, role: str) -> WorkerEndpoint:
-    return WorkerEndpoint.objects.get(pool=cluster.pool, role=role)
+def endpoint(cluster: Cluster, role: str, url: str | None = None) -> WorkerEndpoint:
+    return WorkerEndpoint.objects.get(pool=cluster.pool, role=role, **({"url": url} if url else {}))
 
 
 def test_a_worker_whose_health_answers_late_while_it_serves_still_gets_requests(probing_gateway: Gateway, cluster: Cluster) -> None:
@@ -142,3 +144,35 @@ def test_a_gateway_that_stalls_does_not_blame_the_worker_for_its_own_lag(cluster
             wait_until(lambda: post(gateway, cluster).status_code == 200, timeout=10)
         assert "is now unhealthy" not in gateway.log(None)
         assert endpoint(cluster, "generation").healthy
+
+
+@pytest.fixture
+def healthy_but_503_url() -> Iterator[str]:
+    """A context endpoint that passes its probes and answers every chat request 503 with no body
+    (a proxy in front of a worker that just went down): the gateway retries such a failure once
+    on another context endpoint."""
+
+    def respond(request: Request) -> bytes:
+        if request.path == "/health":
+            return json_response(200, {"status": "ok"})
+        return scripted_response(503, headers={"connection": "close"})
+
+    with ScriptedServer(answering(respond)) as server:
+        yield server.url
+
+
+def test_the_context_retry_goes_to_an_endpoint_only_slow_to_answer_its_probes(
+    probing_gateway: Gateway, cluster: Cluster, healthy_but_503_url: str
+) -> None:
+    gateway = probing_gateway
+    failing = WorkerEndpoint.objects.create(pool=cluster.pool, role="context", url=healthy_but_503_url)
+    wait_registered(gateway, cluster)
+    cluster.context.health_delay(1.0)
+    wait_until(lambda: not endpoint(cluster, "context", cluster.context.url).healthy, timeout=10)
+    for _ in range(3):
+        response = post(gateway, cluster)
+        assert response.status_code == 200, response.text
+        rows = reservations_closed(response.headers["request-id"])
+        assert sorted((r.endpoint_url, r.outcome) for r in rows if r.stage == "context") == sorted(
+            [(failing.url, "failure"), (cluster.context.url, "success")]
+        )

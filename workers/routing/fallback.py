@@ -27,7 +27,7 @@ from workers.cluster.metrics import routed_despite_probes
 from workers.cluster.registry import EndpointInfo, PoolInfo, get_registry
 from workers.exceptions import NoEndpointAvailable
 
-__all__ = ["despite_probes", "EXPLAIN_INTERVAL_S", "nothing_usable", "review", "why_left_out"]
+__all__ = ["despite_probes", "EXPLAIN_INTERVAL_S", "nothing_usable", "review", "slow_only", "why_left_out"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ _explained_at: dict[tuple[str, str], float] = {}
 def despite_probes(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[EndpointInfo]:
     """The endpoints of `role` to route to although their probes fail (see the module's rule);
     empty when there are none. Counted per request, logged when the role starts needing it."""
-    excluded = set(exclude)
-    chosen = [e for e in pool.endpoints if e.role == role and e.url not in excluded and health.slow_not_down(e)]
+    chosen = slow_only(pool, role, exclude)
     if chosen:
         routed_despite_probes.labels(pool.name, role).inc()
         key = (pool.name, role)
@@ -53,9 +52,16 @@ def despite_probes(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> li
             logger.warning(
                 "pool %s: no %s endpoint passes its probes; routing to its %s endpoints despite their probes, which get no "
                 "answer in time (slow, not refusing): %s",
-                pool.name, role, role, _reasons(pool, role, excluded),
+                pool.name, role, role, _reasons(pool, role, set(exclude)),
             )
     return chosen
+
+
+def slow_only(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[EndpointInfo]:
+    """The endpoints of `role` but `exclude` (URLs) left out only because their probes get no
+    answer in time (`EndpointHealth.slow_not_down`); not counted, not logged."""
+    excluded = set(exclude)
+    return [e for e in pool.endpoints if e.role == role and e.url not in excluded and health.slow_not_down(e)]
 
 
 def review() -> None:

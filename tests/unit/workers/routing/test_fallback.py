@@ -114,3 +114,12 @@ def test_a_role_with_no_endpoint_registered_says_so(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, logger=fallback.__name__):
         fallback.nothing_usable(pool(SLOW), "context")
     assert caplog.records[0].getMessage().endswith("can take a request: the pool has none registered")
+
+
+def test_slow_only_neither_counts_nor_logs(caplog: pytest.LogCaptureFixture) -> None:
+    unhealthy(SLOW, timed_out=True)
+    before = routed()
+    with caplog.at_level(logging.WARNING, logger=fallback.__name__):
+        assert fallback.slow_only(pool(SLOW, CONTEXT), "generation") == [SLOW]
+        assert fallback.slow_only(pool(SLOW, CONTEXT), "generation", exclude=[SLOW.url]) == []
+    assert routed() == before and not caplog.records
