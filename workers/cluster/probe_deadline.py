@@ -9,10 +9,12 @@ for time the gateway did not give it.
 
 `LagTolerantDeadline(seconds)` checks the time every `tick` while its block runs. A check that
 runs late adds its lateness to the deadline (the loop was not running: that time is the
-gateway's, not the worker's) and is never the one that expires: the block always gets at least
-one more turn after a late check to read what arrived meanwhile. While the loop keeps time the
-block ends after `seconds`, as under `asyncio.timeout`. It costs nothing while the block ends
-before its first tick (a probe answered in time).
+gateway's, not the worker's) and, unless the check before it was excused too, does not expire:
+the next check comes a tick later, after the loop has read what arrived meanwhile. A loop late at
+every check still ends the block, after `seconds` of the time it kept (every other check may
+expire). While the loop keeps time the block ends after `seconds`, as under `asyncio.timeout`.
+One timer per block, as `asyncio.timeout`; it never fires for a block that ends before its first
+tick (a probe answered in time).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class LagTolerantDeadline:
         self._handle: asyncio.TimerHandle | None = None
         self._started = 0.0
         self._cancelling = 0
+        # The last check ran late and was let off expiring.
+        self._excused = False
 
     async def __aenter__(self) -> LagTolerantDeadline:
         task = asyncio.current_task()
@@ -72,11 +76,15 @@ class LagTolerantDeadline:
         now = loop.time()
         late = now - due
         if late > _ON_TIME_S:
-            # The loop did not run for `late` seconds: not the worker's time. This check does
-            # not expire; the next one comes a tick later, after the loop has read its sockets.
+            # The loop did not run for `late` seconds: not the worker's time.
             self.lag += late
-            self._handle = loop.call_at(now + self.tick, self._check, loop, now + self.tick)
-            return
+            if not self._excused:
+                # This check does not expire; the next comes a tick later, after the loop has
+                # read its sockets.
+                self._excused = True
+                self._handle = loop.call_at(now + self.tick, self._check, loop, now + self.tick)
+                return
+        self._excused = False
         if now >= self._deadline():
             self.expired = True
             self._handle = None

@@ -76,3 +76,22 @@ async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_loop_late_at_every_check_still_ends_the_block() -> None:
+    loop = asyncio.get_running_loop()
+    busy: list[asyncio.TimerHandle] = []
+
+    def hog() -> None:  # 20 ms of every 30: the loop late at every check
+        time.sleep(0.02)
+        busy.append(loop.call_later(0.01, hog))
+
+    busy.append(loop.call_later(0, hog))
+    deadline = LagTolerantDeadline(DEADLINE_S)
+    try:
+        with pytest.raises(TimeoutError):
+            async with deadline:
+                await asyncio.sleep(10)
+    finally:
+        busy[-1].cancel()
+    assert deadline.expired and deadline.lag > 0
