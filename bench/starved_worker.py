@@ -93,6 +93,7 @@ def main() -> None:
         "--starve", choices=["generation", "gateway"], default="generation",
         help="the process stopped in the duty cycle: the generation sim (its /health late), or the gateway (its own loop late)",
     )
+    parser.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE", help="a gateway setting (repeatable)")
     parser.add_argument("--root", type=Path, help="run the gateway from another checkout (an A/B on the same world)")
     args = h.parse_args(parser, quick={"clients": 10, "seconds": 20.0}, full={})
     with h.Stack("starved-worker", keep=args.keep) as stack:
@@ -102,6 +103,7 @@ def main() -> None:
             stack.register_worker("starved", "starved-model", role, url, schedule_style="context_first")
         key = stack.create_api_key("starved")
         env = {**GATEWAY_ENV, "HEALTH_CHECK_INTERVAL_S": "5", "HEALTH_CHECK_TIMEOUT_S": "2", "HEALTH_UNHEALTHY_AFTER": "3"}
+        env.update(setting.split("=", 1) for setting in args.setting)
         gateway = stack.start_gateway(env, expect_pools=["starved"], root=args.root)
         starver = Starver(gen.pid if args.starve == "generation" else gateway.pid, args.stop, args.run)
         starver.start()

@@ -75,6 +75,12 @@ def test_a_worker_whose_health_answers_late_while_it_serves_still_gets_requests(
     cluster.context.health_delay(1.0)
     for role in ("generation", "context"):
         wait_until(lambda role=role: not endpoint(cluster, role).healthy, timeout=10, message=f"the {role} endpoint never marked unhealthy")
+    # Readiness agrees with routing (a load balancer checking /ready would otherwise take every
+    # gateway out for a worker that serves).
+    ready = httpx.get(gateway.url + "/ready")
+    counts = ready.json()["pools"][cluster.pool.name]
+    assert (counts["context"]["routable"], counts["generation"]["routable"]) == (1, 1)
+    assert ready.status_code == 200, ready.text
     statuses = []
     for _ in range(5):
         response = post(gateway, cluster)

@@ -263,6 +263,12 @@ def candidates(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[E
     return [e for e in pool.endpoints if e.role == role and e.url not in excluded and health.usable(e)]
 
 
+def routable(pool: PoolInfo, role: str) -> list[EndpointInfo]:
+    """The endpoints of `role` a new request may go to: `candidates`, or, with none, those taken
+    despite probes that only time out (`workers.routing.fallback`). Readiness asks this."""
+    return candidates(pool, role) or fallback.slow_only(pool, role)
+
+
 async def reserve(
     pool: PoolInfo,
     role: str,
