@@ -26,8 +26,10 @@ from workers.models import WorkerEndpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# Probes every 0.1 s that give up after 0.3 s, two failures to be unhealthy.
-FAST_PROBES = {"HEALTH_CHECK_INTERVAL_S": "0.1", "HEALTH_CHECK_TIMEOUT_S": "0.3", "HEALTH_UNHEALTHY_AFTER": "2", "HEALTH_HEALTHY_AFTER": "2"}
+# Probes every 0.1 s that give up after 1 s, two failures to be unhealthy; a late /health is 3 s
+# late, an answer in time half the timeout: margins a loaded machine does not eat.
+FAST_PROBES = {"HEALTH_CHECK_INTERVAL_S": "0.1", "HEALTH_CHECK_TIMEOUT_S": "1", "HEALTH_UNHEALTHY_AFTER": "2", "HEALTH_HEALTHY_AFTER": "2"}
+LATE_S = 3.0
 
 
 # Workers of this module's own: a late /health must not reach another module's tests.
@@ -68,11 +70,11 @@ def endpoint(cluster: Cluster, role: str, url: str | None = None) -> WorkerEndpo
 def test_a_worker_whose_health_answers_late_while_it_serves_still_gets_requests(probing_gateway: Gateway, cluster: Cluster) -> None:
     gateway = probing_gateway
     wait_registered(gateway, cluster)
-    # Both workers' /health answer after 1 s, past the probe's 0.3 s; their chat routes answer
-    # at once. Each role has one endpoint: today the role then has nothing usable and every
+    # Both workers' /health answer after 3 s, past the probe's 1 s; their chat routes answer at
+    # once. Each role has one endpoint: today the role then has nothing usable and every
     # request is refused "no generation worker is available" although the worker is up.
-    cluster.generation.health_delay(1.0)
-    cluster.context.health_delay(1.0)
+    cluster.generation.health_delay(LATE_S)
+    cluster.context.health_delay(LATE_S)
     for role in ("generation", "context"):
         wait_until(lambda role=role: not endpoint(cluster, role).healthy, timeout=10, message=f"the {role} endpoint never marked unhealthy")
     # Readiness agrees with routing (a load balancer checking /ready would otherwise take every
@@ -138,13 +140,13 @@ def test_a_gateway_that_stalls_does_not_blame_the_worker_for_its_own_lag(cluster
     endpoint unhealthy here, so any stall so counted shows."""
     with Gateway({**FAST_PROBES, "HEALTH_UNHEALTHY_AFTER": "1"}) as gateway:
         wait_registered(gateway, cluster)
-        # /health answers in half the probe's 0.3 s: most of the time a probe is out.
-        cluster.generation.health_delay(0.15)
+        # /health answers in half the probe's 1 s: most of the time a probe is out.
+        cluster.generation.health_delay(0.5)
         assert gateway.process is not None
         pid = gateway.process.pid
-        for _ in range(10):
+        for _ in range(6):
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.6)  # the stall itself, longer than the probe's timeout
+            time.sleep(1.5)  # the stall itself, longer than the probe's timeout
             os.kill(pid, signal.SIGCONT)
             # Let a round of probes run in time between stalls.
             wait_until(lambda: post(gateway, cluster).status_code == 200, timeout=10)
@@ -173,7 +175,7 @@ def test_the_context_retry_goes_to_an_endpoint_only_slow_to_answer_its_probes(
     gateway = probing_gateway
     failing = WorkerEndpoint.objects.create(pool=cluster.pool, role="context", url=healthy_but_503_url)
     wait_registered(gateway, cluster)
-    cluster.context.health_delay(1.0)
+    cluster.context.health_delay(LATE_S)
     wait_until(lambda: not endpoint(cluster, "context", cluster.context.url).healthy, timeout=10)
     for _ in range(3):
         response = post(gateway, cluster)
