@@ -5,6 +5,12 @@ Routing asks `usable(endpoint)`. The prober's verdict is written to the database
 so the admin shows it and processes that have not probed yet route by it; each process's own
 probes and breakers take precedence for its own routing.
 
+A probe's timeout counts only the time this process's loop ran (`probe_deadline`): a gateway
+late past the deadline reads the answer that arrived meanwhile rather than blaming the worker. A
+probe that still gets no answer in time says "slow or down", not which: `slow_not_down` tells
+routing which unhealthy endpoints failed only so (`workers.routing.fallback` routes to them when
+their role has nothing else), and `why_unusable` says in words why an endpoint is left out.
+
 Request outcomes reach the breakers through one call, `report(endpoint_id, error, tenant=...)`,
 which decides from what the failure says:
 

@@ -43,7 +43,8 @@ _explained_at: dict[tuple[str, str], float] = {}
 def despite_probes(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[EndpointInfo]:
     """The endpoints of `role` to route to although their probes fail (see the module's rule);
     empty when there are none. Counted per request, logged when the role starts needing it."""
-    chosen = slow_only(pool, role, exclude)
+    excluded = tuple(exclude)
+    chosen = slow_only(pool, role, excluded)
     if chosen:
         routed_despite_probes.labels(pool.name, role).inc()
         key = (pool.name, role)
@@ -52,7 +53,7 @@ def despite_probes(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> li
             logger.warning(
                 "pool %s: no %s endpoint passes its probes; routing to its %s endpoints despite their probes, which get no "
                 "answer in time (slow, not refusing): %s",
-                pool.name, role, role, _reasons(pool, role, set(exclude)),
+                pool.name, role, role, _reasons(pool, role, set(excluded)),
             )
     return chosen
 
