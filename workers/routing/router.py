@@ -238,7 +238,8 @@ def _keeps_cache(endpoint: EndpointInfo) -> bool:
 def choose_pool(served: Sequence[Served], tokens: int = 0) -> Served:
     """Spill-over across the pools that serve one model name, in preference order: the first
     whose generation role has a usable endpoint with room now (and no queue before it), else the
-    first with any usable one (the request waits there for a slot), else the first (which answers
+    first with any usable one (the request waits there for a slot), else the first with endpoints
+    only slow to answer their probes (`workers.routing.fallback`), else the first (which answers
     that nothing is available)."""
     queue = get_queue()
     waiting_room: Served | None = None
@@ -253,6 +254,8 @@ def choose_pool(served: Sequence[Served], tokens: int = 0) -> Served:
             return option
         if waiting_room is None:
             waiting_room = option
+    if waiting_room is None:
+        waiting_room = next((o for o in served if fallback.slow_only(_current(o.pool), Role.GENERATION)), None)
     return waiting_room or served[0]
 
 
