@@ -184,3 +184,14 @@ def test_the_context_retry_goes_to_an_endpoint_only_slow_to_answer_its_probes(
         assert sorted((r.endpoint_url, r.outcome) for r in rows if r.stage == "context") == sorted(
             [(failing.url, "failure"), (cluster.context.url, "success")]
         )
+
+
+def test_a_process_started_after_another_marked_the_worker_down_trusts_its_own_first_probe(cluster: Cluster) -> None:
+    # Another gateway process (or a former one) wrote "unhealthy"; the workers are up. Twenty
+    # good probes would take 20 s: the first one here is enough.
+    WorkerEndpoint.objects.filter(pool=cluster.pool).update(healthy=False)
+    probes = {"HEALTH_CHECK_INTERVAL_S": "1", "HEALTH_CHECK_TIMEOUT_S": "1", "HEALTH_UNHEALTHY_AFTER": "2", "HEALTH_HEALTHY_AFTER": "20"}
+    with Gateway(probes) as gateway:
+        wait_registered(gateway, cluster)
+        wait_until(lambda: post(gateway, cluster).status_code == 200, timeout=8, message="refused after this process's probes found the workers up")
+        assert endpoint(cluster, "generation").healthy and endpoint(cluster, "context").healthy

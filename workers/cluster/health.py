@@ -236,6 +236,11 @@ class EndpointHealth:
             await asyncio.gather(*(self.probe(e) for e in endpoints))
 
     async def probe(self, endpoint: EndpointInfo) -> None:
+        # The first probe here starts from the verdict in the database, another process's (or a
+        # former one's): a good first answer here overrules an unhealthy one at once (else a
+        # process started after another marked a worker down would refuse its requests for
+        # HEALTH_HEALTHY_AFTER intervals although its own probe found the worker up).
+        first = endpoint.id not in self.probes
         state = self.probes.setdefault(endpoint.id, ProbeState(healthy=endpoint.healthy))
         was_healthy = state.healthy
         timeout = settings.HEALTH_CHECK_TIMEOUT_S
@@ -253,7 +258,7 @@ class EndpointHealth:
             state.consecutive_successes += 1
             state.consecutive_failures = 0
             state.only_timeouts = False
-            if not state.healthy and state.consecutive_successes >= settings.HEALTH_HEALTHY_AFTER:
+            if not state.healthy and (first or state.consecutive_successes >= settings.HEALTH_HEALTHY_AFTER):
                 state.healthy = True
                 state.last_error = ""
                 state.unhealthy_since = None
