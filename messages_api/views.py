@@ -14,7 +14,7 @@ from messages_api.audit import new_request_id
 from messages_api.errors import INTERNAL_ERROR_MESSAGE, error_body
 from messages_api.server import drain
 from messages_api.server.header_gate import metrics_refusal
-from workers import AGGREGATED, PoolInfo, candidates, get_registry
+from workers import AGGREGATED, PoolInfo, get_registry, routable
 
 
 @require_safe
@@ -36,7 +36,9 @@ def _database_reachable() -> bool:
 @require_safe
 async def ready(request: HttpRequest) -> JsonResponse:
     """Readiness: the database answers and every pool has a routable endpoint of each role its
-    schedule uses (an aggregated pool has no context phase, so it needs generation endpoints only).
+    schedule uses (an aggregated pool has no context phase, so it needs generation endpoints only);
+    routable as the router routes, endpoints only slow to answer their probes included when their
+    role has nothing else (`workers.routing.fallback`).
 
     Pools are listed by name and id with counts only: worker addresses are not for anonymous eyes.
     """
@@ -49,7 +51,7 @@ async def ready(request: HttpRequest) -> JsonResponse:
             counts = {}
             for role in ("context", "generation"):
                 endpoints = pool.endpoints_for(role)
-                counts[role] = {"registered": len(endpoints), "routable": len(candidates(pool, role))}
+                counts[role] = {"registered": len(endpoints), "routable": len(routable(pool, role))}
                 if role in _roles_needed(pool):
                     ready = ready and counts[role]["routable"] > 0
             pools[pool.name] = {"id": pool.id, "model": pool.model, **counts}

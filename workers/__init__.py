@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 _HOMES = {
     "admission_waiting": ("workers.admission.queue", "admission_waiting"),
     "AGGREGATED": ("workers.protocols.base", "AGGREGATED"),
-    "candidates": ("workers.routing.router", "candidates"),
     "ChatRun": ("workers.schedule.pipeline", "ChatRun"),
     "choose_pool": ("workers.routing.router", "choose_pool"),
     "close_transport": ("workers.wire.client", "close_transport"),
@@ -47,6 +46,7 @@ _HOMES = {
     "Priority": ("workers.admission.queue", "Priority"),
     "process_abandoned": ("workers.cluster.recovery", "process_abandoned"),
     "RenderedChat": ("workers.schedule.rendered_chat", "RenderedChat"),
+    "routable": ("workers.routing.router", "routable"),
     "RunProgress": ("workers.schedule.progress", "RunProgress"),
     "Served": ("workers.cluster.registry", "Served"),
     "start_services": ("workers.cluster.services", "start_services"),
@@ -57,7 +57,6 @@ _HOMES = {
 __all__ = [
     "admission_waiting",
     "AGGREGATED",
-    "candidates",
     "ChatRun",
     "choose_pool",
     "close_transport",
@@ -72,6 +71,7 @@ __all__ = [
     "Priority",
     "process_abandoned",
     "RenderedChat",
+    "routable",
     "RunProgress",
     "Served",
     "start_services",
@@ -88,7 +88,7 @@ if TYPE_CHECKING:
     from workers.cluster.services import start_services
     from workers.exceptions import ContextLengthExceeded, NoEndpointAvailable, OutputLimitExceeded, StopRelay, WorkerError
     from workers.protocols.base import AGGREGATED
-    from workers.routing.router import candidates, choose_pool
+    from workers.routing.router import choose_pool, routable
     from workers.schedule.pipeline import ChatRun
     from workers.schedule.progress import RunProgress, SupportsProgress
     from workers.schedule.prompt_tokens import count_prompt_tokens

@@ -194,6 +194,20 @@ async def test_health_and_models(client: httpx.AsyncClient, gen: SimWorker) -> N
     assert (await client.get(gen.url + "/v1/chat/completions")).status_code == 405
 
 
+async def test_a_late_health_route_leaves_chat_served(client: httpx.AsyncClient, gen: SimWorker) -> None:
+    assert (await client.post(gen.url + "/sim/health", json={"delay_s": -1})).status_code == 400
+    assert (await client.post(gen.url + "/sim/health", json={"delay_s": "2"})).status_code == 400
+    gen.health_delay(2.0)
+    try:
+        health = asyncio.create_task(client.get(gen.url + "/health"))
+        chat = await client.post(gen.url + "/v1/chat/completions", json={
+            "model": "sim-model", "messages": user("hi [sim tokens=3]"), "max_tokens": 5})
+        assert chat.status_code == 200 and not health.done()  # served while /health still waits
+        assert (await health).json() == {"status": "ok"}
+    finally:
+        gen.health_delay(0)
+
+
 async def test_tokenize_matches_prompt_usage(client: httpx.AsyncClient, gen: SimWorker) -> None:
     counted = (await client.post(gen.url + "/tokenize", json={"model": "m", "messages": user("one two three")})).json()
     assert counted["max_model_len"] == MAX_CONTEXT

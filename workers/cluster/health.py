@@ -5,6 +5,12 @@ Routing asks `usable(endpoint)`. The prober's verdict is written to the database
 so the admin shows it and processes that have not probed yet route by it; each process's own
 probes and breakers take precedence for its own routing.
 
+A probe's timeout counts only the time this process's loop ran (`probe_deadline`): a gateway
+late past the deadline reads the answer that arrived meanwhile rather than blaming the worker. A
+probe that still gets no answer in time says "slow or down", not which: `slow_not_down` tells
+routing which unhealthy endpoints failed only so (`workers.routing.fallback` routes to them when
+their role has nothing else), and `why_unusable` says in words why an endpoint is left out.
+
 Request outcomes reach the breakers through one call, `report(endpoint_id, error, tenant=...)`,
 which decides from what the failure says:
 
@@ -33,11 +39,16 @@ from enum import Enum
 from django.conf import settings
 
 from disagg_project import DatabaseThread
+from workers.cluster.probe_deadline import LagTolerantDeadline
 from workers.cluster.registry import EndpointInfo, get_registry
 from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
 from workers.wire import client
 
 logger = logging.getLogger(__name__)
+
+# The probe's own call gives up this many times its timeout (the lag-tolerant deadline decides
+# before, unless the loop lags for that long).
+_BACKSTOP = 10
 
 
 @dataclass(slots=True)
@@ -48,6 +59,11 @@ class ProbeState:
     last_error: str = ""
     last_checked_at: float = 0.0
     last_written_at: float = 0.0
+    #: When this process marked the endpoint unhealthy (wall clock, for the log; None: healthy).
+    unhealthy_since: float | None = None
+    #: Every failure since the last success was a probe that got no answer in time: the worker
+    #: may be slow rather than down (a refused connection or an error answer is a verdict).
+    only_timeouts: bool = False
 
 
 class FailureScope(Enum):
@@ -110,6 +126,39 @@ class EndpointHealth:
         probe = self.probes.get(endpoint.id)
         healthy = probe.healthy if probe is not None and probe.last_checked_at else endpoint.healthy
         return healthy and self._breaker_allows(endpoint.id)
+
+    def slow_not_down(self, endpoint: EndpointInfo) -> bool:
+        """Whether the endpoint is left out only because this process's probes of it got no
+        answer in time: enabled, not draining, breaker allowing, and no refused connection or
+        error answer since its last good probe (`workers.routing.fallback` may route to it when
+        its role has nothing else)."""
+        if not (endpoint.enabled and not endpoint.draining):
+            return False
+        probe = self.probes.get(endpoint.id)
+        return probe is not None and not probe.healthy and probe.only_timeouts and self._breaker_allows(endpoint.id)
+
+    def why_unusable(self, endpoint: EndpointInfo) -> str:
+        """Why routing leaves the endpoint out, for the operator's log ("" when it does not)."""
+        if not endpoint.enabled:
+            return "disabled"
+        if endpoint.draining:
+            return "draining"
+        probe = self.probes.get(endpoint.id)
+        if probe is not None and probe.last_checked_at:
+            if not probe.healthy:
+                since = "" if probe.unhealthy_since is None else f" since {_clock(probe.unhealthy_since)}"
+                failures = probe.consecutive_failures
+                return (
+                    f"unhealthy{since} ({failures} failed probe{'s' if failures != 1 else ''}, last: {probe.last_error or 'none'})"
+                )
+        elif not endpoint.healthy:
+            return "unhealthy by another gateway process's probes (none here yet)"
+        state = self.breaker_state(endpoint.id)
+        if state == BreakerState.OPEN:
+            return f"circuit breaker open after {self.breakers[endpoint.id].failures} failures"
+        if state == BreakerState.HALF_OPEN and not self._breaker_allows(endpoint.id):
+            return "circuit breaker half-open, its one trial request under way"
+        return ""
 
     def _breaker_allows(self, endpoint_id: int) -> bool:
         breaker = self.breakers.get(endpoint_id)
@@ -187,28 +236,32 @@ class EndpointHealth:
             await asyncio.gather(*(self.probe(e) for e in endpoints))
 
     async def probe(self, endpoint: EndpointInfo) -> None:
+        # The first probe here starts from the verdict in the database, another process's (or a
+        # former one's): a good first answer here overrules an unhealthy one at once (else a
+        # process started after another marked a worker down would refuse its requests for
+        # HEALTH_HEALTHY_AFTER intervals although its own probe found the worker up).
+        first = endpoint.id not in self.probes
         state = self.probes.setdefault(endpoint.id, ProbeState(healthy=endpoint.healthy))
         was_healthy = state.healthy
+        timeout = settings.HEALTH_CHECK_TIMEOUT_S
         try:
-            await client.get_json(endpoint.url + "/health", timeout=settings.HEALTH_CHECK_TIMEOUT_S)
+            # The deadline that counts is the lag-tolerant one; the call's own is a backstop.
+            async with LagTolerantDeadline(timeout):
+                await client.get_json(endpoint.url + "/health", timeout=timeout * _BACKSTOP)
+        except TimeoutError:
+            _failed(state, f"no answer within {timeout:g} s", timed_out=True)
         except WorkerError as exc:
-            state.consecutive_failures += 1
-            state.consecutive_successes = 0
-            state.last_error = exc.message
-            if state.consecutive_failures >= settings.HEALTH_UNHEALTHY_AFTER:
-                state.healthy = False
+            _failed(state, exc.message, timed_out=exc.code == "timeout")
         except Exception as exc:  # a malformed /health answer is a failed check, not a crash
-            state.consecutive_failures += 1
-            state.consecutive_successes = 0
-            state.last_error = f"malformed health answer: {type(exc).__name__}"
-            if state.consecutive_failures >= settings.HEALTH_UNHEALTHY_AFTER:
-                state.healthy = False
+            _failed(state, f"malformed health answer: {type(exc).__name__}", timed_out=False)
         else:
             state.consecutive_successes += 1
             state.consecutive_failures = 0
-            if not state.healthy and state.consecutive_successes >= settings.HEALTH_HEALTHY_AFTER:
+            state.only_timeouts = False
+            if not state.healthy and (first or state.consecutive_successes >= settings.HEALTH_HEALTHY_AFTER):
                 state.healthy = True
                 state.last_error = ""
+                state.unhealthy_since = None
         now = time.monotonic()
         state.last_checked_at = now
         changed = state.healthy != was_healthy or state.healthy != endpoint.healthy
@@ -217,6 +270,21 @@ class EndpointHealth:
         if changed or now - state.last_written_at >= settings.HEALTH_WRITE_INTERVAL_S:
             state.last_written_at = now
             await _PROBE_WRITES.run(_write_probe, endpoint.id, state)
+
+
+def _failed(state: ProbeState, error: str, *, timed_out: bool) -> None:
+    state.only_timeouts = timed_out and (state.only_timeouts or state.consecutive_failures == 0)
+    state.consecutive_failures += 1
+    state.consecutive_successes = 0
+    state.last_error = error
+    if state.consecutive_failures >= settings.HEALTH_UNHEALTHY_AFTER:
+        state.healthy = False
+    if not state.healthy and state.unhealthy_since is None:
+        state.unhealthy_since = time.time()
+
+
+def _clock(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).strftime("%H:%M:%S")
 
 
 def _write_probe(endpoint_id: int, state: ProbeState) -> None:

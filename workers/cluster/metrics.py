@@ -1,5 +1,5 @@
-"""Prometheus metrics of the cluster side: retries, open reservations, duplicate releases,
-breaker state, and the engines' own load as this process knows it (`workers.cluster.engine_load`):
+"""Prometheus metrics of the cluster side: retries, requests routed despite their endpoints'
+probes, open reservations, duplicate releases, breaker state, and the engines' own load as this process knows it (`workers.cluster.engine_load`):
 their queues, KV use, whether the figures are fresh enough to route on, and the reads made here;
 and what their KV-cache events say they hold (`workers.kv_events`).
 
@@ -23,6 +23,12 @@ from workers.routing.reservations import ledger
 
 worker_retries = Counter(
     "gateway_worker_retries", "Worker requests retried on another endpoint, by stage.", ["stage"]
+)
+
+routed_despite_probes = Counter(
+    "gateway_routed_despite_probes",
+    "Requests routed to endpoints whose health probes get no answer in time, their role having no other (workers.routing.fallback).",
+    ["pool", "role"],
 )
 
 _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}

@@ -26,6 +26,7 @@ from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import get_registry
 from workers.kv_events.subscriber import kv_events
+from workers.routing import fallback
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def start_services() -> None:
         del _started[stale]
     _started[loop] = [
         loop.create_task(_every(settings.REGISTRY_REFRESH_INTERVAL_S, get_registry().refresh), name="registry-refresh"),
-        loop.create_task(_every(settings.HEALTH_CHECK_INTERVAL_S, health.probe_all), name="health-probe"),
+        loop.create_task(_every(settings.HEALTH_CHECK_INTERVAL_S, _probe), name="health-probe"),
         loop.create_task(_every(settings.GATEWAY_HEARTBEAT_INTERVAL_S, _heartbeat_and_recover, first_delay=0), name="heartbeat"),
     ]
     if settings.ENGINE_LOAD_POLL_S > 0:
@@ -69,6 +70,12 @@ async def _poll_engine_load() -> None:
     release of a slot."""
     for resource in await engine_loads.poll_all():
         notify_freed(resource)
+
+
+async def _probe() -> None:
+    await health.probe_all()
+    # Off the request path: whether roles routed despite their probes pass them again.
+    fallback.review()
 
 
 _synced_at: list[float] = [-1.0]  # the registry load the subscriptions were last matched to

@@ -21,9 +21,9 @@ from workers.admission.queue import get_queue
 from workers.cluster.engine_load import engine_loads
 from workers.cluster.health import health
 from workers.cluster.registry import EndpointInfo, PoolInfo, Served, get_registry
-from workers.exceptions import NoEndpointAvailable
 from workers.kv_events.subscriber import kv_events
 from workers.models import Role, RoutingPolicy
+from workers.routing import fallback
 from workers.routing.prefix_index import Prompt, PromptKey, get_index
 from workers.routing.reservations import Reservation, ledger
 from workers.schedule.rendered_chat import RenderedChat
@@ -238,7 +238,8 @@ def _keeps_cache(endpoint: EndpointInfo) -> bool:
 def choose_pool(served: Sequence[Served], tokens: int = 0) -> Served:
     """Spill-over across the pools that serve one model name, in preference order: the first
     whose generation role has a usable endpoint with room now (and no queue before it), else the
-    first with any usable one (the request waits there for a slot), else the first (which answers
+    first with any usable one (the request waits there for a slot), else the first with endpoints
+    only slow to answer their probes (`workers.routing.fallback`), else the first (which answers
     that nothing is available)."""
     queue = get_queue()
     holding = engine_loads.holding  # endpoints whose engines' figures count them as full (admission)
@@ -254,6 +255,8 @@ def choose_pool(served: Sequence[Served], tokens: int = 0) -> Served:
             return option
         if waiting_room is None:
             waiting_room = option
+    if waiting_room is None:
+        waiting_room = next((o for o in served if fallback.slow_only(_current(o.pool), Role.GENERATION)), None)
     return waiting_room or served[0]
 
 
@@ -262,6 +265,12 @@ def candidates(pool: PoolInfo, role: str, exclude: Iterable[str] = ()) -> list[E
     breaker closed), minus `exclude` (URLs already tried for this request)."""
     excluded = set(exclude)
     return [e for e in pool.endpoints if e.role == role and e.url not in excluded and health.usable(e)]
+
+
+def routable(pool: PoolInfo, role: str) -> list[EndpointInfo]:
+    """The endpoints of `role` a new request may go to: `candidates`, or, with none, those taken
+    despite probes that only time out (`workers.routing.fallback`). Readiness asks this."""
+    return candidates(pool, role) or fallback.slow_only(pool, role)
 
 
 async def reserve(
@@ -327,11 +336,9 @@ def _current(pool: PoolInfo) -> PoolInfo:
 def _usable(pool: PoolInfo, role: str, exclude: Iterable[str]) -> list[EndpointInfo]:
     usable = candidates(pool, role, exclude)
     if not usable:
-        raise NoEndpointAvailable(
-            503,
-            f"no {role} worker is available for model {pool.model!r}",
-            stage=role,
-            code="no_endpoint",
-            retry_after=1.0,
-        )
+        # Nothing passes: endpoints only slow to answer their probes, else a refusal whose
+        # reasons go to the log (`workers.routing.fallback`).
+        usable = fallback.despite_probes(pool, role, exclude)
+        if not usable:
+            raise fallback.nothing_usable(pool, role, exclude)
     return usable

@@ -33,7 +33,7 @@ from workers.cluster.registry import EndpointInfo, PoolInfo
 from workers.exceptions import WorkerError, WorkerUnreachable
 from workers.models import Outcome, Role, RoutingPolicy, ScheduleStyle, Stage
 from workers.protocols import Call, ContextPeer, Handoff, WorkerProtocol
-from workers.routing import router
+from workers.routing import fallback, router
 from workers.routing.reservations import Reservation
 from workers.routing.router import Placement
 from workers.schedule.cache_feedback import CacheFeedback
@@ -201,7 +201,7 @@ async def context_phase(
                 raise
             tried.append(url)
             reservation = None
-            if not may_retry or len(tried) > 1 or not router.candidates(run.pool, Role.CONTEXT, exclude=tried):
+            if not may_retry or len(tried) > 1 or not _retry_has_somewhere(run.pool, tried):
                 raise
             worker_retries.labels(Stage.CONTEXT).inc()
             continue
@@ -241,6 +241,12 @@ def _prefills_locally(run: Steps, placement: Placement) -> bool:
         return prompt_tokens <= limit
     match_length = placement.match_length(prompt_tokens)
     return match_length > 0 and prompt_tokens - match_length <= limit
+
+
+def _retry_has_somewhere(pool: PoolInfo, tried: list[str]) -> bool:
+    """Whether another context endpoint may take the retry: one usable, or, failing that, one
+    the router would take despite its probes (`workers.routing.fallback`)."""
+    return bool(router.candidates(pool, Role.CONTEXT, exclude=tried) or fallback.slow_only(pool, Role.CONTEXT, exclude=tried))
 
 
 def _pair_id() -> int:

@@ -20,10 +20,14 @@ Routes:
                                /prometheus/metrics; none for the plain OpenAI one): engine_metrics.py
     POST /sim/outside_load     {"waiting", "running", "kv_usage"?, "metrics_status"?}: load the
                                metrics report beyond the sim's own (traffic from elsewhere)
+    POST /sim/health           {"delay_s"}: /health answers that late from now on (0: at once),
+                               while chat requests are served as before: an engine whose health
+                               route waits behind its busy serving loop
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
@@ -122,7 +126,9 @@ class SimApp:
             ("POST", "/sim/prefix_cache/match"): self._prefix_match,
             ("GET", "/sim/kv_events"): self._kv_events,
             ("POST", "/sim/kv_events"): self._kv_events_control,
+            ("POST", "/sim/health"): self._health_control,
         }
+        self.health_delay_s = 0.0
         self.outside = OutsideLoad(config.outside_waiting, config.outside_running)
         self.metrics_reads = 0
         if self.chat.dialect.metrics is not None:
@@ -181,6 +187,16 @@ class SimApp:
             self.stats.finish(outcome)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
+        await send_json(send, 200, {"status": "ok"})
+
+    async def _health_control(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(receive)
+        delay = body.get("delay_s") if isinstance(body, dict) else None
+        if not isinstance(delay, (int, float)) or isinstance(delay, bool) or not 0 <= delay <= 3600:
+            raise SimError(400, "delay_s must be a number of seconds between 0 and 3600")
+        self.health_delay_s = float(delay)
         await send_json(send, 200, {"status": "ok"})
 
     async def _server_info(self, scope: Scope, receive: Receive, send: Send) -> None:

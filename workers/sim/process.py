@@ -85,6 +85,11 @@ class SimWorker:
             self.url + "/sim/outside_load", json={"waiting": waiting, "running": running, **more}, timeout=5.0, trust_env=False
         ).raise_for_status()
 
+    def health_delay(self, seconds: float) -> None:
+        """Make its /health answer `seconds` late from now on (`POST /sim/health`; 0: at once),
+        chat requests served as before."""
+        httpx.post(self.url + "/sim/health", json={"delay_s": seconds}, timeout=5.0, trust_env=False).raise_for_status()
+
     def wait_for(
         self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0
     ) -> dict[str, Any]:

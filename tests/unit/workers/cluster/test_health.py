@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from workers.cluster import health as health_module
-from workers.cluster.health import BreakerState, EndpointHealth, FailureScope, failure_scope
+from workers.cluster.health import BreakerState, EndpointHealth, FailureScope, ProbeState, failure_scope
 from workers.cluster.registry import EndpointInfo
 from workers.exceptions import StreamBroken, WorkerError, WorkerUnreachable
 
@@ -203,3 +203,65 @@ def test_a_half_open_trial_that_meets_one_keys_500_gives_the_trial_to_the_next_r
     health.on_routed(ENDPOINT.id)
     health.report(ENDPOINT.id, None, tenant="bob")
     assert health.breaker_state(ENDPOINT.id) == BreakerState.CLOSED
+
+
+# --- what a failed probe says: slow, or down ----------------------------------------------------------
+
+
+def probed(health: EndpointHealth, *failures: bool) -> ProbeState:
+    """The endpoint's probe state after failed probes (`True`: one that got no answer in time)."""
+    state = health.probes.setdefault(ENDPOINT.id, ProbeState())
+    state.last_checked_at = 1.0
+    for timed_out in failures:
+        health_module._failed(state, "no answer within 2 s" if timed_out else "connection refused", timed_out=timed_out)
+    return state
+
+
+@pytest.fixture
+def unhealthy_after_two(clock: Clock, settings: object) -> None:
+    settings.HEALTH_UNHEALTHY_AFTER = 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.usefixtures("unhealthy_after_two")
+def test_an_endpoint_whose_probes_only_time_out_is_slow_not_down() -> None:
+    health = EndpointHealth()
+    state = probed(health, True)
+    assert state.healthy and health.usable(ENDPOINT) and not health.slow_not_down(ENDPOINT)
+    probed(health, True)
+    assert not health.usable(ENDPOINT) and health.slow_not_down(ENDPOINT)
+    assert state.unhealthy_since is not None
+    # Disabled, draining or its breaker open: left out whatever its probes say.
+    assert not health.slow_not_down(replace(ENDPOINT, draining=True))
+    assert not health.slow_not_down(replace(ENDPOINT, enabled=False))
+    for _ in range(3):
+        health.record_failure(ENDPOINT.id)
+    assert not health.slow_not_down(ENDPOINT)
+
+
+@pytest.mark.usefixtures("unhealthy_after_two")
+@pytest.mark.parametrize("failures", [(False, False), (True, False), (False, True)])
+def test_one_refused_probe_since_the_last_good_one_makes_it_down(failures: tuple[bool, ...]) -> None:
+    health = EndpointHealth()
+    probed(health, *failures)
+    assert not health.usable(ENDPOINT) and not health.slow_not_down(ENDPOINT)
+
+
+def test_an_endpoint_marked_unhealthy_elsewhere_and_never_probed_here_is_not_slow(clock: Clock) -> None:
+    health = EndpointHealth()
+    assert not health.slow_not_down(replace(ENDPOINT, healthy=False))
+
+
+@pytest.mark.usefixtures("unhealthy_after_two")
+def test_why_unusable_names_each_reason() -> None:
+    health = EndpointHealth()
+    assert health.why_unusable(ENDPOINT) == ""
+    assert health.why_unusable(replace(ENDPOINT, enabled=False)) == "disabled"
+    assert health.why_unusable(replace(ENDPOINT, draining=True)) == "draining"
+    assert health.why_unusable(replace(ENDPOINT, healthy=False)) == "unhealthy by another gateway process's probes (none here yet)"
+    probed(health, True, False)
+    reason = health.why_unusable(ENDPOINT)
+    assert reason.startswith("unhealthy since ") and reason.endswith("(2 failed probes, last: connection refused)"), reason
+    health.probes.clear()
+    for _ in range(3):
+        health.record_failure(ENDPOINT.id)
+    assert health.why_unusable(ENDPOINT) == "circuit breaker open after 3 failures"
