@@ -333,9 +333,9 @@ def exporters_from_environment(environ: Mapping[str, str] = os.environ) -> list[
             protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
             if protocol != "http/protobuf":
                 raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: this gateway exports OTLP over http/protobuf only")
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from disagg_project.otlp_exporter import OtlpSpanExporter
 
-            exporters.append(OTLPSpanExporter())
+            exporters.append(OtlpSpanExporter())
         elif name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
