@@ -174,12 +174,17 @@ class Tracing:
 
     # --- children --------------------------------------------------------------------------------
 
-    def worker_call(self, name: str, method: str, url: str, headers: MutableMapping[str, str], attributes: Mapping[str, AttributeValue]) -> Span:
+    def worker_call(
+        self, name: str, method: str, url: str, headers: MutableMapping[str, str], attributes: Mapping[str, AttributeValue] | None = None
+    ) -> Span:
         """Start a CLIENT span (a child of the current one) for a worker request and put its
         `traceparent` (and the trace's `tracestate`) into `headers`, so the engine's spans join the
         trace under it. End it with `end`."""
         # One attribute dict at the start: each attribute set later costs a lock and a check.
-        span = self._tracer.start_span(name, kind=trace.SpanKind.CLIENT, attributes={**_server_of(url), "http.request.method": method, **attributes})
+        start = {**_server_of(url), "http.request.method": method}
+        if attributes:
+            start.update(attributes)
+        span = self._tracer.start_span(name, kind=trace.SpanKind.CLIENT, attributes=start)
         self._propagator.inject(headers, context=trace.set_span_in_context(span))
         return span
 

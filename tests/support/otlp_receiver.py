@@ -44,6 +44,8 @@ class ReceivedSpan:
     resource: dict[str, Any] = field(default_factory=dict)
     event_attributes: dict[str, dict[str, Any]] = field(default_factory=dict)  # by event name (the last of a name)
     links: list[tuple[str, str]] = field(default_factory=list)  # (trace_id, span_id) of each linked span
+    start_ns: int = 0  # Unix nanoseconds
+    end_ns: int = 0
 
 
 class OtlpReceiver:
@@ -93,6 +95,8 @@ class OtlpReceiver:
                             resource=resource,
                             event_attributes={e.name: {a.key: _value(a.value) for a in e.attributes} for e in span.events},
                             links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                            start_ns=span.start_time_unix_nano,
+                            end_ns=span.end_time_unix_nano,
                         )
                     )
         with self._lock:
