@@ -24,7 +24,9 @@ The contract with the seams:
 - On, spans leave through the SDK's `BatchSpanProcessor`: a bounded queue, exported in batches
   from its own thread, so neither the event loop nor a request waits on the exporter. A full queue
   drops spans, and an export that fails loses its batch: both are counted in
-  `gateway_trace_spans_dropped_total{reason}`.
+  `gateway_trace_spans_dropped_total{reason}`. The OTLP exporter is the official one with the
+  batches encoded by disagg_project/otlp_encoding.py (the official encoder's bytes, a third of
+  its CPU: disagg_project/otlp_exporter.py).
 - A client's W3C `traceparent`/`tracestate` is continued; without one, a new trace starts (subject
   to the sampler). Every worker request carries a `traceparent` naming the gateway's client span.
 - The current span travels in OpenTelemetry's context (a contextvar), so a child task started by

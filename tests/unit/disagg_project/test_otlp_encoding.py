@@ -15,6 +15,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
@@ -32,6 +33,7 @@ scalars = (
     | st.integers(-(1 << 70), 1 << 70)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.binary(max_size=20)
+    | st.text("a€", min_size=5000, max_size=6000)  # past 16 KiB of UTF-8: a three-byte length
 )
 values = st.recursive(
     scalars | st.builds(object),
@@ -78,6 +80,15 @@ links = st.builds(Link, context=span_contexts(), attributes=attributes())
 
 
 @st.composite
+def bounded_lists(draw: st.DrawFn, elements: st.SearchStrategy[Any]) -> Any:
+    """A plain list, or the SDK's bounded one (whose drops are encoded)."""
+    items = draw(st.lists(elements, max_size=3))
+    if draw(st.booleans()):
+        return items
+    return BoundedList.from_seq(draw(st.integers(0, 2)), items)
+
+
+@st.composite
 def resources(draw: st.DrawFn) -> Resource:
     raw = draw(st.dictionaries(keys, st.one_of(st.booleans(), st.text(max_size=10), st.integers(0, 9)), max_size=3))
     return Resource(raw, draw(st.sampled_from(["", "https://opentelemetry.io/schemas/1.4.0"])))
@@ -107,8 +118,8 @@ def batches(draw: st.DrawFn) -> list[ReadableSpan]:
                 parent=draw(st.none() | span_contexts()),
                 resource=draw(st.sampled_from(resource_pool)),
                 attributes=draw(attributes()),
-                events=draw(st.lists(events, max_size=2)),
-                links=draw(st.lists(links, max_size=2)),
+                events=draw(bounded_lists(events)),
+                links=draw(bounded_lists(links)),
                 kind=draw(st.sampled_from(list(SpanKind))),
                 status=draw(statuses),
                 start_time=draw(times),
