@@ -58,6 +58,12 @@ _VARINTS = [bytes((n,)) if n < 0x80 else bytes(((n & 0x7F) | 0x80, n >> 7)) for 
 # uses few. Bounded all the same (content recording may bring keys from elsewhere).
 _KEYS: dict[str, bytes] = {}
 _KEYS_MAX = 4096
+# A whole KeyValue with a short string value, by (key, value): most of a request's strings recur
+# (method, route, model, pool, endpoints, key name, priority, schedule); emptied when full, as
+# unique values (request ids) fill it, so what recurs is back after one request.
+_STRINGS: dict[tuple[str, str], bytes] = {}
+_STRINGS_MAX = 4096
+_STRING_CACHED_LEN = 128
 
 
 def _varint(n: int) -> bytes:
@@ -143,7 +149,13 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]
     except AttributeError:
         items = attributes.items()
     fields = []
+    strings = _STRINGS
     for key, value in items:
+        if type(value) is str:
+            key_value = strings.get((key, value))
+            if key_value is not None:
+                fields.append(tag + _VARINTS[len(key_value)] + key_value)
+                continue
         try:
             prefix = _KEYS.get(key)
             if prefix is None:
@@ -165,6 +177,10 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]
         key_value = prefix + b"\x12" + (_VARINTS[size] if size < 0x4000 else _varint(size)) + any_value
         size = len(key_value)
         fields.append(tag + (_VARINTS[size] if size < 0x4000 else _varint(size)) + key_value)
+        if kind is str and len(value) <= _STRING_CACHED_LEN:
+            if len(strings) >= _STRINGS_MAX:
+                strings.clear()
+            strings[(key, value)] = key_value
     return fields
 
 
