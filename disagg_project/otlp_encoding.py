@@ -177,7 +177,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]
         key_value = prefix + b"\x12" + (_VARINTS[size] if size < 0x4000 else _varint(size)) + any_value
         size = len(key_value)
         fields.append(tag + (_VARINTS[size] if size < 0x4000 else _varint(size)) + key_value)
-        if kind is str and len(value) <= _STRING_CACHED_LEN:
+        if kind is str and len(value) <= _STRING_CACHED_LEN and size < 0x4000:  # a cached one's length is one table look-up
             if len(strings) >= _STRINGS_MAX:
                 strings.clear()
             strings[(key, value)] = key_value

@@ -178,3 +178,10 @@ def test_a_batch_of_the_gateways_spans_from_the_sdk_encodes_the_same() -> None:
     server.end()
     spans = list(exporter.get_finished_spans())
     assert len(spans) == 2 and encode_spans(spans) == official(spans)
+
+
+def test_a_key_past_16_kib_with_a_short_value_encodes_the_same_twice() -> None:
+    """The cache of short strings' KeyValues takes no KeyValue whose length needs three bytes."""
+    span = ReadableSpan(name="s", context=SpanContext(1, 2, False), attributes={"k" * 20000: "v", "x": "y"}, start_time=1, end_time=2)
+    assert encode_spans([span]) == official([span])
+    assert encode_spans([span]) == official([span])
