@@ -21,7 +21,8 @@ neither app (`tests/unit/test_layers.py` enforces it), and the apps use only the
                                     OTEL_* environment configures it; `RequestSpan`)
 
 The rest is the project's own wiring: settings.py, urls.py, asgi.py (with gc_tuning.py,
-log_queue.py, login_guard.py), admin.py (users and groups) and relied_on.py
+log_queue.py, login_guard.py), admin.py (users and groups), otlp_exporter.py with
+otlp_encoding.py (the OTLP span exporter telemetry.py installs, and its encoder) and relied_on.py
 (every third-party internal the code relies on).
 
 The names load lazily: Django imports this package to read its settings (`disagg_project.settings`),

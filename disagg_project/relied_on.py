@@ -410,6 +410,20 @@ RELIANCES: tuple[Reliance, ...] = (
         "the exporter's wrapper empties it (a failed export's reference cycles would hold its spans)",
         "opentelemetry-sdk 1.45.2",
     ),
+    Reliance(
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter.OTLPSpanExporter",
+        ("_shutdown", "_metrics", "_max_request_size", "_client"),
+        "disagg_project/otlp_exporter.py (OtlpSpanExporter.export)",
+        "the official export method, copied with our encoder in place of the official one, reads "
+        "them as the original does",
+        "opentelemetry-exporter-otlp-proto-http 1.45.2",
+    ),
+    Reliance(
+        "opentelemetry.exporter.otlp.proto.http._common", ("_is_request_too_large", "RequestPayloadTooLargeError"),
+        "disagg_project/otlp_exporter.py (OtlpSpanExporter.export)",
+        "the size limit's check and error, as the copied export method uses them",
+        "opentelemetry-exporter-otlp-proto-http 1.45.2",
+    ),
 )
 
 PINNED_SOURCES: tuple[PinnedSource, ...] = (
@@ -419,6 +433,14 @@ PINNED_SOURCES: tuple[PinnedSource, ...] = (
         "messages_api/consumers/dispatch.py (RequestTask.serve_in_place)",
         "serve_in_place is this method less its channel-layer branch: a change here is a change to copy",
         "channels 4.3.2",
+    ),
+    PinnedSource(
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter.OTLPSpanExporter.export",
+        "0968825cd72fb0bde91a72f0607e4e71d622816a087107f6a7053d679aa02f8e",
+        "disagg_project/otlp_exporter.py (OtlpSpanExporter.export)",
+        "the copy differs only in its encoding line (disagg_project.otlp_encoding: the same bytes, "
+        "a third of the CPU): a change here is a change to copy",
+        "opentelemetry-exporter-otlp-proto-http 1.45.2",
     ),
 )
 

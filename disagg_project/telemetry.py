@@ -24,7 +24,9 @@ The contract with the seams:
 - On, spans leave through the SDK's `BatchSpanProcessor`: a bounded queue, exported in batches
   from its own thread, so neither the event loop nor a request waits on the exporter. A full queue
   drops spans, and an export that fails loses its batch: both are counted in
-  `gateway_trace_spans_dropped_total{reason}`.
+  `gateway_trace_spans_dropped_total{reason}`. The OTLP exporter is the official one with the
+  batches encoded by disagg_project/otlp_encoding.py (the official encoder's bytes, a third of
+  its CPU: disagg_project/otlp_exporter.py).
 - A client's W3C `traceparent`/`tracestate` is continued; without one, a new trace starts (subject
   to the sampler). Every worker request carries a `traceparent` naming the gateway's client span.
 - The current span travels in OpenTelemetry's context (a contextvar), so a child task started by
@@ -174,12 +176,17 @@ class Tracing:
 
     # --- children --------------------------------------------------------------------------------
 
-    def worker_call(self, name: str, method: str, url: str, headers: MutableMapping[str, str], attributes: Mapping[str, AttributeValue]) -> Span:
+    def worker_call(
+        self, name: str, method: str, url: str, headers: MutableMapping[str, str], attributes: Mapping[str, AttributeValue] | None = None
+    ) -> Span:
         """Start a CLIENT span (a child of the current one) for a worker request and put its
         `traceparent` (and the trace's `tracestate`) into `headers`, so the engine's spans join the
         trace under it. End it with `end`."""
         # One attribute dict at the start: each attribute set later costs a lock and a check.
-        span = self._tracer.start_span(name, kind=trace.SpanKind.CLIENT, attributes={**_server_of(url), "http.request.method": method, **attributes})
+        start = {**_server_of(url), "http.request.method": method}
+        if attributes:
+            start.update(attributes)
+        span = self._tracer.start_span(name, kind=trace.SpanKind.CLIENT, attributes=start)
         self._propagator.inject(headers, context=trace.set_span_in_context(span))
         return span
 
@@ -333,9 +340,9 @@ def exporters_from_environment(environ: Mapping[str, str] = os.environ) -> list[
             protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
             if protocol != "http/protobuf":
                 raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: this gateway exports OTLP over http/protobuf only")
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from disagg_project.otlp_exporter import OtlpSpanExporter
 
-            exporters.append(OTLPSpanExporter())
+            exporters.append(OtlpSpanExporter())
         elif name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 

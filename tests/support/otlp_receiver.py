@@ -44,11 +44,14 @@ class ReceivedSpan:
     resource: dict[str, Any] = field(default_factory=dict)
     event_attributes: dict[str, dict[str, Any]] = field(default_factory=dict)  # by event name (the last of a name)
     links: list[tuple[str, str]] = field(default_factory=list)  # (trace_id, span_id) of each linked span
+    start_ns: int = 0  # Unix nanoseconds
+    end_ns: int = 0
 
 
 class OtlpReceiver:
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
+        self.bodies: list[bytes] = []  # each POST's body, as it came
         self._lock = threading.Lock()
         receiver = self
 
@@ -57,7 +60,7 @@ class OtlpReceiver:
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(body)
-                receiver._add(request)
+                receiver._add(request, body)
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
@@ -72,7 +75,7 @@ class OtlpReceiver:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
-    def _add(self, request: ExportTraceServiceRequest) -> None:
+    def _add(self, request: ExportTraceServiceRequest, body: bytes) -> None:
         received = []
         for resource_spans in request.resource_spans:
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
@@ -92,10 +95,13 @@ class OtlpReceiver:
                             resource=resource,
                             event_attributes={e.name: {a.key: _value(a.value) for a in e.attributes} for e in span.events},
                             links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                            start_ns=span.start_time_unix_nano,
+                            end_ns=span.end_time_unix_nano,
                         )
                     )
         with self._lock:
             self.spans.extend(received)
+            self.bodies.append(body)
 
     def wait_for(self, predicate: Callable[[list[ReceivedSpan]], bool], timeout: float = 15.0) -> list[ReceivedSpan]:
         """The spans received so far, once `predicate` holds for them."""

@@ -370,7 +370,8 @@ class ChatRun:
         if waited > 0.001:
             self.note(queued_s=self._progress.queued_s + waited)
             if tracing.on:  # the admission wait as a span of its own, recorded when there was one
-                tracing.past_child("gateway.admission", waited, {"gateway.pool": self.pool.name, "gateway.priority": self.priority.label})
+                # (its pool and priority are the request span's gateway.pool and gateway.priority)
+                tracing.past_child("gateway.admission", waited)
 
     # --- the steps a schedule takes (workers.schedule.schedules.Steps) -------------------------
 

@@ -190,7 +190,7 @@ async def post_json(
     if tracing.on:
         # A CLIENT span named for the stage (context, tokenize), its traceparent sent (in a copy).
         sent = dict(sent)
-        span = tracing.worker_call(stage, "POST", url, sent, {"gateway.stage": stage})
+        span = tracing.worker_call(stage, "POST", url, sent)
     try:
         content = await _fetch("POST", url, _encoded(body), sent, timeout or settings.WORKER_REQUEST_TIMEOUT_S, stage, wordings)
     except BaseException as exc:
@@ -278,7 +278,7 @@ async def open_stream(
         # ends with the stream (whoever relays it ends `ChunkStream.span`), or here if the
         # stream never opens.
         sent = dict(sent)
-        span = tracing.worker_call(stage, "POST", url, sent, {"gateway.stage": stage})
+        span = tracing.worker_call(stage, "POST", url, sent)
     try:
         with boundary(stage):
             async with asyncio.timeout_at(first_byte_by):

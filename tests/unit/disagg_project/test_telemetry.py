@@ -30,7 +30,7 @@ def test_off_the_request_span_is_none_and_nothing_is_touched() -> None:
 
 def test_the_otlp_exporter_is_http_protobuf_only() -> None:
     [exporter] = exporters_from_environment({"OTEL_TRACES_EXPORTER": "otlp"})
-    assert type(exporter).__name__ == "OTLPSpanExporter"
+    assert type(exporter).__name__ == "OtlpSpanExporter"  # the official one, our encoder in it (test_otlp_exporter.py)
     with pytest.raises(ValueError, match="http/protobuf"):
         exporters_from_environment({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     with pytest.raises(ValueError, match="zipkin"):
