@@ -32,8 +32,9 @@ header and without it (it falls back to least loaded), `cache_aware` with and wi
 and `oracle`: the benchmark asks every generation sim how much of the prompt it holds
 (`POST /sim/prefix_cache/match`, the sims' real cache state) and sends the request to a pool of
 that one generation endpoint (the same 2 context sims; SGLang's load guard applied to the
-benchmark's own count of open requests; ties: the endpoint its conversations' last turns went to
-least often, then the fewest open requests), so routing has full knowledge of every worker's cache.
+benchmark's own count of open requests; ties, and a conversation's first turn: the endpoint its
+conversations' last turns went to least often, then the fewest open requests), so routing has full
+knowledge of every worker's cache.
 Whether a turn skips its context phase is still the gateway's call, on its approximate index;
 `oracle+events` makes that call on what the chosen engine reports it holds (its KV-cache events).
 `cache_aware+events`: the generation sims publish vLLM's KV-cache events and the gateway follows
@@ -132,6 +133,7 @@ def parse_args() -> argparse.Namespace:
         "grows long); the gateways then poll the engines' metrics (--engine-load-poll)",
     )
     parser.add_argument("--outside-prompt-tokens", type=int, default=4000, help="tokens of each outside request's (unique) prompt")
+    parser.add_argument("--gateway-setting", action="append", default=[], metavar="NAME=VALUE", help="another setting of the gateways (repeatable)")
     parser.add_argument("--engine-load-poll", type=float, help="the gateways' ENGINE_LOAD_POLL_S (default: 0.5 with outside traffic, else off)")
     parser.add_argument(
         "--protocol", default="trtllm", choices=["trtllm", "vllm"],
@@ -311,11 +313,14 @@ class Oracle:
         )
         # A probe that failed counts as nothing cached there (the turn itself will say more).
         cached = [a.json()["cached_tokens"] if isinstance(a, httpx.Response) and a.status_code == 200 else 0 for a in answers]
-        best = max(cached)
         conversations = [0] * len(self.generation)
         for placed in self.placed.values():
             conversations[placed] += 1
-        chosen = min((i for i, c in enumerate(cached) if c == best), key=lambda i: (conversations[i], self.open[i]))
+        # A new conversation shares only the system prompt with the others: wherever it goes
+        # (a cold engine prefills that once), it goes where the fewest conversations are, else
+        # every one would follow the first engines to hold the system prompt.
+        best = max(cached) if session in self.placed else min(cached)
+        chosen = min((i for i, c in enumerate(cached) if c >= best), key=lambda i: (conversations[i], self.open[i]))
         lowest = min(self.open)
         if self.open[chosen] - lowest > BALANCE_ABS and self.open[chosen] > BALANCE_REL * lowest:
             chosen = self.open.index(lowest)
@@ -758,6 +763,7 @@ def main() -> None:
             }
         if args.engine_load_poll:
             settings |= {"ENGINE_LOAD_POLL_S": args.engine_load_poll, "ENGINE_LOAD_MAX_AGE_S": max(5.0, 4 * args.engine_load_poll)}
+        settings |= dict(item.split("=", 1) for item in args.gateway_setting)
         gateways = LazyGateway(stack, settings, args.gateways)
         started = h.machine_busy_seconds(), time.perf_counter()
         for run, policy in enumerate(args.policies):
