@@ -32,11 +32,23 @@ header and without it (it falls back to least loaded), `cache_aware` with and wi
 and `oracle`: the benchmark asks every generation sim how much of the prompt it holds
 (`POST /sim/prefix_cache/match`, the sims' real cache state) and sends the request to a pool of
 that one generation endpoint (the same 2 context sims; SGLang's load guard applied to the
-benchmark's own count of open requests), so routing has full knowledge of every worker's cache.
+benchmark's own count of open requests; ties, and a conversation's first turn: the endpoint its
+conversations' last turns went to least often, then the fewest open requests), so routing has full
+knowledge of every worker's cache.
+Whether a turn skips its context phase is still the gateway's call, on its approximate index;
+`oracle+events` makes that call on what the chosen engine reports it holds (its KV-cache events).
 `cache_aware+events`: the generation sims publish vLLM's KV-cache events and the gateway follows
 them (workers/kv_events/): a conversation's later turns are scored by the blocks each engine
 holds of its learned earlier prompt. The join learns token ids from vLLM's `return_token_ids`, so
 compare it with `--protocol vllm` (every policy then runs on vLLM's dialect).
+
+`--gateways 2`: two gateway processes on ports of their own, sharing Redis (learned prompts,
+limits); a conversation's turns alternate between them, as behind a load balancer.
+`--outside-clients N`: N clients send requests straight to the first generation sim for the whole
+run (its queue grows long; no gateway sees them), the gateways poll the engines' metrics
+(`ENGINE_LOAD_POLL_S`), and the report says how many new conversations went to that sim, and how
+many of those while another generation sim had nothing open. Where each turn went comes from the
+gateways' audit rows (`per_turn` in the JSON).
 
 Reported per policy: prefill tokens computed (all 6 sims), cache hit rate (cached / (cached +
 computed) over every prefill), context phases skipped, time to first token (first
@@ -80,6 +92,7 @@ POLICIES = (
     "cache_aware",
     "cache_aware+events",
     "oracle",
+    "oracle+events",
 )
 # SGLang's load guard, as the gateway applies it (PREFIX_BALANCE_* defaults), for the oracle.
 BALANCE_ABS, BALANCE_REL = 4, 1.5
@@ -110,6 +123,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of: " + ", ".join(POLICIES))
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument(
+        "--gateways", type=int, default=1,
+        help="gateway processes, each on its own port, sharing Redis (REDIS_URL, default redis://127.0.0.1:6379/0) for the learned "
+        "prompts and limits; a conversation's turns alternate between them, as behind a load balancer",
+    )
+    parser.add_argument(
+        "--outside-clients", type=int, default=0,
+        help="outside traffic: this many clients sending requests straight to the first generation sim the whole run (its queue "
+        "grows long); the gateways then poll the engines' metrics (--engine-load-poll)",
+    )
+    parser.add_argument("--outside-prompt-tokens", type=int, default=4000, help="tokens of each outside request's (unique) prompt")
+    parser.add_argument("--gateway-setting", action="append", default=[], metavar="NAME=VALUE", help="another setting of the gateways (repeatable)")
+    parser.add_argument("--engine-load-poll", type=float, help="the gateways' ENGINE_LOAD_POLL_S (default: 0.5 with outside traffic, else off)")
+    parser.add_argument(
         "--protocol", default="trtllm", choices=["trtllm", "vllm"],
         help="the sims' and pools' protocol; `cache_aware+events` needs vllm (the join learns token ids from vLLM's return_token_ids)",
     )
@@ -119,6 +145,8 @@ def parse_args() -> argparse.Namespace:
         full={"sessions": 8, "turns_min": 5, "turns_max": 12, "think_min": 0.5, "think_max": 2.0, "ramp": 8.0},
     )
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.engine_load_poll is None:
+        args.engine_load_poll = 0.5 if args.outside_clients else 0.0
     unknown = set(args.policies) - set(POLICIES)
     if unknown:
         parser.error(f"unknown policies: {', '.join(sorted(unknown))}")
@@ -238,11 +266,30 @@ def create_pools(stack: h.Stack, pools: list[dict[str, Any]]) -> None:
 
 
 @dataclass
+class Turn:
+    """One answered turn as the client saw it; `audit_turns` adds where the gateway sent it."""
+
+    session: int
+    turn: int
+    gateway: int
+    request_id: str
+    ttft: float | None
+    #: The generation sims with no open request when it was sent (the latest sample).
+    idle_elsewhere: list[int]
+    generation_endpoint: str = ""
+    context_endpoint: str = ""
+    input_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
 class RunResult:
     ttft: list[float] = field(default_factory=list)
     turns: int = 0
     errors: list[str] = field(default_factory=list)
     active_samples: list[list[int]] = field(default_factory=list)
+    answered: list[Turn] = field(default_factory=list)
+    outside_sent: int = 0
 
 
 class Oracle:
@@ -253,8 +300,11 @@ class Oracle:
         self.generation = generation
         self.models = models
         self.open = [0] * len(generation)
+        # Per session, the endpoint its last turn went to: ties go to the endpoint serving the
+        # fewest conversations (as `cache_aware` places new ones), then the fewest open requests.
+        self.placed: dict[int, int] = {}
 
-    async def choose(self, body: dict[str, Any]) -> int:
+    async def choose(self, body: dict[str, Any], session: int) -> int:
         chat = to_chat_request(body)
         probe = {"messages": chat["messages"], "tools": chat.get("tools")}
         answers = await asyncio.gather(
@@ -263,17 +313,24 @@ class Oracle:
         )
         # A probe that failed counts as nothing cached there (the turn itself will say more).
         cached = [a.json()["cached_tokens"] if isinstance(a, httpx.Response) and a.status_code == 200 else 0 for a in answers]
-        best = max(cached)
-        chosen = min((i for i, c in enumerate(cached) if c == best), key=lambda i: self.open[i])
+        conversations = [0] * len(self.generation)
+        for placed in self.placed.values():
+            conversations[placed] += 1
+        # A new conversation shares only the system prompt with the others: wherever it goes
+        # (a cold engine prefills that once), it goes where the fewest conversations are, else
+        # every one would follow the first engines to hold the system prompt.
+        best = max(cached) if session in self.placed else min(cached)
+        chosen = min((i for i, c in enumerate(cached) if c >= best), key=lambda i: (conversations[i], self.open[i]))
         lowest = min(self.open)
         if self.open[chosen] - lowest > BALANCE_ABS and self.open[chosen] > BALANCE_REL * lowest:
             chosen = self.open.index(lowest)
+        self.placed[session] = chosen
         return chosen
 
 
 async def run_session(
     client: httpx.AsyncClient,
-    gateway: str,
+    gateways: list[str],
     key: str,
     model: str,
     workload: Workload,
@@ -286,9 +343,13 @@ async def run_session(
 ) -> None:
     messages: list[dict[str, Any]] = []
     session_id = f"bench-session-{index}-{time.monotonic_ns()}"
-    for text, think in workload.sessions[index]:
+    for turn, (text, think) in enumerate(workload.sessions[index]):
         if think:
             await asyncio.sleep(think)
+        # Behind a load balancer: the conversation's turns alternate between the gateways.
+        through = (index + turn) % len(gateways)
+        gateway = gateways[through]
+        idle = [i for i, n in enumerate(result.active_samples[-1]) if n == 0] if result.active_samples else []
         messages.append({"role": "user", "content": text})
         body = {"model": model, "max_tokens": output_tokens, "stream": True, "system": workload.system, "tools": workload.tools, "messages": messages}
         headers = {"x-api-key": key, "anthropic-version": h.ANTHROPIC_VERSION, "content-type": "application/json"}
@@ -296,7 +357,7 @@ async def run_session(
             headers["x-claude-code-session-id"] = session_id
         chosen = None
         if oracle is not None:
-            chosen = await oracle.choose(body)
+            chosen = await oracle.choose(body, index)
             body["model"] = oracle.models[chosen]
             oracle.open[chosen] += 1
         answer: list[str] = []
@@ -308,6 +369,7 @@ async def run_session(
                     result.errors.append(f"{response.status_code} {(await response.aread())[:200]!r}")
                     messages.pop()
                     continue
+                request_id = response.headers.get("request-id", "")
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -329,6 +391,7 @@ async def run_session(
         if first is not None:
             result.ttft.append(first)
         result.turns += 1
+        result.answered.append(Turn(index, turn, through, request_id, first, idle))
         messages.append({"role": "assistant", "content": "".join(answer) or "ok"})
 
 
@@ -345,24 +408,86 @@ async def sample_active(client: httpx.AsyncClient, sims: list[h.SimProc], result
             pass
 
 
+async def outside_traffic(client: httpx.AsyncClient, sim: h.SimProc, prompt_tokens: int, seed: int, result: RunResult, stop: asyncio.Event) -> None:
+    """One outside client: requests straight to the sim (vLLM's chat API, not through any
+    gateway), one after another, each with a prompt of its own (no cache hit) until `stop`."""
+    rng = random.Random(seed)
+    while not stop.is_set():
+        body = {"model": "outside", "max_tokens": 16, "messages": [{"role": "user", "content": words(rng, prompt_tokens)}]}
+        try:
+            await client.post(sim.url + "/v1/chat/completions", json=body)
+            result.outside_sent += 1
+        except httpx.HTTPError:
+            pass
+
+
+async def wait_engine_queue(client: httpx.AsyncClient, gateways: list[str], sim: h.SimProc, waiting: int, timeout: float = 60.0) -> None:
+    """Until every gateway's polled figures show the sim's queue at least `waiting` long."""
+    label = f'endpoint="{sim.url}"'
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = []
+        for gateway in gateways:
+            text = (await client.get(gateway + "/metrics")).text
+            line = next((line for line in text.splitlines() if line.startswith("gateway_engine_requests_waiting{") and label in line), "")
+            seen.append(float(line.rsplit(" ", 1)[1]) if line else -1.0)
+        if min(seen) >= waiting:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateways never saw {sim.url}'s queue at {waiting} (saw {seen})")
+        await asyncio.sleep(0.1)
+
+
 async def drive(
-    gateway: str, key: str, models: list[str], workload: Workload, sims: Sims, *, header: bool, oracle: bool, output_tokens: int
+    gateways: list[str], key: str, models: list[str], workload: Workload, sims: Sims, *, header: bool, oracle: bool, output_tokens: int,
+    outside_clients: int = 0, outside_prompt_tokens: int = 0,
 ) -> RunResult:
     result = RunResult()
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
         router = Oracle(client, sims.generation, models) if oracle else None
-        stop = asyncio.Event()
+        stop, outside_stop = asyncio.Event(), asyncio.Event()
+        outside = [
+            asyncio.create_task(outside_traffic(client, sims.generation[0], outside_prompt_tokens, n, result, outside_stop))
+            for n in range(outside_clients)
+        ]
+        if outside and not oracle:
+            # Its queue: the outside clients but the one being prefilled (the sims prefill one at a time).
+            await wait_engine_queue(client, gateways, sims.generation[0], outside_clients // 2)
         sampler = asyncio.create_task(sample_active(client, sims.generation, result, stop))
         await asyncio.gather(
             *(
-                run_session(client, gateway, key, models[0], workload, n, header=header, oracle=router, result=result, output_tokens=output_tokens)
+                run_session(client, gateways, key, models[0], workload, n, header=header, oracle=router, result=result, output_tokens=output_tokens)
                 for n in range(len(workload.sessions))
             )
         )
         stop.set()
-        await sampler
+        outside_stop.set()
+        await asyncio.gather(sampler, *outside)
     return result
+
+
+def audit_turns(stack: h.Stack, turns: list[Turn], timeout: float = 60.0) -> None:
+    """Fill in where the gateways sent each turn, from their audit rows (written after the
+    answer, in the background: waited for)."""
+    ids = [t.request_id for t in turns if t.request_id]
+    code = (
+        "import json\n"
+        "from messages_api.models import MessageRequest as M\n"
+        f"ids = json.loads({json.dumps(json.dumps(ids))})\n"
+        "rows = M.objects.filter(request_id__in=ids).exclude(status='in_progress')\n"
+        "print(json.dumps({r.request_id: [r.generation_endpoint, r.context_endpoint, r.input_tokens or 0, r.cache_read_input_tokens or 0]"
+        " for r in rows}))\n"
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = json.loads(stack.manage("shell", "-c", code).strip().splitlines()[-1])
+        if len(rows) >= len(ids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for t in turns:
+        if t.request_id in rows:
+            t.generation_endpoint, t.context_endpoint, t.input_tokens, t.cached_tokens = rows[t.request_id]
 
 
 def cache_totals(sims: Sims) -> dict[str, Any]:
@@ -382,22 +507,23 @@ def cache_totals(sims: Sims) -> dict[str, Any]:
 
 
 class LazyGateway:
-    """One gateway for every run, started once the first run's pools exist (its /ready wants a
-    routable pool)."""
+    """The gateway processes for every run (`count`, each on its own port), started once the
+    first run's pools exist (their /ready wants a routable pool)."""
 
-    def __init__(self, stack: h.Stack, settings: dict[str, Any]) -> None:
+    def __init__(self, stack: h.Stack, settings: dict[str, Any], count: int = 1) -> None:
         self.stack = stack
         self.settings = settings
-        self.proc: h.GatewayProc | None = None
+        self.count = count
+        self.procs: list[h.GatewayProc] = []
 
-    def ready(self, pools: set[str]) -> h.GatewayProc:
-        if self.proc is None:
-            self.proc = self.stack.start_gateway(
-                {"REGISTRY_REFRESH_INTERVAL_S": 0.2, "MESSAGES_PING_INTERVAL_S": 10, **self.settings}, expect_pools=pools
-            )
+    def ready(self, pools: set[str]) -> list[h.GatewayProc]:
+        if not self.procs:
+            settings = {"REGISTRY_REFRESH_INTERVAL_S": 0.2, "MESSAGES_PING_INTERVAL_S": 10, **self.settings}
+            self.procs = [self.stack.start_gateway(settings, expect_pools=pools) for _ in range(self.count)]
         else:
-            h.wait_ready(self.proc, pools)
-        return self.proc
+            for proc in self.procs:
+                h.wait_ready(proc, pools)
+        return self.procs
 
 
 def run_policy(
@@ -428,11 +554,11 @@ def run_policy(
                 }
             ]
         create_pools(stack, pools)
-        gateway = gateways.ready({p["name"] for p in pools})
+        procs = gateways.ready({p["name"] for p in pools})
         started = time.perf_counter()
         result = asyncio.run(
             drive(
-                gateway.url,
+                [g.url for g in procs],
                 key,
                 [p["name"] for p in pools],
                 workload,
@@ -440,10 +566,13 @@ def run_policy(
                 header=header,
                 oracle=routing == "oracle",
                 output_tokens=args.output_tokens,
+                outside_clients=args.outside_clients,
+                outside_prompt_tokens=args.outside_prompt_tokens,
             )
         )
         wall = time.perf_counter() - started
         totals = cache_totals(sims)
+        audit_turns(stack, result.answered)
     finally:
         for sim in sims.all:
             sim.stop()
@@ -452,6 +581,7 @@ def run_policy(
     mean_active = sum(per_endpoint) / 4
     routed = totals["generation_requests"]
     return {
+        **turn_figures(result, [g.url for g in sims.generation]),
         "policy": policy,
         "turns": result.turns,
         "errors": result.errors,
@@ -466,6 +596,34 @@ def run_policy(
         "requests_per_generation_endpoint": routed,
         "routed_imbalance": max(routed) / (sum(routed) / 4) if sum(routed) else float("nan"),
         "per_sim": totals["per_sim"],
+    }
+
+
+def turn_figures(result: RunResult, generation: list[str]) -> dict[str, Any]:
+    """Per turn, from the audit rows: context phases run and cached tokens by turn number (first
+    turns apart), and where new conversations went (the first generation sim takes the outside
+    traffic, if any)."""
+    later = [t for t in result.answered if t.turn > 0]
+    firsts = [t for t in result.answered if t.turn == 0]
+    by_endpoint = [sum(t.generation_endpoint == url for t in firsts) for url in generation]
+    # New conversations sent while another generation sim had nothing open.
+    while_idle = [t for t in firsts if any(i != 0 for i in t.idle_elsewhere)]
+    return {
+        "outside_requests": result.outside_sent,
+        "first_turns_per_generation_endpoint": by_endpoint,
+        "first_turns_to_busy_share": by_endpoint[0] / len(firsts) if firsts else float("nan"),
+        "first_turns_while_another_idle": len(while_idle),
+        "first_turns_to_busy_while_another_idle": sum(t.generation_endpoint == generation[0] for t in while_idle),
+        "context_phases_first_turns": sum(bool(t.context_endpoint) for t in firsts),
+        "context_phases_later_turns": sum(bool(t.context_endpoint) for t in later),
+        "later_turns": len(later),
+        "cached_tokens_reported_later_turns": sum(t.cached_tokens for t in later),
+        # [session, turn, gateway, generation sim, context phase ran, input tokens, cached tokens, TTFT s]
+        "per_turn": [
+            [t.session, t.turn, t.gateway, generation.index(t.generation_endpoint) if t.generation_endpoint in generation else -1,
+             bool(t.context_endpoint), t.input_tokens, t.cached_tokens, t.ttft]
+            for t in sorted(result.answered, key=lambda t: (t.session, t.turn))
+        ],
     }
 
 
@@ -595,7 +753,18 @@ def main() -> None:
         stack.migrate()
         key = stack.create_api_key()
         note = h.wait_for_quiet(args.quiet_wait)
-        gateways = LazyGateway(stack, {"PREFIX_INDEX_CHUNK_BYTES": args.index_chunk_bytes, "PREFIX_INDEX_CHUNKS_PER_ENDPOINT": marks})
+        settings: dict[str, Any] = {"PREFIX_INDEX_CHUNK_BYTES": args.index_chunk_bytes, "PREFIX_INDEX_CHUNKS_PER_ENDPOINT": marks}
+        if args.gateways > 1:
+            # Shared by the gateway processes (learned prompts, limits, engine-load leases), apart
+            # from every other user of this Redis.
+            settings |= {
+                "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                "REDIS_KEY_PREFIX": f"bench-sessions-{os.getpid()}-{time.time_ns()}:",
+            }
+        if args.engine_load_poll:
+            settings |= {"ENGINE_LOAD_POLL_S": args.engine_load_poll, "ENGINE_LOAD_MAX_AGE_S": max(5.0, 4 * args.engine_load_poll)}
+        settings |= dict(item.split("=", 1) for item in args.gateway_setting)
+        gateways = LazyGateway(stack, settings, args.gateways)
         started = h.machine_busy_seconds(), time.perf_counter()
         for run, policy in enumerate(args.policies):
             print(f"running {policy} ...", flush=True)
@@ -605,10 +774,15 @@ def main() -> None:
             print(f"  {result['turns']} turns, {result['prefill_tokens_computed']:,} prefill tokens, hit {result['cache_hit_rate'] * 100:.1f} %, "
                   f"{result['context_phases_skipped']} context phases skipped, TTFT p50 {ttft.get('p50', float('nan')) * 1000:.0f} ms, "
                   f"imbalance {result['load_imbalance']:.2f}, {len(result['errors'])} errors, {result['wall_s']:.0f} s", flush=True)
+            print(f"  context phases: {result['context_phases_first_turns']} of first turns, {result['context_phases_later_turns']} of "
+                  f"{result['later_turns']} later turns; first turns per generation sim {result['first_turns_per_generation_endpoint']}"
+                  + (f"; outside traffic {result['outside_requests']} requests to sim 0, new conversations to it "
+                     f"{result['first_turns_to_busy_share'] * 100:.0f} % (while another was idle: "
+                     f"{result['first_turns_to_busy_while_another_idle']} of {result['first_turns_while_another_idle']})"
+                     if args.outside_clients else ""), flush=True)
             # Kept as it goes: a long run that fails late keeps what it measured.
             h.write_result(h.result_name(args, "sessions") + "-partial", {"args": vars(args), "results": results})
-        assert gateways.proc is not None
-        gateway_cpu = h.proc_cpu_seconds(gateways.proc.pid)
+        gateway_cpu = sum(h.proc_cpu_seconds(g.pid) for g in gateways.procs)
         busy = (h.machine_busy_seconds() - started[0]) / ((time.perf_counter() - started[1]) * (os.cpu_count() or 1))
         machine = f"machine {busy * 100:.0f}% busy over the runs"
     cost = index_cost(workload, args.index_chunk_bytes)

@@ -2,7 +2,8 @@
 Prometheus metrics, a sim that reports a long queue of outside traffic, Anthropic requests.
 
 - new conversations avoid the engine whose queue is long while another is idle (least_loaded and
-  cache_aware alike): the issue's target is at most 10 % to the busy one;
+  cache_aware alike): the issue's target is at most 10 % to the busy one; also when the queue is
+  under the cache-aware load guard's threshold;
 - figures that stop coming go stale, routing falls back to the gateway's own counts, visibly;
 - with Redis, two gateway processes read each engine once between them (counted at the sim), and
   both route on the figures;
@@ -30,6 +31,7 @@ SIM = {"tokens_per_second": 0, "prefill_tokens_per_second": 0, "max_context_toke
        "kv_block_tokens": 16, "kv_cache_blocks": 4096}  # fmt: skip
 POLL = {"ENGINE_LOAD_POLL_S": "0.1", "ENGINE_LOAD_MAX_AGE_S": "1.0"}
 OUTSIDE_QUEUE = 50
+SHORT_QUEUE = 3
 CONVERSATIONS = 20
 
 
@@ -114,6 +116,28 @@ def test_new_conversations_avoid_an_engine_with_a_long_queue_of_outside_traffic(
     wait_figures(gateway, idle, waiting=0)
 
     new_conversations(gateway, cluster, CONVERSATIONS, routing)
+
+    to_busy, to_idle = busy.stats()["received"], idle.stats()["received"]
+    assert to_busy + to_idle == CONVERSATIONS
+    assert to_busy <= CONVERSATIONS // 10, (to_busy, to_idle)
+
+
+@pytest.mark.parametrize("routing", ["least_loaded", "cache_aware"])
+def test_new_conversations_avoid_an_engine_whose_queue_is_under_the_load_guard(
+    polling: Callable[..., Gateway], sims: tuple[SimWorker, SimWorker], routing: str
+) -> None:
+    """A queue of 3 is under the cache-aware load guard (PREFIX_BALANCE_ABS_THRESHOLD, 4): the
+    choice between a new conversation's two endpoints must itself look at the engines' queues.
+    On the conversations each serves first, every other one went to the busy engine (it serves
+    fewer)."""
+    busy, idle = sims
+    gateway = polling()
+    cluster = register(routing, gateway, sims=sims)
+    busy.outside_load(SHORT_QUEUE)
+    wait_figures(gateway, busy, waiting=SHORT_QUEUE)
+    wait_figures(gateway, idle, waiting=0)
+
+    new_conversations(gateway, cluster, CONVERSATIONS, f"short-{routing}")
 
     to_busy, to_idle = busy.stats()["received"], idle.stats()["received"]
     assert to_busy + to_idle == CONVERSATIONS

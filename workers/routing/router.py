@@ -71,6 +71,17 @@ def _load(endpoint: EndpointInfo) -> int:
     return own
 
 
+def _queued(endpoint: EndpointInfo) -> int:
+    """Requests waiting in the engine's own queue, as it last reported while fresh (0 without
+    figures): an engine that queues is saturated, whoever sent the work (other gateways, outside
+    traffic), and a conversation placed there waits on each of its turns."""
+    if engine_loads.view:  # empty while polling is off
+        reported = engine_loads.fresh(endpoint.id)
+        if reported is not None:
+            return reported.load.waiting
+    return 0
+
+
 def _least_loaded(pool: PoolInfo, role: str, candidates: list[EndpointInfo], session: str | None) -> EndpointInfo:
     # Ties go round robin so that an idle pool still spreads its work. Each load is read once.
     loads = [_load(e) for e in candidates]
@@ -202,11 +213,13 @@ def _cache_aware(
     else:
         # Nothing beyond what every conversation shares: a new conversation (or one no longer
         # held anywhere) goes to the less busy of its two rendezvous endpoints, busy meaning the
-        # conversations it serves, then its open requests (two choices, as the power-of-two
-        # policy: conversations spread evenly, and gateway processes always agree on which two).
+        # requests queued in its engine (as it reports them: work no gateway process counts, such
+        # as outside traffic, under the load guard's threshold), then the conversations it
+        # serves, then its open requests (two choices, as the power-of-two policy: conversations
+        # spread evenly, and gateway processes always agree on which two).
         ranked = _rendezvous_ranked(session.encode() if session else prompt.root, usable)[:2]
         index = get_index()
-        chosen = min(ranked, key=lambda e: (index.conversations(e.id), _load(e)))
+        chosen = min(ranked, key=lambda e: (_queued(e), index.conversations(e.id), _load(e)))
     return _guarded(pool, Role.GENERATION, usable, chosen)
 
 
