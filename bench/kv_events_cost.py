@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -150,24 +149,14 @@ def array_of(keys: list[int]) -> Any:
     return array("Q", keys)
 
 
-def redis_answers(url: str) -> bool:
-    from urllib.parse import urlparse
-
-    parsed = urlparse(url)
-    try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout=1) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 def shared_costs(keys: Any, paced: int = 300, burst: int = 2000) -> dict[str, Any]:
     """Publishing learned prompts to the shared stream and following it, on two threads (as two
     processes would: each with its own loop and connections)."""
     from django.conf import settings
 
-    url = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    from tests.support.redis import REDIS_URL as url
+    from tests.support.redis import redis_answers
+
     if not redis_answers(url):
         print(f"no Redis at {url}: the shared stream is not measured")
         return {}

@@ -56,7 +56,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import orjson
 import zmq
 import zmq.asyncio
 from django.conf import settings
@@ -252,7 +251,7 @@ class KvEvents:
         if callable(token_ids):
             try:
                 token_ids = token_ids()
-            except (ValueError, TypeError, orjson.JSONDecodeError):  # binascii.Error is a ValueError
+            except (ValueError, TypeError):  # binascii.Error and orjson.JSONDecodeError are ValueErrors
                 return  # not token ids (a worker is outside input)
         hasher = self._hashers.get(profile)
         if hasher is None:
